@@ -1,0 +1,37 @@
+# The two set-up commands (README): `make demo` and `make test`.
+# Each creates .venv on first use and installs everything it needs.
+PYTHON ?= python3
+VENV ?= .venv
+# This machine serves a CPU build of torch 2.13.0 from local disk; on another
+# machine set TORCH_SPEC (e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.kvsidecar-installed
+
+.PHONY: test test-fast demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e '.[test,dev]'
+	touch $@
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m 'not slow'
+
+demo: $(STAMP)
+	$(VENV)/bin/kvsidecar demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy .
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/planner_descriptors.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

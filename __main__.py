@@ -1,0 +1,3 @@
+from kvsidecar.daemon.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""What an engine imports: the layout model, the wire protocol, memory references and the client."""

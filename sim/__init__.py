@@ -1,0 +1,1 @@
+"""Simulated engines, the LAYOUT.md transfer oracle and the demo."""
