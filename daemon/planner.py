@@ -1,0 +1,394 @@
+"""Which bytes a decode (D) rank reads from which prefill (P) rank: pure math.
+
+No I/O and no state: every function maps layouts and block ids to numpy
+arrays, so the whole transfer logic can be tested exhaustively without NIXL
+(``tests/test_planner_oracle.py``) and the daemon only turns offsets into
+addresses.
+
+The rule (LAYOUT.md sections 3-4) is the same for every segment of every
+family. A segment is ``[units][unit_bytes]``; each rank holds a contiguous
+unit range, and D rank j takes each unit it needs from the first candidate P
+rank that holds it::
+
+    P tp=1, D tp=2 (D reads a slice of one P rank: D_tp/P_tp = 2 readers per P)
+
+      P0 conv page:  | x0 x1 x2 x3 | B0 B1 | C0 C1 | ssm h0 h1 h2 h3 |
+                       \\___/ \\___/  \\_/ \\_/  \\_/ \\_/   \\___/ \\___/
+      D0 reads          x0 x1        B0     C0        h0 h1            (4 reads)
+      D1 reads                x2 x3     B1     C1           h2 h3      (4 reads)
+
+    P tp=4, D tp=1, K=2 KV heads (D gathers; replicated heads are read once)
+
+      P0: head 0   P1: head 0   P2: head 1   P3: head 1     (attention)
+      P0..P3: a quarter of every Mamba segment each          (mamba)
+      D0 reads attention from P0 and P2, Mamba from P0..P3, and notifies all four.
+
+Attention blocks are paired by token, not by block id: each side's logical
+blocks are expanded into kernel blocks (``sub_blocks`` per page, which differ
+between P and D when their tp differs), the i-th local kernel block pairs with
+remote kernel block ``skip / block_tokens + i``, and pairing stops at the
+shorter list. Mamba pages pair one to one and are never trimmed.
+
+Descriptors come out in (region, block, offset) order, so descriptors that
+touch on both sides are merged in one vectorised pass (:func:`coalesce`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from kvsidecar.ipc.layout import (
+    Group,
+    Layout,
+    check_compatible,
+    segment_regions,
+    unit_bytes,
+    unit_range,
+)
+from numpy.typing import NDArray
+
+I64 = NDArray[np.int64]
+I32 = NDArray[np.int32]
+BlockIds = Sequence[Sequence[int] | NDArray[np.integer]]
+
+
+class PlanError(ValueError):
+    """A read request that cannot be planned; the message names the problem."""
+
+
+class TpError(PlanError):
+    """The two engines' tensor-parallel sizes cannot be paired."""
+
+
+class GroupCountError(PlanError):
+    """A request names block ids for a different number of groups than the layout has."""
+
+
+class BlockRangeError(PlanError):
+    """A block id lies outside ``[0, num_blocks)`` of the side it refers to."""
+
+
+class DuplicateBlockError(PlanError):
+    """A local block id appears twice, so a byte would be written twice."""
+
+
+class PairingError(PlanError):
+    """Local and remote block lists cannot be paired (prefix ``skip``, Mamba counts)."""
+
+
+# --------------------------------------------------------------------------
+# Ranks
+# --------------------------------------------------------------------------
+
+
+def _check_tp(d_tp: int, d_rank: int, p_tp: int) -> None:
+    if d_tp < 1 or p_tp < 1:
+        raise TpError(f"tp sizes must be >= 1 (local {d_tp}, remote {p_tp})")
+    if not 0 <= d_rank < d_tp:
+        raise TpError(f"local rank {d_rank} outside tp size {d_tp}")
+    if max(d_tp, p_tp) % min(d_tp, p_tp):
+        raise TpError(
+            f"tp sizes {d_tp} (local) and {p_tp} (remote) are not multiples of one another"
+        )
+
+
+def candidate_ranks(d_tp: int, d_rank: int, p_tp: int) -> tuple[int, ...]:
+    """The P ranks D rank ``d_rank`` may read from, and must notify, in read-preference order."""
+    _check_tp(d_tp, d_rank, p_tp)
+    if d_tp >= p_tp:
+        return (d_rank // (d_tp // p_tp),)
+    a = p_tp // d_tp
+    return tuple(range(d_rank * a, (d_rank + 1) * a))
+
+
+def expected_notifications(p_tp: int, d_tp: int) -> int:
+    """How many notifications one P rank receives per request from one D engine."""
+    _check_tp(d_tp, 0, p_tp)
+    return d_tp // p_tp if d_tp > p_tp else 1
+
+
+# --------------------------------------------------------------------------
+# Segment pieces: which slice of which view, from which rank (block independent)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One contiguous slice of a segment that D reads from one P rank.
+
+    Offsets are within the view (kernel block or page) of each side.
+    """
+
+    group: int
+    segment: str
+    remote_rank: int
+    local_offset: int
+    remote_offset: int
+    nbytes: int
+    regions: tuple[int, ...]
+
+
+def segment_pieces(local: Layout, d_rank: int, remote: Layout) -> list[Piece]:
+    """Apply LAYOUT.md section 4 to every segment once; blocks multiply it later."""
+    cands = candidate_ranks(local.tp_size, d_rank, remote.tp_size)
+    out: list[Piece] = []
+    for gi, (lg, rg) in enumerate(zip(local.groups, remote.groups)):
+        for ls, rs in zip(lg.segments, rg.segments):
+            ub = unit_bytes(ls, local.tp_size)
+            lo, hi = unit_range(ls, local.tp_size, d_rank)
+            needed = [(lo, hi)]
+            for p in cands:
+                plo, phi = unit_range(rs, remote.tp_size, p)
+                rest: list[tuple[int, int]] = []
+                for a, b in needed:
+                    s, e = max(a, plo), min(b, phi)
+                    if s >= e:
+                        rest.append((a, b))
+                        continue
+                    out.append(
+                        Piece(
+                            group=gi,
+                            segment=ls.name,
+                            remote_rank=p,
+                            local_offset=ls.offset + (s - lo) * ub,
+                            remote_offset=rs.offset + (s - plo) * ub,
+                            nbytes=(e - s) * ub,
+                            regions=segment_regions(ls, local.num_regions),
+                        )
+                    )
+                    if a < s:
+                        rest.append((a, s))
+                    if e < b:
+                        rest.append((e, b))
+                needed = rest
+            if needed:  # pragma: no cover - impossible for layouts that pass validate()
+                raise PlanError(
+                    f"segment {ls.name!r}: units {needed} held by none of P ranks {cands}"
+                )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Block pairing
+# --------------------------------------------------------------------------
+
+
+def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int, num_blocks: int) -> I64:
+    try:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise BlockRangeError(f"{side} group {gi}: block ids are not integers ({e})") from None
+    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
+        bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
+        raise BlockRangeError(
+            f"{side} group {gi}: block id {bad} out of range [0, {num_blocks})"
+        )
+    return arr
+
+
+def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
+    """Check count, range and uniqueness of one side's block ids (all groups share pages)."""
+    if len(block_ids) != len(layout.groups):
+        raise GroupCountError(
+            f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
+        )
+    arrs = [_ids(ids, side, gi, layout.num_blocks) for gi, ids in enumerate(block_ids)]
+    if side == "local" and arrs:
+        allids = np.concatenate(arrs)
+        uniq, counts = np.unique(allids, return_counts=True)
+        if (counts > 1).any():
+            raise DuplicateBlockError(
+                f"local block id {int(uniq[counts > 1][0])} named twice: a page would be "
+                "written twice"
+            )
+    return arrs
+
+
+def _kernel_offsets(ids: I64, page_bytes: int, g: Group) -> I64:
+    ks = np.arange(g.sub_blocks, dtype=np.int64) * g.kernel_block_bytes
+    out: I64 = (ids[:, None] * page_bytes + ks[None, :]).reshape(-1)
+    return out
+
+
+def pair_group(
+    gi: int,
+    local: Layout,
+    remote: Layout,
+    lids: I64,
+    rids: I64,
+    skip_tokens: int | None,
+) -> tuple[I64, I64]:
+    """Byte offsets (within a region) of paired views: (local, remote), one entry per pair."""
+    lg, rg = local.groups[gi], remote.groups[gi]
+    if lids.size == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    if lg.kind == "mamba":
+        if lids.size != rids.size:
+            raise PairingError(
+                f"group {gi} (mamba): {lids.size} local pages vs {rids.size} remote pages; "
+                "Mamba state pairs page to page and is never trimmed"
+            )
+        return lids * local.page_bytes, rids * remote.page_bytes
+    kbs = lg.block_tokens
+    if skip_tokens is None:
+        if lids.size < rids.size and lg.sub_blocks != rg.sub_blocks:
+            raise PairingError(
+                f"group {gi}: local list is shorter than remote ({lids.size} < {rids.size}) "
+                f"and sub_blocks differ ({lg.sub_blocks} vs {rg.sub_blocks}); "
+                "state skip_tokens explicitly"
+            )
+        skip_k = max(0, int(rids.size - lids.size)) * rg.sub_blocks
+    else:
+        logical = lg.sub_blocks * kbs
+        if skip_tokens < 0 or skip_tokens % logical:
+            raise PairingError(
+                f"skip_tokens {skip_tokens} is not a whole number of local logical blocks "
+                f"({logical} tokens)"
+            )
+        skip_k = skip_tokens // kbs
+    lk = _kernel_offsets(lids, local.page_bytes, lg)
+    rk = _kernel_offsets(rids, remote.page_bytes, rg)
+    if skip_k > rk.size:
+        raise PairingError(
+            f"group {gi}: skip of {skip_k * kbs} tokens exceeds the {rk.size * kbs} tokens "
+            "the remote blocks hold"
+        )
+    n = min(lk.size, rk.size - skip_k)
+    return lk[:n], rk[skip_k : skip_k + n]
+
+
+# --------------------------------------------------------------------------
+# Plans
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankRead:
+    """All descriptors D reads from one P rank for one request.
+
+    Offsets are relative to the start of region ``region[i]`` on each side;
+    the daemon adds the registered base addresses.
+    """
+
+    remote_rank: int
+    region: I32
+    local_offset: I64
+    remote_offset: I64
+    length: I64
+    descriptors_before_coalescing: int
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """What one D rank does for one request.
+
+    ``notify`` lists every candidate P rank: each gets exactly one
+    notification, even when nothing is read from it (full prefix hit,
+    replicated units read elsewhere).
+    """
+
+    notify: tuple[int, ...]
+    reads: tuple[RankRead, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(r.descriptors for r in self.reads)
+
+    @property
+    def descriptors_before_coalescing(self) -> int:
+        return sum(r.descriptors_before_coalescing for r in self.reads)
+
+
+def coalesce(region: I32, loff: I64, roff: I64, length: I64) -> tuple[I32, I64, I64, I64]:
+    """Merge each descriptor into its predecessor when both sides continue it."""
+    n = length.size
+    if n < 2:
+        return region, loff, roff, length
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(loff[1:], loff[:-1] + length[:-1], out=brk[1:])
+    brk[1:] |= roff[1:] != roff[:-1] + length[:-1]
+    brk[1:] |= region[1:] != region[:-1]
+    starts = np.flatnonzero(brk)
+    if starts.size == n:
+        return region, loff, roff, length
+    return region[starts], loff[starts], roff[starts], np.add.reduceat(length, starts)
+
+
+def plan_read(
+    local: Layout,
+    d_rank: int,
+    remote: Layout,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds,
+    *,
+    skip_tokens: int | None = None,
+    pieces: list[Piece] | None = None,
+    check: bool = True,
+) -> ReadPlan:
+    """Plan one request's reads for D rank ``d_rank``.
+
+    ``pieces`` may be passed from a per-peer cache (:func:`segment_pieces` of
+    the same layouts); ``check=False`` skips the compatibility check that the
+    daemon already did at handshake time.
+    """
+    if check:
+        check_compatible(local, remote)
+    notify = candidate_ranks(local.tp_size, d_rank, remote.tp_size)
+    lids = validate_block_ids(local, local_block_ids, "local")
+    rids = validate_block_ids(remote, remote_block_ids, "remote")
+    if pieces is None:
+        pieces = segment_pieces(local, d_rank, remote)
+    pairs = [
+        pair_group(gi, local, remote, lids[gi], rids[gi], skip_tokens)
+        for gi in range(len(local.groups))
+    ]
+    reads: list[RankRead] = []
+    for p in notify:
+        chunks: list[tuple[I32, I64, I64, I64]] = []
+        # Group pieces that share a region set so one broadcast covers them,
+        # in (region, pair, offset) order so neighbours are adjacent.
+        by_key: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
+        for pc in pieces:
+            if pc.remote_rank == p and pairs[pc.group][0].size:
+                by_key.setdefault((pc.group, pc.regions), []).append(pc)
+        for (gi, regions), pcs in by_key.items():
+            pcs.sort(key=lambda x: x.local_offset)
+            lpair, rpair = pairs[gi]
+            po_l = np.array([x.local_offset for x in pcs], dtype=np.int64)
+            po_r = np.array([x.remote_offset for x in pcs], dtype=np.int64)
+            po_n = np.array([x.nbytes for x in pcs], dtype=np.int64)
+            nreg, npair, npc = len(regions), lpair.size, len(pcs)
+            shape = (nreg, npair, npc)
+            reg = np.broadcast_to(
+                np.asarray(regions, dtype=np.int32)[:, None, None], shape
+            ).reshape(-1)
+            lo = np.broadcast_to(lpair[None, :, None] + po_l[None, None, :], shape).reshape(-1)
+            ro = np.broadcast_to(rpair[None, :, None] + po_r[None, None, :], shape).reshape(-1)
+            ln = np.broadcast_to(po_n[None, None, :], shape).reshape(-1)
+            chunks.append((reg, lo, ro, ln))
+        if not chunks:
+            continue
+        reg = np.concatenate([c[0] for c in chunks])
+        lo = np.concatenate([c[1] for c in chunks])
+        ro = np.concatenate([c[2] for c in chunks])
+        ln = np.concatenate([c[3] for c in chunks])
+        before = int(ln.size)
+        reg, lo, ro, ln = coalesce(reg, lo, ro, ln)
+        reads.append(RankRead(p, reg, lo, ro, ln, before))
+    return ReadPlan(notify, tuple(reads))
