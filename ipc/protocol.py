@@ -1,0 +1,358 @@
+"""The wire protocol between an engine and its local sidecar (ZMQ IPC, msgpack).
+
+One message is one ZMQ frame holding one msgpack map. Requests and replies are
+each a tagged union keyed by ``op``, so one typed decoder per direction turns
+bytes into the right Struct in a single pass, and unknown or mistyped input
+fails there, with a message that names the field, before any handler runs.
+
+::
+
+    engine (DEALER)                           sidecar (ROUTER)
+      Read(id=7, ...)          ────────────▶  handler
+      Hold(id=8, ...)          ────────────▶  handler
+                               ◀────────────  Ok(id=7)
+                               ◀────────────  Ok(id=8)
+      Poll(id=9, engine_id)    ────────────▶
+                               ◀────────────  Completions(id=9, items=[...])
+
+``id`` is chosen by the client and echoed in the reply, so an asyncio client
+can keep several calls outstanding. ``v`` is the protocol's major version and
+is always on the wire (never omitted as a default) so a daemon of another
+version can still read it and answer with an error naming both versions.
+
+Maps rather than ``array_like`` arrays: a read request costs a few
+microseconds either way next to a ZMQ round trip, and map errors name fields
+(``$.local_block_ids[0][3]``) instead of positions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal, TypeAlias
+
+import msgspec
+from msgspec import Meta
+
+from .layout import Layout
+
+PROTOCOL_VERSION: Final = 1
+
+# Error codes (``Error.code``). Plain strings on the wire so that a newer
+# daemon's new code still decodes in an older client (as the base error).
+BAD_MESSAGE: Final = "bad_message"
+VERSION: Final = "version"
+UNKNOWN_ENGINE: Final = "unknown_engine"
+BAD_REQUEST: Final = "bad_request"
+DUPLICATE: Final = "duplicate"
+INCOMPATIBLE: Final = "incompatible"
+UNAVAILABLE: Final = "unavailable"
+INTERNAL: Final = "internal"
+ERROR_CODES: Final = (
+    BAD_MESSAGE, VERSION, UNKNOWN_ENGINE, BAD_REQUEST, DUPLICATE, INCOMPATIBLE, UNAVAILABLE,
+    INTERNAL,
+)
+
+NonNegative = Annotated[int, Meta(ge=0)]
+EngineId = Annotated[str, Meta(min_length=1)]
+BlockIds = list[list[int]]
+"""One list of block ids per KV-cache group, in the layout's group order.
+
+Plain ints, no ``ge=0`` constraint: decoding is dominated by creating Python
+ints (~20 ns each) and a constraint adds ~40% on top, while the handler has to
+check ids against ``num_blocks`` anyway, which catches negatives too.
+"""
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol version.
+
+    ``code`` is :data:`BAD_MESSAGE` or :data:`VERSION`; ``id`` is the request id
+    when it could still be read (so the error reply reaches the right caller),
+    else -1.
+    """
+
+    def __init__(self, code: str, message: str, id: int = -1) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+
+class RequestError(Exception):
+    """Raised by the daemon's request handler for input it refuses.
+
+    The engine server turns it into an :class:`Error` reply with ``code``; the
+    client turns that into the matching typed exception.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------
+# Region references: how memory is named across processes
+# --------------------------------------------------------------------------
+
+
+class _RegionRefBase(msgspec.Struct, tag_field="kind", frozen=True, forbid_unknown_fields=True):
+    """Tagged by ``kind`` so that new kinds of memory add a Struct, not a field."""
+
+
+class ShmRef(_RegionRefBase, tag="shm", frozen=True, forbid_unknown_fields=True):
+    """A POSIX shared-memory object (host memory); ``name`` has no leading slash.
+
+    The region is ``nbytes`` bytes starting ``offset`` bytes into the object.
+    """
+
+    name: Annotated[str, Meta(min_length=1)]
+    nbytes: Annotated[int, Meta(ge=1)]
+    offset: NonNegative = 0
+
+
+# Future kinds go here and into RegionRef, e.g. GPU memory exported by
+# cudaIpcGetMemHandle or a VMM fd:
+#
+#   class CudaIpcRef(_RegionRefBase, tag="cuda_ipc", frozen=True):
+#       handle: bytes; device_uuid: str; nbytes: int; offset: int = 0
+#
+#   RegionRef: TypeAlias = ShmRef | CudaIpcRef
+RegionRef: TypeAlias = ShmRef
+
+
+# --------------------------------------------------------------------------
+# Requests (engine -> daemon)
+# --------------------------------------------------------------------------
+
+
+class _RequestBase(msgspec.Struct, tag_field="op", kw_only=True, frozen=True):
+    """Fields every request carries; keyword-only so subclasses keep their own order."""
+
+    id: int
+    v: int = PROTOCOL_VERSION
+
+
+class Register(_RequestBase, tag="register", frozen=True):
+    """Announce one engine rank and its KV memory.
+
+    ``mode="attach"``: the engine allocated the regions and passes references.
+    ``mode="allocate"``: the daemon allocates them and returns references in
+    :class:`Registered` (the direction GPU memory will need).
+    ``keep_on_exit`` keeps the registration when the engine's process (``pid``)
+    is gone, for engines that restart and reattach.
+    """
+
+    engine_id: EngineId
+    tp_rank: NonNegative
+    layout: Layout
+    mode: Literal["attach", "allocate"]
+    regions: list[RegionRef] = []
+    keep_on_exit: bool = False
+    pid: NonNegative = 0
+
+
+class Deregister(_RequestBase, tag="deregister", frozen=True):
+    """Forget an engine rank: aborts its reads and holds, unmaps its memory."""
+
+    engine_id: EngineId
+
+
+class RemoteEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the prefill engine's ranks can be reached: one ``host:port`` per rank."""
+
+    engine_id: EngineId
+    tp_size: Annotated[int, Meta(ge=1)]
+    handshake: list[str]
+
+
+class Read(_RequestBase, tag="read", frozen=True):
+    """Pull a request's KV blocks from a remote engine into local blocks.
+
+    ``remote_request_id`` defaults to ``request_id``; ``skip_tokens`` leading
+    tokens are already present locally (prefix cache hit) and are not read.
+    The result arrives later through :class:`Poll` as a ``received`` or
+    ``failed`` completion.
+    """
+
+    engine_id: EngineId
+    request_id: str
+    local_block_ids: BlockIds
+    remote: RemoteEngine
+    remote_block_ids: BlockIds
+    remote_request_id: str | None = None
+    skip_tokens: NonNegative | None = None
+
+
+class Hold(_RequestBase, tag="hold", frozen=True):
+    """Keep a finished prefill's blocks readable until ``readers`` peers read them.
+
+    The engine must not reuse the blocks until a ``sent`` or ``expired``
+    completion for ``request_id`` comes back; ``timeout_s`` (None: the daemon's
+    default) bounds how long an unread hold lives.
+    """
+
+    engine_id: EngineId
+    request_id: str
+    block_ids: BlockIds
+    readers: Annotated[int, Meta(ge=1)] = 1
+    timeout_s: Annotated[float, Meta(gt=0)] | None = None
+
+
+class Release(_RequestBase, tag="release", frozen=True):
+    """Abort a read or drop a hold early (``aborted`` completion follows)."""
+
+    engine_id: EngineId
+    request_id: str
+
+
+class Poll(_RequestBase, tag="poll", frozen=True):
+    """Collect the completions that happened since the last poll."""
+
+    engine_id: EngineId
+
+
+class Ping(_RequestBase, tag="ping", frozen=True):
+    """Liveness and version check; answered with :class:`Pong`."""
+
+
+Request: TypeAlias = Register | Deregister | Read | Hold | Release | Poll | Ping
+REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping)
+
+
+# --------------------------------------------------------------------------
+# Replies (daemon -> engine)
+# --------------------------------------------------------------------------
+
+
+class _ReplyBase(msgspec.Struct, tag_field="op", kw_only=True):
+    """Mutable, with a default id, so a handler writes ``Ok()`` and the server
+    stamps the request's id on it without copying."""
+
+    id: int = -1
+
+
+class Ok(_ReplyBase, tag="ok"):
+    """The request was accepted."""
+
+
+class Registered(_ReplyBase, tag="registered"):
+    """Where peers reach this engine rank, and (allocate mode) its regions."""
+
+    engine_id: str
+    handshake_address: str
+    agent_name: str
+    regions: list[RegionRef] = []
+
+
+class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The outcome of one read or hold.
+
+    ``invalid_block_ids`` (per group) are local blocks whose contents cannot be
+    trusted after a failed or partial read, so the engine recomputes them.
+    Defaults are left off the wire: most completions are just an id and a kind.
+    """
+
+    request_id: str
+    kind: Literal["received", "sent", "expired", "failed", "aborted"]
+    reason: str = ""
+    invalid_block_ids: list[list[int]] = []
+    nbytes: int = 0
+
+
+class Completions(_ReplyBase, tag="completions"):
+    items: list[Completion] = []
+
+
+class Pong(_ReplyBase, tag="pong"):
+    version: int
+    engines: list[str] = []
+
+
+class Error(_ReplyBase, tag="error"):
+    """A refused or failed request; ``code`` is one of :data:`ERROR_CODES`."""
+
+    code: str
+    message: str
+
+
+Reply: TypeAlias = Ok | Registered | Completions | Pong | Error
+REPLY_TYPES: Final = (Ok, Registered, Completions, Pong, Error)
+
+
+# --------------------------------------------------------------------------
+# Encoding and decoding
+# --------------------------------------------------------------------------
+
+_request_encoder = msgspec.msgpack.Encoder()
+_reply_encoder = msgspec.msgpack.Encoder()
+_request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+_reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+
+
+class _Envelope(msgspec.Struct):
+    """The fields worth rescuing from a message that failed to decode."""
+
+    id: int = -1
+    v: int = PROTOCOL_VERSION
+    op: str = ""
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_REQUEST_OPS: Final = tuple(t.__struct_config__.tag for t in REQUEST_TYPES)
+_REPLY_OPS: Final = tuple(t.__struct_config__.tag for t in REPLY_TYPES)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+
+def encode_request(req: Request) -> bytes:
+    return _request_encoder.encode(req)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return _reply_encoder.encode(reply)
+
+
+def decode_request(data: Buffer) -> Request:
+    """Decode one request; raise :class:`ProtocolError` (only) for anything invalid."""
+    try:
+        req = _request_decoder.decode(data)
+    except Exception as e:  # the contract: ProtocolError, nothing else
+        raise _explain(data, e, "request", _REQUEST_OPS) from None
+    if req.v != PROTOCOL_VERSION:
+        raise _version_error(req.v, req.id)
+    return req
+
+
+def decode_reply(data: Buffer) -> Reply:
+    """Decode one reply; raise :class:`ProtocolError` (only) for anything invalid."""
+    try:
+        return _reply_decoder.decode(data)
+    except Exception as e:
+        raise _explain(data, e, "reply", _REPLY_OPS) from None
+
+
+def _version_error(got: int, id: int) -> ProtocolError:
+    return ProtocolError(
+        VERSION,
+        f"protocol version mismatch: message has v={got}, this side speaks v={PROTOCOL_VERSION}",
+        id,
+    )
+
+
+def _explain(data: Buffer, exc: Exception, what: str, ops: tuple[object, ...]) -> ProtocolError:
+    """Turn a decode failure into an error that names the problem and, if it can
+    still be read, the request id (and a version mismatch as such)."""
+    try:
+        env = _envelope_decoder.decode(data)
+    except Exception:  # not even an object with a usable id
+        env = None
+    if env is None:
+        if isinstance(exc, msgspec.ValidationError):
+            return ProtocolError(BAD_MESSAGE, f"invalid {what}: {exc}")
+        return ProtocolError(BAD_MESSAGE, f"undecodable {what}: {exc}")
+    if env.v != PROTOCOL_VERSION:
+        return _version_error(env.v, env.id)
+    if env.op and env.op not in ops:
+        known = ", ".join(str(o) for o in ops)
+        return ProtocolError(BAD_MESSAGE, f"unknown op {env.op!r} (known: {known})", env.id)
+    return ProtocolError(BAD_MESSAGE, f"invalid {what}: {exc}", env.id)

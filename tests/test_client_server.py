@@ -1,0 +1,579 @@
+"""Engine clients against the engine server over real ZMQ IPC sockets, with a
+test double standing in for the daemon's request handler."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvsidecar.daemon.engine_server import EngineServer, RequestError
+from kvsidecar.ipc.client import (
+    AsyncSidecarClient,
+    BadRequest,
+    Duplicate,
+    InternalError,
+    SidecarClient,
+    SidecarError,
+    SidecarTimeout,
+    UnknownEngine,
+    block_id_lists,
+)
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.memory import RegionError, ShmRegion, allocate_for_layout
+from kvsidecar.ipc.protocol import (
+    BAD_MESSAGE,
+    BAD_REQUEST,
+    DUPLICATE,
+    PROTOCOL_VERSION,
+    UNKNOWN_ENGINE,
+    VERSION,
+    Completion,
+    Completions,
+    Deregister,
+    Error,
+    Hold,
+    Ok,
+    Ping,
+    Poll,
+    Pong,
+    Read,
+    Register,
+    Registered,
+    RemoteEngine,
+    Reply,
+    Request,
+    ShmRef,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+
+LAYOUT = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8, block_tokens=4,
+                          tp_size=1, num_blocks=4)
+REMOTE = RemoteEngine("p0", 1, ["127.0.0.1:7000"])
+
+
+class HandlerDouble:
+    """A test double of the daemon's request handler: records every request and
+    answers like a tiny daemon; special request ids trigger failures."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.engines: dict[str, Register] = {}
+        self.allocated: dict[str, list[ShmRegion]] = {}
+        self.pending: dict[str, list[Completion]] = {}
+        self.slow_s = 0.0
+        self.bogus_refs = False
+
+    async def handle(self, req: Request) -> Reply:
+        self.requests.append(req)
+        if isinstance(req, Ping):
+            return Pong(PROTOCOL_VERSION, sorted(self.engines))
+        if isinstance(req, Register):
+            return self._register(req)
+        if req.engine_id not in self.engines:
+            raise RequestError(UNKNOWN_ENGINE, f"engine {req.engine_id!r} is not registered")
+        if isinstance(req, Deregister):
+            del self.engines[req.engine_id]
+            for r in self.allocated.pop(req.engine_id, []):
+                r.close()
+                r.unlink()
+            return Ok()
+        if isinstance(req, Poll):
+            return Completions(self.pending.pop(req.engine_id, []))
+        if isinstance(req, Read):
+            return await self._read(req)
+        kind = "sent" if isinstance(req, Hold) else "aborted"
+        self.pending.setdefault(req.engine_id, []).append(Completion(req.request_id, kind))
+        return Ok()
+
+    def _register(self, req: Register) -> Reply:
+        if req.engine_id in self.engines:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
+        self.engines[req.engine_id] = req
+        refs: list[ShmRef] = []
+        if req.mode == "allocate":
+            regions = allocate_for_layout(req.layout, "kvtest")
+            self.allocated[req.engine_id] = regions
+            refs = [r.ref() for r in regions]
+            if self.bogus_refs:
+                refs[-1] = ShmRef("kvtest-never-created", 64)
+        return Registered(req.engine_id, "127.0.0.1:7100", f"agent-{req.engine_id}", refs)
+
+    async def _read(self, req: Read) -> Reply:
+        if req.request_id == "boom":
+            raise RuntimeError("boom in the handler")
+        if req.request_id == "not-a-reply":
+            return "ok"  # type: ignore[return-value]
+        if req.request_id == "unencodable":
+            return Pong(object())  # type: ignore[arg-type]
+        if req.request_id.startswith("slow"):
+            await asyncio.sleep(self.slow_s)
+        if any(b >= LAYOUT.num_blocks for g in req.local_block_ids for b in g):
+            raise RequestError(BAD_REQUEST, "local block id out of range")
+        nbytes = sum(map(len, req.local_block_ids)) * LAYOUT.page_bytes
+        self.pending.setdefault(req.engine_id, []).append(
+            Completion(req.request_id, "received", nbytes=nbytes))
+        return Ok()
+
+    def cleanup(self) -> None:
+        for regions in self.allocated.values():
+            for r in regions:
+                r.close()
+                r.unlink()
+
+
+class ServerThread:
+    """The engine server on its own event loop thread, as the sync client sees a daemon."""
+
+    def __init__(self, path: str, handler: HandlerDouble) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = EngineServer(path, handler)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "sidecar.sock")  # parent does not exist yet
+
+
+@pytest.fixture
+def handler() -> Iterator[HandlerDouble]:
+    h = HandlerDouble()
+    yield h
+    h.cleanup()
+
+
+@pytest.fixture
+def threaded(path: str, handler: HandlerDouble) -> Iterator[ServerThread]:
+    st = ServerThread(path, handler)
+    st.start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture
+def client(path: str, threaded: ServerThread) -> Iterator[SidecarClient]:
+    with SidecarClient(path, timeout_s=5.0) as c:
+        yield c
+
+
+@pytest.fixture
+async def server(path: str, handler: HandlerDouble) -> AsyncIterator[EngineServer]:
+    s = EngineServer(path, handler)
+    await s.start()
+    yield s
+    await s.stop()
+
+
+@pytest.fixture
+async def aclient(path: str, server: EngineServer) -> AsyncIterator[AsyncSidecarClient]:
+    async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+        yield c
+
+
+# --------------------------------------------------------------------------
+# Synchronous client
+# --------------------------------------------------------------------------
+
+
+def test_sync_round_trip_of_every_call(client: SidecarClient, handler: HandlerDouble) -> None:
+    engine_regions = allocate_for_layout(LAYOUT, "kvtest")
+    try:
+        reg = client.register("d0", 0, LAYOUT, regions=engine_regions)
+        assert (reg.engine_id, reg.handshake_address, reg.agent_name) == (
+            "d0", "127.0.0.1:7100", "agent-d0")
+        assert reg.regions == engine_regions
+        sent = handler.requests[-1]
+        assert isinstance(sent, Register) and sent.mode == "attach"
+        assert sent.regions == [r.ref() for r in engine_regions] and sent.pid == os.getpid()
+
+        client.read("d0", "r1", [[0, 1]], REMOTE, [[2, 3]], remote_request_id="p-r1",
+                    skip_tokens=4)
+        read = handler.requests[-1]
+        assert isinstance(read, Read)
+        assert (read.local_block_ids, read.remote_block_ids) == ([[0, 1]], [[2, 3]])
+        assert (read.remote, read.remote_request_id, read.skip_tokens) == (REMOTE, "p-r1", 4)
+
+        client.hold("d0", "h1", [[3]], readers=2, timeout_s=1.5)
+        hold = handler.requests[-1]
+        assert isinstance(hold, Hold) and (hold.readers, hold.timeout_s) == (2, 1.5)
+        client.release("d0", "h1")
+
+        assert [(c.request_id, c.kind) for c in client.poll("d0")] == [
+            ("r1", "received"), ("h1", "sent"), ("h1", "aborted")]
+        assert client.poll("d0") == []
+        pong = client.ping()
+        assert pong.version == PROTOCOL_VERSION and pong.engines == ["d0"]
+        client.deregister("d0")
+        assert client.ping().engines == []
+        ids = [r.id for r in handler.requests]
+        assert len(set(ids)) == len(ids)  # one id per call
+    finally:
+        for r in engine_regions:
+            r.close()
+            r.unlink()
+
+
+def test_sync_allocate_mode_maps_the_daemons_regions(client: SidecarClient,
+                                                      handler: HandlerDouble) -> None:
+    reg = client.register("d0", 0, LAYOUT, allocate=True, keep_on_exit=True)
+    sent = handler.requests[-1]
+    assert isinstance(sent, Register) and sent.mode == "allocate" and sent.keep_on_exit
+    daemon_side = handler.allocated["d0"]
+    assert [r.ref() for r in reg.regions] == [r.ref() for r in daemon_side]
+    for i, (mine, theirs) in enumerate(zip(reg.regions, daemon_side)):
+        assert not mine.owner and mine.address != theirs.address
+        theirs.numpy()[:8] = i + 1  # the daemon writes (as a NIXL read would) ...
+        assert list(mine.numpy()[:8]) == [i + 1] * 8  # ... the engine sees it, no copy
+        mine.close()
+
+
+def test_sync_allocate_mode_unmappable_refs_deregister(client: SidecarClient,
+                                                        handler: HandlerDouble) -> None:
+    handler.bogus_refs = True
+    with pytest.raises(RegionError, match="does not exist"):
+        client.register("d0", 0, LAYOUT, allocate=True)
+    assert isinstance(handler.requests[-1], Deregister)
+    assert "d0" not in handler.engines
+
+
+def test_register_needs_exactly_one_mode(client: SidecarClient) -> None:
+    with pytest.raises(ValueError, match="either"):
+        client.register("d0", 0, LAYOUT)
+    with pytest.raises(ValueError, match="either"):
+        client.register("d0", 0, LAYOUT, regions=[], allocate=True)
+
+
+def test_sync_typed_errors(client: SidecarClient, handler: HandlerDouble) -> None:
+    with pytest.raises(UnknownEngine, match="not registered") as info:
+        client.poll("nobody")
+    assert info.value.code == UNKNOWN_ENGINE
+    client.register("d0", 0, LAYOUT, allocate=True)
+    with pytest.raises(Duplicate):
+        client.register("d0", 0, LAYOUT, allocate=True)
+    with pytest.raises(BadRequest, match="out of range"):
+        client.read("d0", "r", [[99]], REMOTE, [[0]])
+    with pytest.raises(InternalError, match="RuntimeError: boom in the handler"):
+        client.read("d0", "boom", [[0]], REMOTE, [[0]])
+    with pytest.raises(InternalError, match="not a reply"):
+        client.read("d0", "not-a-reply", [[0]], REMOTE, [[0]])
+    with pytest.raises(InternalError, match="unencodable"):
+        client.read("d0", "unencodable", [[0]], REMOTE, [[0]])
+    assert client.ping().engines == ["d0"]  # still serving
+
+
+def test_server_counters(client: SidecarClient, threaded: ServerThread) -> None:
+    client.ping()
+    with pytest.raises(SidecarError):
+        client.poll("nobody")
+    client.register("d0", 0, LAYOUT, allocate=True)
+    with pytest.raises(InternalError):
+        client.read("d0", "boom", [[0]], REMOTE, [[0]])
+    s = threaded.server
+    assert (s.messages, s.errors, s.internal_errors, s.bad_messages) == (4, 2, 1, 0)
+
+
+def test_numpy_block_ids(client: SidecarClient, handler: HandlerDouble) -> None:
+    client.register("d0", 0, LAYOUT, allocate=True)
+    client.read("d0", "r", np.array([[0, 1], [2, 3]], dtype=np.int32), REMOTE,
+                [np.array([1, 2], dtype=np.uint64), np.arange(2)])
+    read = handler.requests[-1]
+    assert isinstance(read, Read)
+    assert read.local_block_ids == [[0, 1], [2, 3]] and read.remote_block_ids == [[1, 2], [0, 1]]
+    assert all(type(b) is int for g in read.local_block_ids for b in g)
+    client.hold("d0", "h", (range(2), [np.int64(3)]))
+    hold = handler.requests[-1]
+    assert isinstance(hold, Hold) and hold.block_ids == [[0, 1], [3]]
+
+
+def test_block_id_conversion_rejects_what_is_not_ids() -> None:
+    with pytest.raises(TypeError, match="integer"):
+        block_id_lists(np.zeros((1, 2)))
+    with pytest.raises(TypeError, match="2-D"):
+        block_id_lists(np.arange(3))
+    with pytest.raises(TypeError, match="one sequence per"):
+        block_id_lists([1, 2])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        block_id_lists([[1.5]])  # type: ignore[list-item]
+
+
+def test_sync_timeout_without_server(tmp_path: Path) -> None:
+    with SidecarClient(str(tmp_path / "nobody.sock"), timeout_s=0.2) as c:
+        t0 = time.monotonic()
+        with pytest.raises(SidecarTimeout, match=r"within 0\.2 s") as info:
+            c.ping()
+        assert 0.15 < time.monotonic() - t0 < 2.0
+        assert info.value.code == "timeout" and isinstance(info.value, SidecarError)
+
+
+def test_sync_client_reaches_a_daemon_started_after_a_timeout(path: str,
+                                                              handler: HandlerDouble) -> None:
+    with SidecarClient(path, timeout_s=0.2) as c:
+        with pytest.raises(SidecarTimeout):
+            c.ping()
+        st = ServerThread(path, handler)
+        st.start()
+        try:
+            c._timeout_s = 5.0
+            assert c.ping().version == PROTOCOL_VERSION
+            assert len(handler.requests) == 1  # the timed-out ping was dropped with its socket
+        finally:
+            st.stop()
+
+
+def test_sync_late_reply_is_not_taken_for_the_next_call(client: SidecarClient,
+                                                        handler: HandlerDouble,
+                                                        path: str) -> None:
+    client.register("d0", 0, LAYOUT, allocate=True)
+    handler.slow_s = 0.6
+    with SidecarClient(path, timeout_s=0.3) as impatient:
+        with pytest.raises(SidecarTimeout):
+            impatient.read("d0", "slow-1", [[0]], REMOTE, [[0]])
+        time.sleep(0.5)  # the late Ok for slow-1 is sent meanwhile
+        assert impatient.poll("d0") == [Completion("slow-1", "received",
+                                                   nbytes=LAYOUT.page_bytes)]
+
+
+# --------------------------------------------------------------------------
+# Malformed input over raw sockets: answered, and the server keeps serving
+# --------------------------------------------------------------------------
+
+
+def _dealer(path: str) -> zmq.Socket[bytes]:
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"ipc://{path}")
+    return s
+
+
+def _exchange(sock: zmq.Socket[bytes], *frames: bytes) -> Reply:
+    sock.send_multipart(list(frames))
+    return decode_reply(sock.recv())
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "id", "needle"),
+    [
+        (b"\xc1garbage", BAD_MESSAGE, -1, "malformed"),
+        (b"", BAD_MESSAGE, -1, "undecodable"),
+        (msgspec.msgpack.encode([1, 2]), BAD_MESSAGE, -1, "object"),
+        (msgspec.msgpack.encode({"op": "explode", "id": 8, "v": 1}), BAD_MESSAGE, 8, "explode"),
+        (msgspec.msgpack.encode({"op": "poll", "id": 9, "v": 1, "engine_id": ["x"]}),
+         BAD_MESSAGE, 9, "$.engine_id"),
+        (msgspec.msgpack.encode({"op": "poll", "id": 10, "v": 1}), BAD_MESSAGE, 10,
+         "engine_id"),
+        (msgspec.msgpack.encode({"op": "ping", "id": 11, "v": 99}), VERSION, 11, "v=99"),
+    ],
+    ids=["garbage", "empty", "array", "unknown-op", "wrong-type", "missing-field", "version"],
+)
+def test_malformed_requests(threaded: ServerThread, path: str, payload: bytes, code: str,
+                            id: int, needle: str) -> None:
+    with _dealer(path) as bad, _dealer(path) as good:
+        err = _exchange(bad, payload)
+        assert isinstance(err, Error) and err.code == code and err.id == id
+        assert needle in err.message
+        if code == VERSION:
+            assert f"v={PROTOCOL_VERSION}" in err.message
+        # The same client and another one are still served.
+        assert _exchange(bad, encode_request(Ping(id=1))) == Pong(PROTOCOL_VERSION, [], id=1)
+        assert _exchange(good, encode_request(Ping(id=2))) == Pong(PROTOCOL_VERSION, [], id=2)
+    assert threaded.server.bad_messages == 1
+
+
+def test_wrong_frame_count(threaded: ServerThread, path: str) -> None:
+    with _dealer(path) as s:
+        err = _exchange(s, b"", encode_request(Ping(id=3)))  # a REQ-style envelope
+        assert isinstance(err, Error) and err.code == BAD_MESSAGE and "frame" in err.message
+        assert isinstance(_exchange(s, encode_request(Ping(id=4))), Pong)
+
+
+def test_sync_client_error_without_id(tmp_path: Path) -> None:
+    """A daemon that cannot read our id still answers this (single) call."""
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    with router:
+        fake = str(tmp_path / "fake.sock")
+        router.bind(f"ipc://{fake}")
+        with SidecarClient(fake, timeout_s=5.0) as c:
+            t = threading.Thread(target=lambda: router.send_multipart(
+                [router.recv_multipart()[0], encode_reply(Error(BAD_MESSAGE, "what?"))]))
+            t.start()
+            with pytest.raises(SidecarError, match=r"what\?") as info:
+                c.ping()
+            t.join()
+            assert info.value.code == BAD_MESSAGE
+
+
+# --------------------------------------------------------------------------
+# Server lifecycle
+# --------------------------------------------------------------------------
+
+
+async def test_server_creates_dir_and_removes_socket_on_stop(path: str,
+                                                             handler: HandlerDouble) -> None:
+    s = EngineServer(path, handler)
+    await s.start()
+    assert Path(path).is_socket()
+    with pytest.raises(RuntimeError, match="already started"):
+        await s.start()
+    await s.stop()
+    assert not Path(path).exists()
+    await s.stop()  # idempotent
+
+
+async def test_server_replaces_a_stale_socket(path: str, handler: HandlerDouble) -> None:
+    Path(path).parent.mkdir(parents=True)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody listens: what a crashed daemon leaves
+    s = EngineServer(path, handler)
+    await s.start()
+    async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+        assert isinstance(await c.ping(), Pong)
+    await s.stop()
+
+
+async def test_server_refuses_a_live_socket(server: EngineServer, path: str,
+                                            handler: HandlerDouble) -> None:
+    with pytest.raises(RuntimeError, match="already running"):
+        await EngineServer(path, handler).start()
+    async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+        assert isinstance(await c.ping(), Pong)  # the first server is untouched
+
+
+async def test_server_refuses_to_replace_a_regular_file(tmp_path: Path,
+                                                        handler: HandlerDouble) -> None:
+    f = tmp_path / "precious"
+    f.write_text("data")
+    with pytest.raises(FileExistsError):
+        await EngineServer(str(f), handler).start()
+    assert f.read_text() == "data"
+
+
+async def test_server_rejects_an_overlong_path(tmp_path: Path, handler: HandlerDouble) -> None:
+    with pytest.raises(ValueError, match="longer than"):
+        await EngineServer(str(tmp_path / ("x" * 120)), handler).start()
+
+
+# --------------------------------------------------------------------------
+# asyncio client
+# --------------------------------------------------------------------------
+
+
+async def test_async_round_trip_of_every_call(aclient: AsyncSidecarClient,
+                                              handler: HandlerDouble) -> None:
+    reg = await aclient.register("d0", 1, LAYOUT, allocate=True)
+    assert reg.agent_name == "agent-d0" and len(reg.regions) == LAYOUT.num_regions
+    handler.allocated["d0"][0].numpy()[0] = 77
+    assert reg.regions[0].numpy()[0] == 77
+    for r in reg.regions:
+        r.close()
+    await aclient.read("d0", "r1", np.array([[0, 1]]), REMOTE, [[2, 3]], skip_tokens=0)
+    await aclient.hold("d0", "h1", [[2]], readers=3)
+    await aclient.release("d0", "h1")
+    assert [c.kind for c in await aclient.poll("d0")] == ["received", "sent", "aborted"]
+    assert (await aclient.ping()).engines == ["d0"]
+    await aclient.deregister("d0")
+    assert [type(r).__name__ for r in handler.requests] == [
+        "Register", "Read", "Hold", "Release", "Poll", "Ping", "Deregister"]
+
+
+async def test_async_typed_errors_and_still_serving(aclient: AsyncSidecarClient) -> None:
+    with pytest.raises(UnknownEngine):
+        await aclient.deregister("ghost")
+    await aclient.register("d0", 0, LAYOUT, allocate=True)
+    with pytest.raises(InternalError, match="boom"):
+        await aclient.read("d0", "boom", [[0]], REMOTE, [[0]])
+    with pytest.raises(BadRequest):
+        await aclient.read("d0", "r", [[7]], REMOTE, [[0]])
+    assert (await aclient.ping()).engines == ["d0"]
+
+
+async def test_async_many_outstanding_calls(path: str, server: EngineServer,
+                                            aclient: AsyncSidecarClient) -> None:
+    await aclient.register("d0", 0, LAYOUT, allocate=True)
+    results = await asyncio.gather(*(
+        aclient.read("d0", f"r{i}", [[i % 4]], REMOTE, [[0]]) if i % 3 else aclient.ping()
+        for i in range(30)
+    ))
+    assert all(r is None or isinstance(r, Pong) for r in results)
+    assert [isinstance(r, Pong) for r in results] == [i % 3 == 0 for i in range(30)]
+    done = await aclient.poll("d0")
+    assert sorted(c.request_id for c in done) == sorted(f"r{i}" for i in range(30) if i % 3)
+    # Two clients at once, interleaved.
+    async with AsyncSidecarClient(path) as other:
+        a, b = await asyncio.gather(aclient.ping(), other.ping())
+        assert a.engines == b.engines == ["d0"] and (a.id, b.id) == (33, 1)
+
+
+async def test_async_replies_out_of_order_are_matched_by_id(path: str) -> None:
+    """A fake daemon answers three calls in reverse order."""
+    Path(path).parent.mkdir(parents=True)
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+
+    async def fake_daemon() -> None:
+        got = [await router.recv_multipart() for _ in range(3)]
+        for identity, data in reversed(got):
+            req = decode_request(data)
+            assert isinstance(req, Poll)
+            item = Completion(req.engine_id, "received")
+            await router.send_multipart([identity, encode_reply(Completions([item], id=req.id))])
+
+    try:
+        async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+            daemon = asyncio.create_task(fake_daemon())
+            out = await asyncio.gather(c.poll("a"), c.poll("b"), c.poll("c"))
+            await daemon
+        assert [items[0].request_id for items in out] == ["a", "b", "c"]
+    finally:
+        router.close(linger=0)
+
+
+async def test_async_timeout_without_server(tmp_path: Path) -> None:
+    async with AsyncSidecarClient(str(tmp_path / "nobody.sock"), timeout_s=0.2) as c:
+        t0 = time.monotonic()
+        results = await asyncio.gather(c.ping(), c.poll("x"), return_exceptions=True)
+        assert all(isinstance(r, SidecarTimeout) for r in results)
+        assert time.monotonic() - t0 < 2.0
+
+
+async def test_async_timeout_then_late_reply_is_dropped(path: str, server: EngineServer,
+                                                        handler: HandlerDouble) -> None:
+    async with AsyncSidecarClient(path, timeout_s=0.2) as c:
+        await c.register("d0", 0, LAYOUT, allocate=True)
+        handler.slow_s = 0.4
+        with pytest.raises(SidecarTimeout):
+            await c.read("d0", "slow-1", [[0]], REMOTE, [[0]])
+        await asyncio.sleep(0.4)  # the late Ok arrives and finds no waiter
+        assert isinstance(await c.ping(), Pong)
+        assert [x.request_id for x in await c.poll("d0")] == ["slow-1"]
+
+
+async def test_async_close_fails_nothing_and_can_reopen(aclient: AsyncSidecarClient) -> None:
+    assert isinstance(await aclient.ping(), Pong)
+    await aclient.close()
+    assert isinstance(await aclient.ping(), Pong)  # a fresh socket on next use

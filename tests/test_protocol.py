@@ -1,0 +1,258 @@
+"""The wire protocol: every message survives a round trip, and bad bytes only
+ever produce a readable ProtocolError (never another exception)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.protocol import (
+    BAD_MESSAGE,
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    VERSION,
+    Completion,
+    Completions,
+    Deregister,
+    Error,
+    Hold,
+    Ok,
+    Ping,
+    Poll,
+    Pong,
+    ProtocolError,
+    Read,
+    Register,
+    Registered,
+    Release,
+    RemoteEngine,
+    Reply,
+    Request,
+    RequestError,
+    ShmRef,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+
+LAYOUT = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8, block_tokens=4,
+                          tp_size=1, num_blocks=4)
+REMOTE = RemoteEngine("prefill-0", 2, ["10.0.0.1:7000", "10.0.0.1:7001"])
+
+REQUESTS: list[Request] = [
+    Register("d0", 0, LAYOUT, "attach", [ShmRef("kvs-1", 4096), ShmRef("kvs-2", 10, 4096)],
+             id=1),
+    Register("d0", 3, LAYOUT, "allocate", keep_on_exit=True, pid=1234, id=2),
+    Deregister("d0", id=3),
+    Read("d0", "req-1", [[0, 1, 2]], REMOTE, [[5, 6, 7]], id=4),
+    Read("d0", "req-2", [[0], [1]], REMOTE, [[2], [3]], remote_request_id="p-req-2",
+         skip_tokens=16, id=5),
+    Hold("p0", "req-1", [[1, 2]], id=6),
+    Hold("p0", "req-1", [[1, 2]], readers=4, timeout_s=2.5, id=7),
+    Release("d0", "req-1", id=8),
+    Poll("d0", id=9),
+    Ping(id=2**40),
+]
+
+REPLIES: list[Reply] = [
+    Ok(id=1),
+    Registered("d0", "10.0.0.2:7000", "agent-d0", [ShmRef("kvs-3", 100)], id=2),
+    Registered("d0", "10.0.0.2:7000", "agent-d0", id=3),
+    Completions([], id=4),
+    Completions([
+        Completion("a", "received", nbytes=1 << 20),
+        Completion("b", "failed", "peer gone", [[3, 4], []]),
+        Completion("c", "sent"), Completion("d", "expired"), Completion("e", "aborted"),
+    ], id=5),
+    Pong(PROTOCOL_VERSION, ["d0", "d1"], id=6),
+    Error(BAD_MESSAGE, "nope", id=-1),
+]
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=lambda r: type(r).__name__)
+def test_request_round_trip(req: Request) -> None:
+    out = decode_request(encode_request(req))
+    assert out == req and type(out) is type(req)
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda r: type(r).__name__)
+def test_reply_round_trip(reply: Reply) -> None:
+    out = decode_reply(encode_reply(reply))
+    assert out == reply and type(out) is type(reply)
+
+
+def test_version_and_op_are_on_the_wire() -> None:
+    raw = msgspec.msgpack.decode(encode_request(Poll("d0", id=7)))
+    assert raw == {"op": "poll", "engine_id": "d0", "id": 7, "v": PROTOCOL_VERSION}
+
+
+def test_region_refs_are_tagged_by_kind() -> None:
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ShmRef("x", 8))) == {
+        "kind": "shm", "name": "x", "nbytes": 8, "offset": 0,
+    }
+
+
+def test_completion_defaults_stay_off_the_wire() -> None:
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Completion("r", "sent"))) == {
+        "request_id": "r", "kind": "sent",
+    }
+
+
+def test_reply_id_defaults_so_handlers_can_leave_it_to_the_server() -> None:
+    assert Ok().id == -1
+    assert Error("internal", "x").id == -1
+
+
+def test_error_codes() -> None:
+    assert set(ERROR_CODES) == {"bad_message", "version", "unknown_engine", "bad_request",
+                                "duplicate", "incompatible", "unavailable", "internal"}
+    e = RequestError("bad_request", "block 9 out of range")
+    assert (e.code, e.message) == ("bad_request", "block 9 out of range")
+
+
+def _raw(obj: object) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def _bad(data: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode_request(data)
+    return info.value
+
+
+def test_garbage_bytes() -> None:
+    e = _bad(b"\xc1\xc1 not msgpack")
+    assert e.code == BAD_MESSAGE and e.id == -1 and "malformed" in e.message
+
+
+def test_empty_and_truncated() -> None:
+    whole = encode_request(REQUESTS[3])
+    for cut in (0, 1, len(whole) // 2, len(whole) - 1):
+        assert _bad(whole[:cut]).code == BAD_MESSAGE
+
+
+def test_not_an_object() -> None:
+    e = _bad(_raw([1, 2, 3]))
+    assert e.code == BAD_MESSAGE and e.id == -1 and "object" in e.message
+
+
+def test_unknown_op_names_the_op_and_keeps_the_id() -> None:
+    e = _bad(_raw({"op": "frobnicate", "id": 12, "v": PROTOCOL_VERSION}))
+    assert e.code == BAD_MESSAGE and e.id == 12
+    assert "frobnicate" in e.message and "read" in e.message
+
+
+def test_missing_op() -> None:
+    e = _bad(_raw({"id": 3, "v": PROTOCOL_VERSION, "engine_id": "d0"}))
+    assert e.id == 3 and "op" in e.message
+
+
+def test_wrong_type_names_the_field() -> None:
+    e = _bad(_raw({"op": "poll", "id": 5, "v": PROTOCOL_VERSION, "engine_id": 17}))
+    assert e.code == BAD_MESSAGE and e.id == 5 and "$.engine_id" in e.message
+
+
+def test_bad_block_id_names_its_position() -> None:
+    good = msgspec.msgpack.decode(encode_request(REQUESTS[3]))
+    good["local_block_ids"] = [[0, "1", 2]]
+    e = _bad(_raw(good))
+    assert e.id == 4 and "$.local_block_ids[0][1]" in e.message
+
+
+def test_constraints() -> None:
+    for op, field, value in [("hold", "readers", 0), ("hold", "timeout_s", 0.0),
+                             ("read", "skip_tokens", -1), ("register", "tp_rank", -1)]:
+        raw = msgspec.msgpack.decode(encode_request(
+            next(r for r in REQUESTS if r.__struct_config__.tag == op)))
+        raw[field] = value
+        assert f"$.{field}" in _bad(_raw(raw)).message
+
+
+def test_unknown_region_kind_is_rejected_readably() -> None:
+    raw = msgspec.msgpack.decode(encode_request(REQUESTS[0]))
+    raw["regions"][0]["kind"] = "cuda_ipc"
+    e = _bad(_raw(raw))
+    assert "cuda_ipc" in e.message and "$.regions[0]" in e.message
+
+
+def test_unknown_layout_field_is_rejected() -> None:
+    raw = msgspec.msgpack.decode(encode_request(REQUESTS[0]))
+    raw["layout"]["surprise"] = 1
+    assert "surprise" in _bad(_raw(raw)).message
+
+
+def test_missing_id() -> None:
+    e = _bad(_raw({"op": "ping", "v": PROTOCOL_VERSION}))
+    assert e.code == BAD_MESSAGE and e.id == -1 and "id" in e.message
+
+
+def test_other_version_of_a_valid_message() -> None:
+    raw = msgspec.msgpack.decode(encode_request(Ping(id=9)))
+    raw["v"] = PROTOCOL_VERSION + 1
+    e = _bad(_raw(raw))
+    assert e.code == VERSION and e.id == 9
+    assert f"v={PROTOCOL_VERSION + 1}" in e.message and f"v={PROTOCOL_VERSION}" in e.message
+
+
+def test_other_version_with_another_shape_is_still_a_version_error() -> None:
+    e = _bad(_raw({"op": "read2", "id": 4, "v": 2, "blocks": b"\x00\x01"}))
+    assert e.code == VERSION and e.id == 4 and "v=2" in e.message
+
+
+def test_decode_reply_errors() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_reply(_raw({"op": "pong", "id": 3}))
+    assert info.value.id == 3 and "version" in info.value.message
+    with pytest.raises(ProtocolError):
+        decode_reply(b"\xff")
+    with pytest.raises(ProtocolError) as info:
+        decode_reply(_raw({"op": "completions", "id": 1, "items": [{"request_id": "r",
+                                                                      "kind": "lost"}]}))
+    assert "$.items[0].kind" in info.value.message
+
+
+def test_accepts_memoryview() -> None:
+    data = encode_request(Ping(id=1))
+    assert decode_request(memoryview(data)) == Ping(id=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_raise_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode_request(data)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([r.__struct_config__.tag for r in REQUESTS]),
+       st.dictionaries(st.sampled_from(["id", "v", "engine_id", "request_id", "layout",
+                                        "local_block_ids", "remote", "block_ids", "readers",
+                                        "regions", "mode", "tp_rank"]), _json))
+def test_wrong_typed_objects_only_raise_protocol_error(op: str, fields: dict[str, object]) -> None:
+    try:
+        decode_request(_raw({"op": op, **fields}))
+    except ProtocolError as e:
+        assert e.message and e.code in (BAD_MESSAGE, VERSION)
+
+
+def test_deep_nesting_is_a_protocol_error() -> None:
+    head = _raw({"op": "poll", "id": 1, "v": 1, "engine_id": "d0"})
+    # one more map entry: "junk" -> [[[[...0...]]]], 100k levels deep
+    data = bytes([head[0] + 1]) + head[1:] + _raw("junk") + b"\x91" * 100_000 + b"\x00"
+    e = _bad(data)
+    assert e.code == BAD_MESSAGE and "recursion" in e.message
