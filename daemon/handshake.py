@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 import zmq
 import zmq.asyncio
+
 from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
+
 from kvsidecar.ipc.layout import (
     Group,
     Layout,
@@ -48,7 +50,6 @@ from kvsidecar.ipc.layout import (
     unit_bytes,
     unit_range,
 )
-from numpy.typing import NDArray
 
 I64 = NDArray[np.int64]
 I32 = NDArray[np.int32]

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from kvsidecar.daemon.planner import ReadPlan
 from numpy.typing import NDArray
+
+from kvsidecar.daemon.planner import ReadPlan
 
 U8 = NDArray[np.uint8]
 

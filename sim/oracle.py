@@ -13,12 +13,13 @@ rule itself, so a planner bug cannot hide behind the same bug here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from kvsidecar.ipc.layout import Layout, Segment
 from numpy.typing import NDArray
+
+from kvsidecar.ipc.layout import Layout, Segment
 
 U8 = NDArray[np.uint8]
 POISON = 0xA5
@@ -134,17 +135,20 @@ def fill_shard(buffers: Sequence[U8], layout: Layout, rank: int,
 
 def check_received(buffers: Sequence[U8], layout: Layout, rank: int,
                    block_ids: Sequence[Sequence[int]], req: Request, skip_tokens: int = 0,
-                   poison: int = POISON) -> list[str]:
+                   poison: int = POISON, ignore_blocks: Collection[int] = ()) -> list[str]:
     """Differences between D rank ``rank``'s pages and its shard of ``req``; empty if none.
 
     Attention tokens are checked from ``skip_tokens`` (D's block list starts
     there) to the prompt length; Mamba segments in full; every byte of a page
-    the request does not name must still be ``poison``.
+    the request does not name must still be ``poison``, except ``ignore_blocks``
+    (pages other requests in flight own).
     """
     problems: list[str] = []
     named = np.zeros(layout.num_blocks, dtype=bool)
     for group_ids in block_ids:
         named[np.asarray(group_ids, dtype=np.int64)] = True
+    if ignore_blocks:
+        named[np.asarray(list(ignore_blocks), dtype=np.int64)] = True
     for gi, g in enumerate(layout.groups):
         gids = np.asarray(block_ids[gi], dtype=np.int64)
         offs, pos = _views(layout, gi, gids, skip_tokens)

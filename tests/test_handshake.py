@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+
 from kvsidecar.daemon.handshake import (
     HANDSHAKE_VERSION,
     HandshakeClient,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+
 from kvsidecar.daemon.planner import (
     BlockRangeError,
     DuplicateBlockError,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+
 from kvsidecar.daemon.planner import plan_read
 from kvsidecar.ipc.layout import (
     Layout,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvsidecar.daemon.planner import plan_read
 from kvsidecar.ipc.layout import (
     Layout,
