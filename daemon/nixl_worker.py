@@ -1,0 +1,825 @@
+"""One NIXL agent, owned by one thread, driven from an asyncio loop.
+
+Threading discipline
+--------------------
+*Why one thread.* A NIXL agent created without a listener thread runs in
+``NIXL_THREAD_SYNC_NONE`` mode: it has no internal lock, and two threads calling
+into one agent segfaulted. A synchronising mode would add a lock per call and
+still let two threads progress the same UCX worker. Instead every NIXL call
+(agent creation and destruction included) happens on :class:`NixlWorker`'s own
+thread. The event loop never touches the agent: coroutines put jobs on a
+:class:`queue.Queue` and await asyncio futures that the thread resolves with
+``loop.call_soon_threadsafe``.
+
+*Why not on the loop.* On host memory UCX reads through CMA
+(``process_vm_readv``) and ``transfer()`` performs the whole copy inline: a
+256 MiB read blocks its caller for about 50 ms. ``register_memory``,
+``add_remote_agent`` (10-17 ms with UCX peer error handling) and building
+descriptor lists for thousands of blocks are heavy too. NIXL releases the GIL
+during the copy (a 64 MiB read on this thread leaves a 1 ms loop tick on
+time), so here they cost the loop next to nothing.
+
+*Why no progress thread.* NIXL's own progress thread polls UCX with a zero
+delay (the Python wrapper hard-wires ``pthrDelay = 0``) and burns a whole core
+even when nothing happens. It is disabled; this thread drives progress itself:
+``check_xfer_state`` progresses outgoing transfers and ``get_new_notifs``
+progresses the UCX worker (peers wiring up to us, notifications arriving). Both
+cost about a microsecond.
+
+*How progress is driven.* Each round runs the queued jobs, then polls: every
+in-flight handle plus ``get_new_notifs`` when reads are in flight or the owner
+set the hot hint (:meth:`NixlWorker.set_hot`), otherwise ``get_new_notifs``
+only. Then it blocks on the job queue for ``busy_poll_s`` (busy) or
+``idle_poll_s`` (idle). A submitted job wakes the thread at once, so outbound
+work never waits for a tick; the tick is the latency only of *inbound* events
+(a peer wiring up, a notification arriving, an asynchronous transfer finishing).
+The trade-off is latency against CPU, and the cost is the wake-ups, not NIXL
+(an idle ``get_new_notifs`` is about 1.5 us): on a 2-vCPU VM one timed wake-up
+costs about 100 us of CPU, so idle at 5 ms a worker uses 2-3 % of a core
+(under 1 % at 20 ms), and hot at 0.2 ms about 18 %, which buys notification
+latency of a few tenths of a millisecond while a prefill side holds blocks
+for readers.
+``benchmarks/nixl_worker_idle.py`` measures both.
+
+*Notifications are lazy.* NIXL sends the notification attached to a READ only
+when the initiator observes the transfer as DONE, so every handle is polled to
+completion even if the awaiting coroutine was cancelled, and only then
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import importlib
+import itertools
+import logging
+import os
+import queue
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NixlError", "NixlWorker", "TransferStats", "transport_note"]
+
+_MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
+_STOP_WAIT_S = 5.0  # how long stop() lets in-flight transfers finish
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one finished read cost.
+
+    ``bytes`` and ``descriptors`` are what was asked for; ``post_us`` is the time
+    spent posting (``transfer()``, which on host memory includes the CMA copy)
+    and ``xfer_us`` the time from the post to the moment the worker saw DONE.
+    Both come from NIXL's telemetry when ``telemetry`` is true, else from the
+    worker's own clock.
+    """
+
+    bytes: int
+    descriptors: int
+    post_us: float
+    xfer_us: float
+    telemetry: bool = False
+
+
+class NixlError(Exception):
+    """A NIXL call failed; the message names the operation and the remote agent."""
+
+    def __init__(self, message: str, *, remote: str | None = None) -> None:
+        super().__init__(message)
+        self.remote = remote
+
+
+# -- transport detection -------------------------------------------------------------------------
+
+_SM_ALIASES = {"cma", "sm", "shm", "all"}
+
+
+def _ucx_tls_allows_cma(tls: str | None) -> bool:
+    """Mirror UCX_TLS semantics closely enough to say whether cma can be picked."""
+    if not tls:
+        return True
+    if tls.startswith("^"):
+        excluded = {t.strip() for t in tls[1:].split(",")}
+        return not excluded & {"cma", "sm", "shm"}
+    included = {t.strip() for t in tls.split(",")}
+    return bool(included & _SM_ALIASES)
+
+
+def _cma_blocker() -> str | None:
+    """Why UCX would disable CMA here, or None if it would enable it.
+
+    Follows UCX's own check (``uct_cma_query_md_resources``): a
+    ``process_vm_writev`` self-test (fails under a seccomp filter) plus Yama's
+    ptrace_scope (0: fine, 1: UCX calls ``PR_SET_PTRACER_ANY`` itself, 2: needs
+    CAP_SYS_PTRACE, 3: never). We probe with ``process_vm_readv`` on ourselves,
+    which a seccomp filter blocks the same way and which writes nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # the running process, libc included
+
+        class _IoVec(ctypes.Structure):
+            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+        src = ctypes.c_uint64(0x5EED)
+        dst = ctypes.c_uint64(0)
+        local = _IoVec(ctypes.cast(ctypes.byref(dst), ctypes.c_void_p), 8)
+        remote = _IoVec(ctypes.cast(ctypes.byref(src), ctypes.c_void_p), 8)
+        fn = libc.process_vm_readv
+        fn.restype = ctypes.c_ssize_t
+        got = fn(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got != 8 or dst.value != src.value:
+            return f"process_vm_readv self-test failed: {os.strerror(ctypes.get_errno())}"
+    except (OSError, AttributeError) as exc:
+        return f"process_vm_readv unavailable: {exc}"
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = f.read().strip()
+    except OSError:
+        return None  # no Yama: ptrace access within one uid is allowed
+    if scope in ("0", "1"):
+        return None
+    if scope == "2" and _has_cap_sys_ptrace():
+        return None
+    return f"yama ptrace_scope={scope} without CAP_SYS_PTRACE"
+
+
+def _has_cap_sys_ptrace() -> bool:
+    cap_sys_ptrace = 19
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> cap_sys_ptrace & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def transport_note() -> str:
+    """One line saying which UCX transports host-memory reads will use here.
+
+    This is a prediction from UCX_TLS and the same probes UCX runs; to see
+    UCX's actual choice, run with ``UCX_PROTO_INFO=y`` (it prints its protocol
+    tables: ``remote memory read by ucp_get* ... cma/memory`` when CMA is used).
+    """
+    tls = os.environ.get("UCX_TLS")
+    shown = f"UCX_TLS={tls}" if tls else "UCX_TLS unset (UCX picks)"
+    if not _ucx_tls_allows_cma(tls):
+        data = "host-memory reads over tcp or another listed transport (cma excluded by UCX_TLS)"
+    else:
+        blocker = _cma_blocker()
+        if blocker is None:
+            data = "host-memory reads over cma (process_vm_readv, one copy)"
+        else:
+            data = f"host-memory reads fall back to tcp, about 5x slower than cma ({blocker})"
+    return f"{shown}; {data}; wire-up and notifications over UCX active messages (tcp)"
+
+
+# -- metadata ------------------------------------------------------------------------------------
+
+_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def _peek_agent_name(metadata: bytes) -> str | None:
+    """Read the agent name from NIXL's serialized metadata without loading it.
+
+    Loading metadata for a known agent merges the new regions into the old
+    ones, so the name must be known *before* the load to remove the stale entry
+    first. The format is NIXL's serdes (tag, little-endian u64 length, value);
+    if it ever changes this returns None and :meth:`NixlWorker.add_remote`
+    falls back to loading first.
+    """
+    start = len(_MD_PREFIX) + 8
+    if not metadata.startswith(_MD_PREFIX) or len(metadata) < start:
+        return None
+    (n,) = struct.unpack_from("<Q", metadata, len(_MD_PREFIX))
+    if n == 0 or n > 4096 or start + n > len(metadata):
+        return None
+    try:
+        return metadata[start : start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+# -- the worker ----------------------------------------------------------------------------------
+
+_DEFERRED = object()  # a job's result when its future is resolved later (in-flight reads)
+
+_Fut = asyncio.Future[Any]
+_JobFn = Callable[[_Fut], object]
+
+
+@dataclass
+class _Job:
+    fn: _JobFn
+    fut: _Fut
+    what: str
+    remote: str | None
+
+
+@dataclass
+class _Inflight:
+    handle: Any
+    fut: _Fut
+    remote: str
+    nbytes: int
+    ndesc: int
+    t0: float
+    t_post: float
+
+
+def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class NixlWorker:
+    """Owns one NIXL agent on one thread; coroutine methods submit jobs to it.
+
+    ``on_notif(remote_agent, message)`` runs on the event loop thread. Reads
+    must not be given arrays that the caller mutates before the read returns
+    (they are turned into descriptor lists on the worker thread).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        on_notif: Callable[[str, bytes], None] | None = None,
+        idle_poll_s: float = 0.005,
+        busy_poll_s: float = 0.0002,
+        backend_params: Mapping[str, Mapping[str, str]] | None = None,
+        telemetry: bool = True,
+        stop_timeout_s: float = _STOP_WAIT_S,
+    ) -> None:
+        if not name:
+            raise ValueError("agent name must not be empty")
+        if idle_poll_s <= 0 or busy_poll_s <= 0:
+            raise ValueError("poll intervals must be positive")
+        self._name = name
+        self._backends = tuple(backends)
+        self._backend_params = {k: dict(v) for k, v in (backend_params or {}).items()}
+        self._on_notif = on_notif
+        self._idle_poll_s = idle_poll_s
+        self._busy_poll_s = busy_poll_s
+        self._telemetry = telemetry
+        self._stop_timeout_s = stop_timeout_s
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # None only wakes the thread
+        self._lock = threading.Lock()  # orders submissions against shutdown
+        self._stop_requested = False
+        self._closed = False
+        self._hot = False
+        self._started_fut: _Fut | None = None
+        self._stopped_fut: _Fut | None = None
+
+        # Owned by the worker thread only.
+        self._agent: Any = None
+        self._inflight: list[_Inflight] = []
+        self._inflight_by_agent: dict[str, int] = {}
+        self._remotes: dict[str, bytes] = {}
+        self._regs: dict[int, Any] = {}
+        self._reg_ids = itertools.count(1)
+        self._out_futs: list[tuple[_Fut, object, BaseException | None]] = []
+        self._out_notifs: list[tuple[str, bytes]] = []
+        self._stuck_handles: list[Any] = []
+
+    # -- public API (event loop side) ------------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._closed
+
+    @property
+    def native_thread_id(self) -> int | None:
+        """The worker thread's kernel id, for per-thread CPU accounting (/proc/.../task)."""
+        return None if self._thread is None else self._thread.native_id
+
+    async def start(self) -> None:
+        """Create the thread and, on it, the agent; raise NixlError if NIXL fails."""
+        if self._thread is not None:
+            raise RuntimeError("NixlWorker.start() called twice")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._started_fut = loop.create_future()
+        self._stopped_fut = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, name=f"nixl-{self._name}", daemon=True
+        )
+        self._thread.start()
+        await self._started_fut
+
+    async def stop(self) -> None:
+        """Fail queued jobs, let in-flight reads finish (bounded), free everything, join."""
+        if self._thread is None or self._stopped_fut is None:
+            return
+        with self._lock:
+            self._stop_requested = True
+        self._jobs.put(None)
+        await asyncio.shield(self._stopped_fut)
+        self._thread.join(timeout=1.0)
+
+    async def register(
+        self, regions: Sequence[tuple[int, int]], mem_type: str = "DRAM", dev_id: int = 0
+    ) -> int:
+        """Register (addr, nbytes) regions as one registration; returns its id."""
+        if len(regions) == 0:
+            raise ValueError("register() needs at least one region")
+        for addr, nbytes in regions:
+            if addr <= 0 or nbytes <= 0:
+                raise ValueError(f"bad region (addr={addr:#x}, nbytes={nbytes})")
+        fn = functools.partial(self._do_register, list(regions), mem_type, dev_id)
+        reg_id: int = await self._submit(f"register {len(regions)} {mem_type} regions", fn)
+        return reg_id
+
+    async def deregister(self, reg_id: int) -> None:
+        await self._submit(
+            f"deregister registration {reg_id}", functools.partial(self._do_deregister, reg_id)
+        )
+
+    async def metadata(self) -> bytes:
+        """This agent's metadata, including the regions registered so far."""
+        md: bytes = await self._submit("get agent metadata", self._do_metadata)
+        return md
+
+    async def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name.
+
+        Identical metadata is a no-op. Changed metadata for a known name removes
+        the old entry first, since NIXL would otherwise keep the stale regions;
+        that needs no reads to the peer in flight.
+        """
+        if not metadata:
+            raise ValueError("empty metadata")
+        peek = _peek_agent_name(metadata)
+        what = f"add remote agent {peek!r}" if peek else "add remote agent"
+        name: str = await self._submit(
+            what, functools.partial(self._do_add_remote, bytes(metadata)), remote=peek
+        )
+        return name
+
+    async def remove_remote(self, agent: str) -> None:
+        await self._submit(
+            f"remove remote agent {agent!r}",
+            functools.partial(self._do_remove_remote, agent),
+            remote=agent,
+        )
+
+    async def read(
+        self,
+        remote_agent: str,
+        local_addr: npt.NDArray[np.int64],
+        remote_addr: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        notif: bytes | None = None,
+        mem_type: str = "DRAM",
+        dev_id: int = 0,
+        remote_dev_id: int | None = None,
+    ) -> TransferStats:
+        """READ ``length[i]`` bytes from ``remote_addr[i]`` on the peer into ``local_addr[i]``.
+
+        With zero descriptors only the notification (if any) is sent.
+        ``remote_dev_id`` defaults to ``dev_id``.
+        """
+        n = len(local_addr)
+        for label, arr in (("local_addr", local_addr), ("remote_addr", remote_addr),
+                           ("length", length)):
+            if np.ndim(arr) != 1:
+                raise ValueError(f"{label} must be one-dimensional")
+            if len(arr) != n:
+                raise ValueError(
+                    f"local_addr, remote_addr and length differ in length "
+                    f"({n}, {len(remote_addr)}, {len(length)})"
+                )
+        if notif is not None and not isinstance(notif, bytes):
+            raise TypeError("notif must be bytes")
+        fn = functools.partial(
+            self._do_read, remote_agent, local_addr, remote_addr, length, notif, mem_type,
+            dev_id, dev_id if remote_dev_id is None else remote_dev_id,
+        )
+        stats: TransferStats = await self._submit(
+            f"read of {n} descriptors from remote agent {remote_agent!r}", fn, remote=remote_agent
+        )
+        return stats
+
+    async def notify(self, remote_agent: str, message: bytes) -> None:
+        await self._submit(
+            f"notify remote agent {remote_agent!r}",
+            functools.partial(self._do_notify, remote_agent, bytes(message)),
+            remote=remote_agent,
+        )
+
+    def set_hot(self, hot: bool) -> None:
+        """Poll notifications every busy_poll_s even with no reads in flight (thread-safe)."""
+        was = self._hot
+        self._hot = bool(hot)
+        if self._hot and not was:
+            self._jobs.put(None)  # leave the idle wait now, not up to idle_poll_s later
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def _submit(self, what: str, fn: _JobFn, *, remote: str | None = None) -> _Fut:
+        loop = self._loop
+        if loop is None:
+            raise NixlError(f"{what}: worker not started", remote=remote)
+        fut: _Fut = loop.create_future()
+        with self._lock:
+            if self._stop_requested or self._closed:
+                raise NixlError(f"{what}: worker stopped", remote=remote)
+            self._jobs.put(_Job(fn, fut, what, remote))
+        return fut
+
+    # -- worker thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._agent = self._create_agent()
+        except BaseException as exc:  # a failed start must still resolve start()
+            with self._lock:
+                self._closed = True
+            err = NixlError(f"could not create NIXL agent {self._name!r} with backends "
+                            f"{list(self._backends)}: {type(exc).__name__}: {exc}")
+            self._post(self._resolve_start, err)
+            self._post(self._resolve_stopped)
+            return
+        log.info(
+            "NIXL agent %r up on thread %s: backends %s; %s",
+            self._name, threading.current_thread().name, ",".join(self._backends),
+            transport_note(),
+        )
+        self._post(self._resolve_start, None)
+        try:
+            self._serve()
+        except BaseException:  # only a bug in this module gets here; still shut down cleanly
+            log.exception("NIXL worker %r loop failed", self._name)
+        finally:
+            self._shutdown()
+
+    def _create_agent(self) -> Any:
+        api = importlib.import_module("nixl._api")
+        conf = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            capture_telemetry=self._telemetry,
+            backends=[],
+        )
+        agent = api.nixl_agent(self._name, conf)
+        for backend in self._backends:
+            agent.create_backend(backend, dict(self._backend_params.get(backend, {})))
+        return agent
+
+    def _serve(self) -> None:
+        while not self._stop_requested:
+            self._drain_jobs()
+            self._progress()
+            self._flush()
+            busy = bool(self._inflight) or self._hot
+            try:
+                job = self._jobs.get(timeout=self._busy_poll_s if busy else self._idle_poll_s)
+            except queue.Empty:
+                continue
+            if job is not None:
+                self._run_job(job)
+
+    def _drain_jobs(self) -> None:
+        for _ in range(_MAX_JOBS_PER_ROUND):
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._run_job(job)
+
+    def _run_job(self, job: _Job) -> None:
+        if self._stop_requested:
+            self._fail(job.fut, NixlError(f"{job.what}: worker stopped", remote=job.remote))
+            return
+        if job.fut.cancelled():
+            return
+        try:
+            result = job.fn(job.fut)
+        except (NixlError, ValueError, TypeError) as exc:
+            self._fail(job.fut, exc)
+        except Exception as exc:
+            self._fail(job.fut, _wrap(job.what, exc, job.remote))
+        else:
+            if result is not _DEFERRED:
+                self._out_futs.append((job.fut, result, None))
+
+    def _progress(self) -> None:
+        if self._inflight:
+            self._poll_reads()
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception:
+            log.exception("NIXL agent %r: get_new_notifs failed", self._name)
+            return
+        for agent, msgs in notifs.items():
+            for msg in msgs:
+                self._out_notifs.append((str(agent), bytes(msg)))
+
+    def _poll_reads(self) -> None:
+        still: list[_Inflight] = []
+        for r in self._inflight:
+            try:
+                state = self._agent.check_xfer_state(r.handle)
+            except Exception as exc:
+                self._finish_read(r, None, _wrap(f"read from remote agent {r.remote!r}", exc,
+                                                 r.remote))
+                continue
+            if state == "PROC":
+                still.append(r)
+            elif state == "DONE":
+                self._finish_read(r, self._stats(r), None)
+            else:
+                self._finish_read(r, None, NixlError(
+                    f"read from remote agent {r.remote!r} failed: transfer state {state}",
+                    remote=r.remote))
+        self._inflight = still
+
+    def _finish_read(self, r: _Inflight, stats: TransferStats | None,
+                     exc: BaseException | None) -> None:
+        self._release(r.handle, r.remote)
+        left = self._inflight_by_agent.get(r.remote, 1) - 1
+        if left > 0:
+            self._inflight_by_agent[r.remote] = left
+        else:
+            self._inflight_by_agent.pop(r.remote, None)
+        if exc is not None:
+            self._fail(r.fut, exc)
+        else:
+            self._out_futs.append((r.fut, stats, None))
+
+    def _release(self, handle: Any, remote: str) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            # NIXL refuses to free a handle it cannot cancel; keep it referenced so its
+            # finalizer does not run (and fail again) at an arbitrary point.
+            log.warning("NIXL agent %r: could not release a handle to %r", self._name, remote,
+                        exc_info=True)
+            self._stuck_handles.append(handle)
+
+    def _stats(self, r: _Inflight) -> TransferStats:
+        if self._telemetry:
+            try:
+                tel = self._agent.get_xfer_telemetry(r.handle)
+                return TransferStats(int(tel.totalBytes), r.ndesc, float(tel.postDuration),
+                                     float(tel.xferDuration), True)
+            except Exception:
+                log.debug("no telemetry for a read from %r", r.remote, exc_info=True)
+        done = time.perf_counter()
+        return TransferStats(r.nbytes, r.ndesc, (r.t_post - r.t0) * 1e6, (done - r.t0) * 1e6)
+
+    def _fail(self, fut: _Fut, exc: BaseException) -> None:
+        self._out_futs.append((fut, None, exc))
+
+    def _flush(self) -> None:
+        if not self._out_futs and not self._out_notifs:
+            return
+        futs, self._out_futs = self._out_futs, []
+        notifs, self._out_notifs = self._out_notifs, []
+        self._post(self._deliver, futs, notifs)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            log.debug("NIXL worker %r: event loop closed, dropping results", self._name)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._stop_requested = True
+            self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._fail(job.fut, NixlError(f"{job.what}: worker stopped", remote=job.remote))
+        self._flush()
+        deadline = time.monotonic() + self._stop_timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            self._progress()
+            self._flush()
+            if self._inflight:
+                time.sleep(self._busy_poll_s)
+        for r in self._inflight:
+            self._finish_read(r, None, NixlError(
+                f"read from remote agent {r.remote!r}: worker stopped before it finished",
+                remote=r.remote))
+        self._inflight = []
+        for reg_id, descs in list(self._regs.items()):
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:
+                log.warning("NIXL agent %r: deregistering %d failed", self._name, reg_id,
+                            exc_info=True)
+        self._regs.clear()
+        self._remotes.clear()
+        self._flush()
+        if self._stuck_handles:
+            log.warning("NIXL agent %r: %d handles could not be released; leaking the agent",
+                        self._name, len(self._stuck_handles))
+        self._agent = None  # the agent is destroyed here, on its own thread
+        log.info("NIXL agent %r stopped", self._name)
+        self._post(self._resolve_stopped)
+
+    # -- jobs (worker thread) --------------------------------------------------------------------
+
+    def _do_register(self, regions: list[tuple[int, int]], mem_type: str, dev_id: int,
+                     _fut: _Fut) -> int:
+        arr = np.empty((len(regions), 3), dtype=np.int64)
+        arr[:, :2] = np.asarray(regions, dtype=np.int64)
+        arr[:, 2] = dev_id
+        descs = self._agent.get_reg_descs(arr, mem_type)
+        if descs is None:
+            raise NixlError(f"NIXL rejected the registration list (mem_type={mem_type!r})")
+        self._agent.register_memory(descs)
+        reg_id = next(self._reg_ids)
+        self._regs[reg_id] = descs
+        return reg_id
+
+    def _do_deregister(self, reg_id: int, _fut: _Fut) -> None:
+        descs = self._regs.get(reg_id)
+        if descs is None:
+            raise NixlError(f"unknown registration id {reg_id}")
+        self._agent.deregister_memory(descs)
+        del self._regs[reg_id]
+
+    def _do_metadata(self, _fut: _Fut) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def _do_add_remote(self, metadata: bytes, _fut: _Fut) -> str:
+        name = _peek_agent_name(metadata)
+        if name is not None:
+            known = self._remotes.get(name)
+            if known == metadata:
+                return name
+            if known is not None:
+                self._check_idle(name, "replace the metadata of")
+                self._agent.remove_remote_agent(name)
+                del self._remotes[name]
+        loaded = self._load(metadata)
+        known = self._remotes.get(loaded)
+        if known is not None and known != metadata:
+            # Could not read the name up front, so NIXL merged old and new regions.
+            self._check_idle(loaded, "replace the metadata of")
+            self._agent.remove_remote_agent(loaded)
+            loaded = self._load(metadata)
+        self._remotes[loaded] = metadata
+        return loaded
+
+    def _load(self, metadata: bytes) -> str:
+        got = self._agent.add_remote_agent(metadata)
+        return got.decode() if isinstance(got, bytes) else str(got)  # NIXL returns bytes
+
+    def _check_idle(self, agent: str, action: str) -> None:
+        n = self._inflight_by_agent.get(agent, 0)
+        if n:
+            raise NixlError(f"cannot {action} remote agent {agent!r}: {n} reads in flight",
+                            remote=agent)
+
+    def _do_remove_remote(self, agent: str, _fut: _Fut) -> None:
+        self._check_idle(agent, "remove")
+        self._agent.remove_remote_agent(agent)
+        self._remotes.pop(agent, None)
+
+    def _do_notify(self, agent: str, message: bytes, _fut: _Fut) -> None:
+        if agent not in self._remotes:
+            raise NixlError(f"notify: unknown remote agent {agent!r}", remote=agent)
+        self._agent.send_notif(agent, message)
+
+    def _do_read(
+        self,
+        remote: str,
+        local_addr: npt.ArrayLike,
+        remote_addr: npt.ArrayLike,
+        length: npt.ArrayLike,
+        notif: bytes | None,
+        mem_type: str,
+        dev_id: int,
+        remote_dev_id: int,
+        fut: _Fut,
+    ) -> object:
+        if remote not in self._remotes:
+            raise NixlError(f"read: unknown remote agent {remote!r}", remote=remote)
+        lens = _as_int64(length)
+        n = len(lens)
+        if n == 0:
+            if notif:
+                self._agent.send_notif(remote, notif)
+            return TransferStats(0, 0, 0.0, 0.0)
+        local = np.empty((n, 3), dtype=np.int64)
+        local[:, 0] = _as_int64(local_addr)
+        local[:, 1] = lens
+        local[:, 2] = dev_id
+        far = local.copy()
+        far[:, 0] = _as_int64(remote_addr)
+        far[:, 2] = remote_dev_id
+        local_descs = self._agent.get_xfer_descs(local, mem_type)
+        remote_descs = self._agent.get_xfer_descs(far, mem_type)
+        if local_descs is None or remote_descs is None:
+            raise NixlError(f"read from remote agent {remote!r}: NIXL rejected the descriptor "
+                            f"lists (mem_type={mem_type!r})", remote=remote)
+        t0 = time.perf_counter()
+        try:
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote,
+                                                 notif or b"")
+        except Exception as exc:
+            raise _wrap(f"read of {n} descriptors from remote agent {remote!r}: "
+                        "initialize_xfer", exc, remote) from exc
+        r = _Inflight(handle, fut, remote, int(lens.sum()), n, t0, t0)
+        self._inflight_by_agent[remote] = self._inflight_by_agent.get(remote, 0) + 1
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._finish_read(r, None, _wrap(f"read from remote agent {remote!r}", exc, remote))
+            return _DEFERRED
+        r.t_post = time.perf_counter()
+        if state == "DONE":
+            self._finish_read(r, self._stats(r), None)
+        elif state == "PROC":
+            self._inflight.append(r)  # polled to DONE by _progress, right after this job
+        else:
+            self._finish_read(r, None, NixlError(
+                f"read from remote agent {remote!r} failed: transfer() returned {state}",
+                remote=remote))
+        return _DEFERRED
+
+    # -- event loop side callbacks ---------------------------------------------------------------
+
+    def _resolve_start(self, exc: BaseException | None) -> None:
+        fut = self._started_fut
+        if fut is None or fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def _resolve_stopped(self) -> None:
+        if self._stopped_fut is not None and not self._stopped_fut.done():
+            self._stopped_fut.set_result(None)
+
+    def _deliver(self, futs: list[tuple[_Fut, object, BaseException | None]],
+                 notifs: list[tuple[str, bytes]]) -> None:
+        for fut, result, exc in futs:
+            if fut.done():  # cancelled by its awaiter
+                continue
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        cb = self._on_notif
+        for agent, msg in notifs:
+            if cb is None:
+                log.debug("NIXL agent %r: dropping notification from %r", self._name, agent)
+                continue
+            try:
+                cb(agent, msg)
+            except Exception:
+                log.exception("on_notif callback failed for a message from %r", agent)
+
+
+_HINTS = {
+    "nixlNotFoundError": "unknown agent, or an address range outside every region registered "
+                         "by this agent or the remote",
+    "nixlInvalidParamError": "descriptor lists differ in count or in a length",
+    "nixlRemoteDisconnectError": "the remote agent disconnected (process gone?)",
+    "nixlMismatchError": "metadata could not be parsed",
+}
+
+
+def _wrap(what: str, exc: BaseException, remote: str | None) -> NixlError:
+    kind = type(exc).__name__
+    hint = _HINTS.get(kind)
+    detail = f"{kind}: {exc}" + (f" ({hint})" if hint else "")
+    err = NixlError(f"{what} failed: {detail}", remote=remote)
+    err.__cause__ = exc
+    return err

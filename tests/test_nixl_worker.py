@@ -1,0 +1,509 @@
+"""NixlWorker against real NIXL/UCX: a peer in another process, memory in /dev/shm.
+
+The peer process runs its own NixlWorker (the realistic case: two sidecars on
+one node) and is driven over a socketpair with pickled commands. Both sides
+map the peer's /dev/shm file, so the test can fill the peer's memory and check
+what a read brought over without asking the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvsidecar.daemon.nixl_worker import NixlError, NixlWorker, TransferStats, transport_note
+
+MiB = 1 << 20
+
+_PEER_SRC = r"""
+import asyncio, ctypes, mmap, os, sys, time
+from multiprocessing.connection import Connection
+from kvsidecar.daemon.nixl_worker import NixlWorker
+
+def mapfile(path):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return mm, ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+async def main(fd, name):
+    conn = Connection(fd)
+    loop = asyncio.get_running_loop()
+    notifs = []
+    got = asyncio.Event()
+    def on_notif(agent, msg):
+        notifs.append((agent, msg)); got.set()
+    w = NixlWorker(name, on_notif=on_notif)
+    await w.start()
+    maps = []
+    while True:
+        cmd, *args = await loop.run_in_executor(None, conn.recv)
+        try:
+            if cmd == "exit":
+                await w.stop(); conn.send(("ok", None)); return
+            elif cmd == "register":  # (path) -> (metadata, addr, reg_id)
+                mm, addr = mapfile(args[0]); maps.append(mm)
+                reg = await w.register([(addr, len(mm))])
+                res = (await w.metadata(), addr, reg)
+            elif cmd == "deregister":
+                res = await w.deregister(args[0])
+            elif cmd == "metadata":
+                res = await w.metadata()
+            elif cmd == "add_remote":
+                res = await w.add_remote(args[0])
+            elif cmd == "notify":
+                res = await w.notify(args[0], args[1])
+            elif cmd == "read":
+                res = await w.read(*args)
+            elif cmd == "notifs":  # (want, timeout) -> everything received so far, then cleared
+                want, timeout = args
+                deadline = loop.time() + timeout
+                while len(notifs) < want and loop.time() < deadline:
+                    got.clear()
+                    try:
+                        await asyncio.wait_for(got.wait(), deadline - loop.time())
+                    except asyncio.TimeoutError:
+                        break
+                res = list(notifs); notifs.clear()
+            else:
+                raise ValueError(cmd)
+            conn.send(("ok", res))
+        except Exception as exc:
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+"""
+
+
+class ShmBuf:
+    """A file in /dev/shm mapped here; other processes map it by path."""
+
+    def __init__(self, nbytes: int) -> None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.path = os.path.join(base, f"kvs-nixl-test-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.view = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.view
+        self.mm.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class Peer:
+    """A NixlWorker in a child process, driven synchronously over a socketpair."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _PEER_SRC, str(theirs.fileno()), name],
+            pass_fds=(theirs.fileno(),),
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.lock = threading.Lock()
+
+    def call_sync(self, *cmd: Any, timeout: float = 30.0) -> Any:
+        with self.lock:
+            self.conn.send(cmd)
+            if not self.conn.poll(timeout):
+                raise TimeoutError(f"peer did not answer {cmd[0]!r} in {timeout} s")
+            status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {cmd[0]!r} failed: {value}")
+        return value
+
+    async def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
+        return await asyncio.to_thread(self.call_sync, *cmd, timeout=timeout)
+
+    def close(self) -> None:
+        try:
+            self.call_sync("exit", timeout=15.0)
+            self.proc.wait(timeout=15.0)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+@pytest.fixture(scope="module")
+def peer_mem() -> Iterator[ShmBuf]:
+    buf = ShmBuf(MiB)
+    buf.view[:] = np.random.default_rng(1).integers(0, 256, MiB, dtype=np.uint8)
+    yield buf
+    buf.close()
+
+
+@pytest.fixture(scope="module")
+def peer(peer_mem: ShmBuf) -> Iterator[tuple[Peer, bytes, int]]:
+    """(peer, its metadata, address of peer_mem in the peer's address space)."""
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}")
+    try:
+        md, addr, _ = p.call_sync("register", peer_mem.path, timeout=60.0)
+        yield p, md, addr
+    finally:
+        p.close()
+
+
+class Local:
+    def __init__(self) -> None:
+        self.notifs: list[tuple[str, bytes]] = []
+        self.notif_threads: set[int] = set()
+        self.got = asyncio.Event()
+
+    def on_notif(self, agent: str, msg: bytes) -> None:
+        self.notif_threads.add(threading.get_ident())
+        self.notifs.append((agent, msg))
+        self.got.set()
+
+    async def wait_notifs(self, want: int, timeout: float = 10.0) -> list[tuple[str, bytes]]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.notifs) < want:
+            self.got.clear()
+            await asyncio.wait_for(self.got.wait(), max(0.0, deadline - loop.time()))
+        return self.notifs
+
+
+@pytest.fixture
+async def local() -> AsyncIterator[tuple[NixlWorker, Local, ShmBuf, int]]:
+    state = Local()
+    mem = ShmBuf(MiB)
+    w = NixlWorker(f"local-{uuid.uuid4().hex[:8]}", on_notif=state.on_notif)
+    await w.start()
+    reg = await w.register([(mem.addr, mem.nbytes)])
+    try:
+        yield w, state, mem, reg
+    finally:
+        await w.stop()
+        mem.close()
+
+
+def i64(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_scattered_read_from_peer_process(local: Any, peer: Any, peer_mem: ShmBuf) -> None:
+    w, _, mem, _ = local
+    p, md, paddr = peer
+    name = await w.add_remote(md)
+    assert name == p.name
+
+    rng = np.random.default_rng(7)
+    n = 48
+    # Non-overlapping 16 KiB slots on both sides, shuffled so no two neighbours stay neighbours.
+    src_slots = rng.permutation(MiB // 16384)[:n]
+    dst_slots = rng.permutation(MiB // 16384)[:n]
+    lens = rng.integers(1, 16384, n)
+    src_off = src_slots * 16384 + rng.integers(0, 16384 - lens + 1)
+    dst_off = dst_slots * 16384
+    stats = await w.read(name, i64(mem.addr + dst_off), i64(paddr + src_off), i64(lens),
+                         notif=b"read-1")
+    assert isinstance(stats, TransferStats)
+    assert stats.bytes == int(lens.sum())
+    assert stats.descriptors == n
+    assert stats.xfer_us >= 0 and stats.post_us >= 0
+
+    expected = np.zeros(MiB, dtype=np.uint8)
+    for s, d, ln in zip(src_off, dst_off, lens):
+        expected[d : d + ln] = peer_mem.view[s : s + ln]
+    assert np.array_equal(mem.view, expected)
+
+    got = await p.call("notifs", 1, 10.0)
+    assert got == [(w.agent_name, b"read-1")]
+
+
+@pytest.mark.timeout(120)
+async def test_zero_length_read_still_notifies(local: Any, peer: Any) -> None:
+    w, _, _, _ = local
+    p, md, _ = peer
+    name = await w.add_remote(md)
+    empty = i64([])
+    stats = await w.read(name, empty, empty, empty, notif=b"nothing-to-read")
+    assert stats == TransferStats(0, 0, 0.0, 0.0)
+    assert await w.read(name, empty, empty, empty) == TransferStats(0, 0, 0.0, 0.0)
+    await w.notify(name, b"marker")  # sent after both reads: all that arrives must come first
+    got = await p.call("notifs", 2, 10.0)
+    assert got == [(w.agent_name, b"nothing-to-read"), (w.agent_name, b"marker")]
+
+
+@pytest.mark.timeout(120)
+async def test_notifications_both_ways(local: Any, peer: Any) -> None:
+    w, state, _, _ = local
+    p, md, _ = peer
+    name = await w.add_remote(md)
+    await w.notify(name, b"ping")
+    assert await p.call("notifs", 1, 10.0) == [(w.agent_name, b"ping")]
+
+    # The other way needs our metadata at the peer; we are idle, and must still progress.
+    assert await p.call("add_remote", await w.metadata()) == w.agent_name
+    w.set_hot(True)
+    await p.call("notify", w.agent_name, b"pong-hot")
+    await state.wait_notifs(1)
+    w.set_hot(False)
+    await p.call("notify", w.agent_name, b"pong-idle")
+    got = await state.wait_notifs(2)
+    assert got == [(name, b"pong-hot"), (name, b"pong-idle")]
+    assert state.notif_threads == {threading.get_ident()}  # delivered on the loop thread
+
+
+@pytest.mark.timeout(120)
+async def test_peer_reads_from_us_and_we_get_its_notification(local: Any, peer: Any) -> None:
+    w, state, mem, _ = local
+    p, md, _ = peer
+    await w.add_remote(md)
+    mem.view[:4096] = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096]
+    mem.view[8192:12288] = 0xAB
+    # We are idle (no reads, not hot): the peer's wire-up must still get progressed.
+    assert await p.call("add_remote", await w.metadata()) == w.agent_name
+    scratch = ShmBuf(8192)
+    try:
+        _, saddr, sreg = await p.call("register", scratch.path)
+        stats = await p.call("read", w.agent_name, i64([saddr, saddr + 4096]),
+                             i64([mem.addr, mem.addr + 8192]), i64([4096, 4096]), b"peer-read")
+        assert stats.bytes == 8192
+        assert await state.wait_notifs(1) == [(p.name, b"peer-read")]
+        assert scratch.view[:4096].tobytes() == mem.view[:4096].tobytes()
+        assert (scratch.view[4096:] == 0xAB).all()
+        await p.call("deregister", sreg)
+    finally:
+        scratch.close()
+
+
+@pytest.mark.timeout(120)
+async def test_errors_fail_the_call_not_the_worker(local: Any, peer: Any) -> None:
+    w, _, mem, _ = local
+    p, md, paddr = peer
+    name = await w.add_remote(md)
+    one = i64([4096])
+
+    with pytest.raises(NixlError, match="nobody"):
+        await w.read("nobody", i64([mem.addr]), i64([paddr]), one)
+    with pytest.raises(NixlError, match="nobody"):
+        await w.notify("nobody", b"x")
+    # Past the end of the peer's registered region.
+    with pytest.raises(NixlError, match=name) as info:
+        await w.read(name, i64([mem.addr]), i64([paddr + MiB - 100]), one)
+    assert info.value.remote == name
+    # Local side not registered.
+    scratch = ShmBuf(4096)
+    try:
+        with pytest.raises(NixlError, match=name):
+            await w.read(name, i64([scratch.addr]), i64([paddr]), one)
+    finally:
+        scratch.close()
+    with pytest.raises(ValueError):
+        await w.read(name, i64([mem.addr, mem.addr]), i64([paddr]), one)
+    with pytest.raises(NixlError):
+        await w.deregister(12345)
+    with pytest.raises(NixlError):
+        await w.add_remote(b"not nixl metadata")
+
+    # Still alive and correct.
+    stats = await w.read(name, i64([mem.addr]), i64([paddr]), one, notif=b"after-errors")
+    assert stats.bytes == 4096
+    assert await p.call("notifs", 1, 10.0) == [(w.agent_name, b"after-errors")]
+
+
+@pytest.mark.timeout(120)
+async def test_add_remote_is_idempotent_and_replaces_changed_metadata(local: Any) -> None:
+    w, _, mem, _ = local
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}")
+    first, second = ShmBuf(65536), ShmBuf(65536)
+    try:
+        first.view[:] = 1
+        second.view[:] = 2
+        md1, addr1, reg1 = await p.call("register", first.path, timeout=60.0)
+        name = await w.add_remote(md1)
+        assert await w.add_remote(md1) == name
+        await w.read(name, i64([mem.addr]), i64([addr1]), i64([65536]))
+        assert (mem.view[:65536] == 1).all()
+
+        # The peer swaps its region (same agent name, new metadata).
+        _, addr2, _ = await p.call("register", second.path)
+        await p.call("deregister", reg1)
+        md2 = await p.call("metadata")
+        assert md2 != md1
+        assert await w.add_remote(md2) == name
+        await w.read(name, i64([mem.addr]), i64([addr2]), i64([65536]))
+        assert (mem.view[:65536] == 2).all()
+        # The old region is gone from our view of the peer, not merged with the new one.
+        with pytest.raises(NixlError, match=name):
+            await w.read(name, i64([mem.addr]), i64([addr1]), i64([65536]))
+
+        await w.remove_remote(name)
+        with pytest.raises(NixlError, match=name):
+            await w.read(name, i64([mem.addr]), i64([addr2]), i64([16]))
+        assert await w.add_remote(md2) == name
+        await w.read(name, i64([mem.addr]), i64([addr2]), i64([16]))
+    finally:
+        p.close()
+        first.close()
+        second.close()
+
+
+@pytest.mark.timeout(120)
+async def test_dead_peer_fails_reads_and_a_restarted_peer_is_readable(local: Any) -> None:
+    w, _, mem, _ = local
+    name = f"peer-{uuid.uuid4().hex[:8]}"
+    region = ShmBuf(65536)
+    region.view[:] = 5
+    p = Peer(name)
+    try:
+        md, addr, _ = await p.call("register", region.path, timeout=60.0)
+        assert await w.add_remote(md) == name
+        await w.read(name, i64([mem.addr]), i64([addr]), i64([4096]), notif=b"hello")
+        p.proc.kill()
+        p.proc.wait()
+        p.conn.close()
+        with pytest.raises(NixlError, match=name) as info:
+            await asyncio.wait_for(
+                w.read(name, i64([mem.addr]), i64([addr]), i64([4096]), notif=b"gone"), 30
+            )
+        assert info.value.remote == name
+
+        # Same agent name, new process, new metadata: add_remote replaces the dead entry.
+        region.view[:] = 6
+        p = Peer(name)
+        md2, addr2, _ = await p.call("register", region.path, timeout=60.0)
+        assert await w.add_remote(md2) == name
+        await w.read(name, i64([mem.addr]), i64([addr2]), i64([4096]), notif=b"back")
+        assert (mem.view[:4096] == 6).all()
+        assert await p.call("notifs", 1, 10.0) == [(w.agent_name, b"back")]
+    finally:
+        if p.proc.poll() is None:
+            p.close()
+        region.close()
+
+
+@pytest.mark.timeout(120)
+async def test_two_workers_in_one_process_and_stop_semantics() -> None:
+    """Two agents, two threads, one process; then stop() with reads queued."""
+    a_mem, b_mem = ShmBuf(4 * MiB), ShmBuf(4 * MiB)
+    b_mem.view[:] = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    got: list[tuple[str, bytes]] = []
+    a = NixlWorker(f"a-{uuid.uuid4().hex[:6]}")
+    b = NixlWorker(f"b-{uuid.uuid4().hex[:6]}", on_notif=lambda ag, m: got.append((ag, m)))
+    await asyncio.gather(a.start(), b.start())
+    try:
+        await a.register([(a_mem.addr, a_mem.nbytes)])
+        await b.register([(b_mem.addr, b_mem.nbytes)])
+        bname = await a.add_remote(await b.metadata())
+        stats = await a.read(bname, i64([a_mem.addr]), i64([b_mem.addr]), i64([4 * MiB]),
+                             notif=b"in-process")
+        assert stats.bytes == 4 * MiB
+        assert np.array_equal(a_mem.view, b_mem.view)
+        for _ in range(1000):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [(a.agent_name, b"in-process")]
+
+        # Many reads queued, then stop: each either completes or fails with "worker stopped".
+        chunk = 64 * 1024
+        offs = np.arange(0, 4 * MiB, chunk)
+        reads = [
+            asyncio.ensure_future(
+                a.read(bname, i64([a_mem.addr + o]), i64([b_mem.addr + o]), i64([chunk]))
+            )
+            for o in offs
+        ]
+        await asyncio.sleep(0)  # let the first submissions reach the worker
+        await a.stop()
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                assert isinstance(r, NixlError) and "worker stopped" in str(r), r
+            else:
+                assert r.bytes == chunk
+        with pytest.raises(NixlError, match="stopped"):
+            await a.read(bname, i64([a_mem.addr]), i64([b_mem.addr]), i64([16]))
+        await a.stop()  # idempotent
+    finally:
+        await a.stop()
+        await b.stop()
+        a_mem.close()
+        b_mem.close()
+
+
+@pytest.mark.timeout(120)
+def test_under_uvloop() -> None:
+    """The daemon runs on uvloop: results and notifications cross via its call_soon_threadsafe."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        a_mem, b_mem = ShmBuf(65536), ShmBuf(65536)
+        b_mem.view[:] = 9
+        got: list[tuple[str, bytes]] = []
+        arrived = asyncio.Event()
+
+        def on_notif(agent: str, msg: bytes) -> None:
+            got.append((agent, msg))
+            arrived.set()
+
+        a = NixlWorker(f"uva-{uuid.uuid4().hex[:6]}")
+        b = NixlWorker(f"uvb-{uuid.uuid4().hex[:6]}", on_notif=on_notif)
+        await a.start()
+        await b.start()
+        try:
+            await a.register([(a_mem.addr, a_mem.nbytes)])
+            await b.register([(b_mem.addr, b_mem.nbytes)])
+            bname = await a.add_remote(await b.metadata())
+            stats = await a.read(bname, i64([a_mem.addr]), i64([b_mem.addr]), i64([65536]),
+                                 notif=b"uv")
+            assert stats.bytes == 65536 and (a_mem.view == 9).all()
+            await asyncio.wait_for(arrived.wait(), 10)
+            assert got == [(a.agent_name, b"uv")]
+        finally:
+            await a.stop()
+            await b.stop()
+            a_mem.close()
+            b_mem.close()
+
+    uvloop.run(scenario())
+
+
+@pytest.mark.timeout(60)
+async def test_start_failure_is_a_nixl_error() -> None:
+    w = NixlWorker(f"bad-{uuid.uuid4().hex[:6]}", backends=("NO_SUCH_BACKEND",))
+    with pytest.raises(NixlError, match="NO_SUCH_BACKEND"):
+        await w.start()
+    await w.stop()
+    with pytest.raises(NixlError, match="stopped"):
+        await w.metadata()
+
+
+async def test_transport_note_names_ucx_tls() -> None:
+    note = transport_note()
+    assert "UCX_TLS" in note
+    assert "cma" in note or "tcp" in note
