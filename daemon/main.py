@@ -1,20 +1,79 @@
-"""The ``kvsidecar`` command line."""
+"""The ``kvsidecar`` command line: ``serve`` runs one sidecar, ``demo`` shows it working."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import signal
 import sys
+
+from kvsidecar.daemon import settings as settings_mod
+
+log = logging.getLogger("kvsidecar")
+
+
+async def _serve(s: settings_mod.Settings) -> int:
+    # Importing NIXL (and the torch it loads) takes seconds; pay it before
+    # announcing readiness, not inside the first engine's registration.
+    import nixl._api  # noqa: F401
+
+    from kvsidecar.daemon.nixl_worker import transport_note
+    from kvsidecar.daemon.service import Sidecar
+    from kvsidecar.metrics import registry
+
+    sidecar = Sidecar(s)
+    await sidecar.start()
+    metrics_port = registry.serve(s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else -1
+    log.info("transport: %s", transport_note())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # One machine-readable line on stdout, for supervisors, tests and the demo.
+    print("KVSIDECAR READY " + json.dumps({
+        "socket": s.socket, "handshake": sidecar.handshake_address,
+        "metrics_port": metrics_port, "daemon_id": sidecar.daemon_id,
+    }), flush=True)
+    await stop.wait()
+    log.info("signal received: shutting down")
+    await sidecar.stop()
+    return 0
+
+
+def serve(s: settings_mod.Settings) -> int:
+    logging.basicConfig(level=getattr(logging, s.log_level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        return uvloop.run(_serve(s))
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_serve(s))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvsidecar", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("serve", help="run one sidecar (not yet available)")
-    sub.add_parser("demo", help="P tp1 -> D tp2 transfer demo (not yet available)")
+    p_serve = sub.add_parser(
+        "serve", help="run one sidecar (one per GPU)",
+        description="Run one sidecar. Every flag has a KVSIDECAR_* environment default.",
+    )
+    settings_mod.add_arguments(p_serve)
+    p_demo = sub.add_parser("demo", help="move hybrid attention+Mamba2 KV from P tp1 to D tp2 "
+                                         "through real sidecars and check every byte")
+    p_demo.add_argument("--requests", type=int, default=16)
+    p_demo.add_argument("--layers", type=int, default=8)
+    p_demo.add_argument("--p-tp", type=int, default=1)
+    p_demo.add_argument("--d-tp", type=int, default=2)
     args = parser.parse_args(argv)
-    print(f"kvsidecar {args.cmd}: not yet available", file=sys.stderr)
-    return 2
+    if args.cmd == "serve":
+        return serve(settings_mod.from_args(args))
+    from kvsidecar.sim.demo import run_demo
+
+    return run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

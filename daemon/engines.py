@@ -1,0 +1,103 @@
+"""One registered engine rank: its memory, its NIXL agent, its queue of completions.
+
+Each engine rank gets its own NIXL worker (agent + thread). An agent's
+metadata then never changes after registration, so a peer that loaded it once
+never reads with a stale copy, and notifications arrive at the agent of the
+engine they are for.
+
+Memory comes in both ownership directions: *attach* maps regions the engine
+created; *allocate* creates them here and hands references back (the
+direction GPU memory needs, since memory belongs to the process that
+registers it). Either way the sizes are checked against the layout before
+NIXL sees an address.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvsidecar.daemon.handshake import HandshakeInfo
+from kvsidecar.daemon.holds import HoldBook, HoldOutcome
+from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.daemon.peers import PeerLinks
+from kvsidecar.ipc.layout import Layout
+from kvsidecar.ipc.memory import RegionError, ShmRegion, allocate_for_layout, attach_refs
+from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, RegionRef, RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRank:
+    engine_id: str
+    tp_rank: int
+    layout: Layout
+    regions: list[ShmRegion]
+    owned: bool
+    keep_on_exit: bool
+    pid: int
+    worker: NixlWorker
+    reg_id: int
+    bases: NDArray[np.int64]
+    peers: PeerLinks
+    info: HandshakeInfo
+    hold_timeout_s: float
+    notif_grace_s: float
+    completions: collections.deque[Completion] = field(default_factory=collections.deque)
+    holds: HoldBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
+                              on_done=self.hold_done)
+
+    def complete(self, c: Completion) -> None:
+        self.completions.append(c)
+
+    def hold_done(self, o: HoldOutcome) -> None:
+        self.completions.append(Completion(o.request_id, o.kind, o.reason))
+        self.worker.set_hot(len(self.holds) > 0)
+
+
+def map_regions(engine_id: str, layout: Layout, mode: str,
+                refs: list[RegionRef]) -> tuple[list[ShmRegion], bool]:
+    """Map (attach) or create (allocate) the engine's regions; (regions, owned)."""
+    need = layout.region_bytes
+    if mode == "allocate":
+        if refs:
+            raise RequestError(BAD_REQUEST, "allocate mode takes no region references")
+        prefix = "kvs-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
+        try:
+            return allocate_for_layout(layout, prefix), True
+        except (RegionError, OSError) as e:
+            raise RequestError(BAD_REQUEST, f"cannot allocate {layout.num_regions} regions of "
+                                            f"{need} B: {e}") from None
+    if len(refs) != layout.num_regions:
+        raise RequestError(BAD_REQUEST, f"layout has {layout.num_regions} regions, "
+                                        f"{len(refs)} region references were sent")
+    for i, ref in enumerate(refs):
+        if ref.nbytes < need:
+            raise RequestError(
+                BAD_REQUEST,
+                f"region {i} ({ref.name!r}) is {ref.nbytes} B; the layout needs "
+                f"{layout.num_blocks} pages x {layout.page_bytes} B = {need} B",
+            )
+    try:
+        return attach_refs(refs), False
+    except (RegionError, OSError) as e:
+        raise RequestError(BAD_REQUEST, f"cannot map the engine's regions: {e}") from None
+
+
+def release_regions(regions: list[ShmRegion], owned: bool) -> None:
+    for r in regions:
+        with contextlib.suppress(Exception):
+            r.close()
+        if owned:
+            with contextlib.suppress(Exception):
+                r.unlink()

@@ -1,0 +1,70 @@
+"""D side: from "rank p of remote engine E at host:port" to a NIXL agent we can read from.
+
+One link per (local engine rank, remote address, remote engine, remote rank):
+fetch the handshake (shared and cached by :class:`HandshakeClient`), check
+the peer against what the engine was told and against our layout, then load
+its agent metadata into the local engine's NIXL worker. Concurrent requests
+to a new peer share one link task; a failed link is forgotten so the next
+request retries instead of inheriting the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvsidecar.daemon.handshake import HandshakeClient, HandshakeInfo, check_peer
+from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.ipc.layout import Layout
+
+Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
+
+
+@dataclass(frozen=True)
+class Peer:
+    info: HandshakeInfo
+    agent: str
+    bases: NDArray[np.int64]
+
+
+class PeerLinks:
+    """The remote ranks one local engine rank has linked to."""
+
+    def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient) -> None:
+        self._worker = worker
+        self._layout = layout
+        self._client = client
+        self._links: dict[Key, asyncio.Task[Peer]] = {}
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    async def get(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
+        key = (address, engine_id, rank)
+        task = self._links.get(key)
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            task = asyncio.ensure_future(self._link(address, engine_id, tp_size, rank))
+            self._links[key] = task
+        try:
+            peer = await asyncio.shield(task)
+        except BaseException:
+            if self._links.get(key) is task and task.done():
+                del self._links[key]
+            raise
+        if peer.info.tp_size != tp_size:
+            # Cached from a request that described the engine differently.
+            check_peer(peer.info, engine_id, tp_size, self._layout, address=address)
+        return peer
+
+    async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
+        info = await self._client.fetch(address, engine_id, rank)
+        check_peer(info, engine_id, tp_size, self._layout, address=address)
+        agent = await self._worker.add_remote(info.agent_metadata)
+        return Peer(info, agent, np.asarray(info.bases, dtype=np.int64))
+
+    def forget(self, address: str | None = None) -> None:
+        for key in [k for k in self._links if address is None or k[0] == address]:
+            del self._links[key]

@@ -1,0 +1,354 @@
+"""The sidecar: wires the engine server, the handshake server and one NIXL worker
+per engine rank, and answers engine requests.
+
+Every handler returns within microseconds: it validates, records and hands
+work to a task (reads), the hold book (holds) or a worker thread (NIXL).
+Registration is the exception: it awaits memory registration on the engine's
+worker thread, which the engine waits for anyway.
+
+Ownership: this class owns the table of engine ranks; each
+:class:`~kvsidecar.daemon.engines.EngineRank` owns its memory, worker, holds,
+peer links and completion queue; read jobs live in ``self._reads`` until
+their completion is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
+
+from kvsidecar.daemon import notifications
+from kvsidecar.daemon.engine_server import EngineServer
+from kvsidecar.daemon.engines import EngineRank, map_regions, release_regions
+from kvsidecar.daemon.handshake import (
+    HandshakeClient,
+    HandshakeInfo,
+    HandshakeServer,
+    make_handshake_info,
+    new_daemon_id,
+)
+from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.daemon.peers import PeerLinks
+from kvsidecar.daemon.planner import PlanError, candidate_ranks, validate_block_ids
+from kvsidecar.daemon.reads import ReadJob, aborted, failed, run_read
+from kvsidecar.daemon.settings import Settings
+from kvsidecar.ipc.layout import LayoutError, validate
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    PROTOCOL_VERSION,
+    UNKNOWN_ENGINE,
+    Completion,
+    Completions,
+    Deregister,
+    Hold,
+    Ok,
+    Ping,
+    Poll,
+    Pong,
+    Read,
+    Register,
+    Registered,
+    Release,
+    Reply,
+    Request,
+    RequestError,
+)
+from kvsidecar.metrics import registry as metrics
+
+log = logging.getLogger(__name__)
+
+
+class Sidecar:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.daemon_id = new_daemon_id()
+        self._engines: dict[str, EngineRank] = {}
+        self._reads: dict[tuple[str, str], ReadJob] = {}
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
+        self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
+        self._hs_server = HandshakeServer(
+            f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
+            engines=lambda: list(self._engines),
+        )
+        self._server = EngineServer(settings.socket, self)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.handshake_address = ""
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        bound = await self._hs_server.start()
+        port = bound.rsplit(":", 1)[1]
+        self.handshake_address = f"{self.settings.advertised}:{port}"
+        await self._server.start()
+        self._tasks.append(asyncio.ensure_future(self._housekeeping()))
+        log.info("kvsidecar %s serving engines on %s, handshakes on %s (peers dial %s)",
+                 self.daemon_id, self.settings.socket, bound, self.handshake_address)
+
+    async def stop(self) -> None:
+        """Stop accepting, finish or fail in-flight reads, release everything."""
+        if self._stopping:
+            return
+        self._stopping = True
+        await self._server.stop()
+        for t in self._tasks:
+            t.cancel()
+        for job in list(self._reads.values()):
+            if not job.posted and job.task is not None:
+                job.task.cancel()
+        pending = [j.task for j in self._reads.values() if j.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=30)
+        for engine_id in list(self._engines):
+            await self._drop_engine(engine_id, "daemon shutting down")
+        await self._hs_server.stop()
+        await self._hs_client.close()
+        self._planner.shutdown(wait=False, cancel_futures=True)
+        log.info("kvsidecar %s stopped", self.daemon_id)
+
+    # ------------------------------------------------------------ requests
+
+    async def handle(self, req: Request) -> Reply:
+        metrics.REQUESTS.labels(op=type(req).__name__.lower()).inc()
+        if isinstance(req, Read):
+            return self._read(req)
+        if isinstance(req, Poll):
+            eng = self._engine(req.engine_id)
+            items = list(eng.completions)
+            eng.completions.clear()
+            return Completions(items=items)
+        if isinstance(req, Hold):
+            return self._hold(req)
+        if isinstance(req, Release):
+            return self._release(req)
+        if isinstance(req, Register):
+            return await self._register(req)
+        if isinstance(req, Deregister):
+            self._engine(req.engine_id)
+            await self._drop_engine(req.engine_id, "deregistered by the engine")
+            return Ok()
+        if isinstance(req, Ping):
+            return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
+        raise RequestError(BAD_REQUEST, f"unsupported request {type(req).__name__}")
+
+    def _engine(self, engine_id: str) -> EngineRank:
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            known = ", ".join(sorted(self._engines)) or "none"
+            raise RequestError(UNKNOWN_ENGINE,
+                               f"engine {engine_id!r} is not registered here (registered: {known})")
+        return eng
+
+    async def _register(self, req: Register) -> Reply:
+        if self._stopping:
+            raise RequestError(BAD_REQUEST, "the daemon is shutting down")
+        if req.engine_id in self._engines:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
+        try:
+            layout = validate(req.layout)
+        except LayoutError as e:
+            raise RequestError(BAD_REQUEST, f"invalid layout: {e}") from None
+        if req.tp_rank >= layout.tp_size:
+            raise RequestError(BAD_REQUEST, f"tp_rank {req.tp_rank} outside the layout's "
+                                            f"tp_size {layout.tp_size}")
+        # Creating or mapping shared memory touches every page (about 1 s per GB):
+        # off the loop, so other engines keep being served meanwhile.
+        regions, owned = await asyncio.get_running_loop().run_in_executor(
+            None, map_regions, req.engine_id, layout, req.mode, req.regions)
+        agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
+        worker = NixlWorker(agent, backends=self.settings.backends,
+                            on_notif=partial(self._on_notif, req.engine_id))
+        try:
+            await worker.start()
+            reg_id = await worker.register([(r.address, layout.region_bytes) for r in regions])
+            meta = await worker.metadata()
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                await worker.stop()
+            release_regions(regions, owned)
+            raise RequestError(BAD_REQUEST, f"NIXL registration failed: {e}") from None
+        bases = [r.address for r in regions]
+        eng = EngineRank(
+            engine_id=req.engine_id, tp_rank=req.tp_rank, layout=layout, regions=regions,
+            owned=owned, keep_on_exit=req.keep_on_exit, pid=req.pid, worker=worker,
+            reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
+            peers=PeerLinks(worker, layout, self._hs_client),
+            info=make_handshake_info(
+                engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
+                agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
+            ),
+            hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
+        )
+        self._engines[req.engine_id] = eng
+        self._hs_server.invalidate(req.engine_id)
+        metrics.ENGINES.set(len(self._engines))
+        log.info("registered engine %r rank %d/%d (%s, %d regions x %d B, %s)", req.engine_id,
+                 req.tp_rank, layout.tp_size, layout.family, layout.num_regions,
+                 layout.region_bytes, req.mode)
+        return Registered(engine_id=req.engine_id, handshake_address=self.handshake_address,
+                          agent_name=worker.agent_name,
+                          regions=[r.ref() for r in regions] if owned else [])
+
+    def _lookup(self, engine_id: str, rank: int) -> HandshakeInfo | None:
+        eng = self._engines.get(engine_id)
+        if eng is None or eng.tp_rank != rank:
+            return None
+        return eng.info
+
+    def _read(self, req: Read) -> Reply:
+        eng = self._engine(req.engine_id)
+        key = (req.engine_id, req.request_id)
+        if key in self._reads:
+            raise RequestError(DUPLICATE, f"read {req.request_id!r} is already in progress")
+        r = req.remote
+        if len(r.handshake) != r.tp_size:
+            raise RequestError(BAD_REQUEST, f"remote engine {r.engine_id!r} has tp_size "
+                                            f"{r.tp_size} but {len(r.handshake)} handshake "
+                                            "addresses")
+        try:
+            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+            validate_block_ids(eng.layout, req.local_block_ids, "local")
+            if len(req.remote_block_ids) != len(eng.layout.groups):
+                raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
+                                f"the layout has {len(eng.layout.groups)}")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        job = ReadJob(req)
+        self._reads[key] = job
+        job.task = asyncio.ensure_future(self._run_read(eng, job))
+        return Ok()
+
+    async def _run_read(self, eng: EngineRank, job: ReadJob) -> None:
+        req = job.req
+        t0 = time.perf_counter()
+        try:
+            out = await run_read(eng, job, self._planner)
+        except asyncio.CancelledError:
+            c = aborted(req, "aborted before any transfer was posted")
+        except Exception as e:  # every failure becomes a completion, never a crash
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
+            metrics.READS.labels(outcome="failed").inc()
+            c = failed(req, reason)
+        else:
+            if job.aborted:
+                c = aborted(req, "aborted by the engine (transfers had finished)")
+            else:
+                c = Completion(req.request_id, "received", nbytes=out.nbytes)
+                metrics.READS.labels(outcome="received").inc()
+                metrics.READ_BYTES.inc(out.nbytes)
+                metrics.DESCRIPTORS.inc(out.descriptors)
+                metrics.READ_SECONDS.observe(time.perf_counter() - t0)
+        finally:
+            self._reads.pop((eng.engine_id, req.request_id), None)
+        current = self._engines.get(eng.engine_id)
+        if current is not None and current is eng:
+            current.complete(c)
+
+    def _hold(self, req: Hold) -> Reply:
+        eng = self._engine(req.engine_id)
+        try:
+            validate_block_ids(eng.layout, req.block_ids, "held")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        try:
+            eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
+                          req.timeout_s, time.monotonic())
+        except KeyError as e:
+            raise RequestError(DUPLICATE, str(e.args[0])) from None
+        eng.worker.set_hot(len(eng.holds) > 0)
+        return Ok()
+
+    def _release(self, req: Release) -> Reply:
+        eng = self._engine(req.engine_id)
+        job = self._reads.get((req.engine_id, req.request_id))
+        if job is not None:
+            job.aborted = True
+            if not job.posted and job.task is not None:
+                job.task.cancel()
+            return Ok()
+        if eng.holds.release(req.engine_id, req.request_id):
+            return Ok()
+        raise RequestError(BAD_REQUEST, f"no read or hold {req.request_id!r} in progress for "
+                                        f"engine {req.engine_id!r}")
+
+    # ------------------------------------------------------------ notifications
+
+    def _on_notif(self, engine_id: str, agent: str, msg: bytes) -> None:
+        try:
+            note = notifications.decode(msg)
+        except notifications.BadNotification as e:
+            metrics.NOTIFICATIONS.labels(outcome="bad").inc()
+            log.warning("ignoring a notification from %s: %s", agent, e)
+            return
+        eng = self._engines.get(note.target_engine)
+        if eng is None:
+            metrics.NOTIFICATIONS.labels(outcome="unknown_engine").inc()
+            log.warning("notification for unknown engine %r (request %r) from %s",
+                        note.target_engine, note.request_id, agent)
+            return
+        metrics.NOTIFICATIONS.labels(outcome="ok").inc()
+        eng.holds.notify(note, time.monotonic())
+
+    # ------------------------------------------------------------ housekeeping
+
+    async def _housekeeping(self) -> None:
+        """Expire holds, drop early notifications, notice engines that died."""
+        last_pid_check = 0.0
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for eng in list(self._engines.values()):
+                before = eng.holds.unclaimed
+                eng.holds.expire(now)
+                if eng.holds.unclaimed != before:
+                    metrics.NOTIFICATIONS.labels(outcome="unclaimed").inc(
+                        eng.holds.unclaimed - before)
+            if now - last_pid_check >= 1.0:
+                last_pid_check = now
+                for eng in list(self._engines.values()):
+                    if eng.pid and not eng.keep_on_exit and not _alive(eng.pid):
+                        log.warning("engine %r (pid %d) is gone; releasing its resources",
+                                    eng.engine_id, eng.pid)
+                        await self._drop_engine(eng.engine_id, "engine process exited")
+
+    async def _drop_engine(self, engine_id: str, why: str) -> None:
+        eng = self._engines.pop(engine_id, None)
+        if eng is None:
+            return
+        self._hs_server.invalidate(engine_id)
+        jobs = [j for (e, _), j in self._reads.items() if e == engine_id]
+        for j in jobs:
+            j.aborted = True
+            if not j.posted and j.task is not None:
+                j.task.cancel()
+        # Memory may only go once nothing writes into it.
+        tasks = [j.task for j in jobs if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        eng.holds.drop_engine(engine_id)
+        with contextlib.suppress(Exception):
+            await eng.worker.stop()
+        release_regions(eng.regions, eng.owned)
+        metrics.ENGINES.set(len(self._engines))
+        log.info("engine %r released (%s)", engine_id, why)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,107 @@
+"""Sidecar settings: command-line flags, each with a ``KVSIDECAR_*`` environment default.
+
+Environment variables exist for systemd units and Kubernetes pods, where one
+template serves every GPU; flags win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: str
+    handshake_host: str = "127.0.0.1"
+    handshake_port: int = 0
+    advertise_host: str = ""
+    backends: tuple[str, ...] = ("UCX",)
+    device: str = "cpu"
+    hold_timeout_s: float = 120.0
+    notif_grace_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
+    log_level: str = "INFO"
+
+    @property
+    def advertised(self) -> str:
+        """The host peers should dial: the bind host unless it is a wildcard."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.handshake_host in ("0.0.0.0", "*", "::"):
+            import socket
+
+            return socket.gethostname()
+        return self.handshake_host
+
+
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+def default_socket(device: str) -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, "kvsidecar", f"{device.replace(':', '')}.sock")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"KVSIDECAR_{name}", default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=_env("DEVICE", "cpu"),
+                   help="cpu or cuda:N; names the default socket (env KVSIDECAR_DEVICE)")
+    p.add_argument("--socket", default=_env("SOCKET", ""),
+                   help="engine IPC socket path (env KVSIDECAR_SOCKET; default "
+                        "$XDG_RUNTIME_DIR or /tmp, then kvsidecar/<device>.sock)")
+    p.add_argument("--handshake-host", default=_env("HANDSHAKE_HOST", "127.0.0.1"),
+                   help="address the handshake server binds (env KVSIDECAR_HANDSHAKE_HOST)")
+    p.add_argument("--handshake-port", type=int, default=int(_env("HANDSHAKE_PORT", "0")),
+                   help="handshake TCP port, 0 = ephemeral (env KVSIDECAR_HANDSHAKE_PORT)")
+    p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""),
+                   help="host peers dial, when the bind host is a wildcard "
+                        "(env KVSIDECAR_ADVERTISE_HOST)")
+    p.add_argument("--backends", default=_env("BACKENDS", "UCX"),
+                   help="comma-separated NIXL backends (env KVSIDECAR_BACKENDS)")
+    p.add_argument("--hold-timeout", type=float, default=float(_env("HOLD_TIMEOUT", "120")),
+                   help="seconds an unread hold lives (env KVSIDECAR_HOLD_TIMEOUT)")
+    p.add_argument("--notif-grace", type=float, default=float(_env("NOTIF_GRACE", "30")),
+                   help="seconds a notification waits for its hold (env KVSIDECAR_NOTIF_GRACE)")
+    p.add_argument("--handshake-timeout", type=float,
+                   default=float(_env("HANDSHAKE_TIMEOUT", "5")),
+                   help="seconds to wait for a peer's handshake (env KVSIDECAR_HANDSHAKE_TIMEOUT)")
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
+                   help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
+                        "(env KVSIDECAR_METRICS_PORT)")
+    p.add_argument("--metrics-host", default=_env("METRICS_HOST", "127.0.0.1"),
+                   help="address the metrics endpoint binds (env KVSIDECAR_METRICS_HOST)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING, ERROR (env KVSIDECAR_LOG_LEVEL)")
+
+
+def from_args(ns: argparse.Namespace) -> Settings:
+    if not _DEVICE.match(ns.device):
+        raise SystemExit(f"kvsidecar: --device must be cpu or cuda:N, got {ns.device!r}")
+    backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
+    if not backends:
+        raise SystemExit("kvsidecar: --backends names no backend")
+    for name in ("hold_timeout", "notif_grace", "handshake_timeout"):
+        if getattr(ns, name) <= 0:
+            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be > 0")
+    return Settings(
+        socket=ns.socket or default_socket(ns.device),
+        handshake_host=ns.handshake_host,
+        handshake_port=ns.handshake_port,
+        advertise_host=ns.advertise_host,
+        backends=backends,
+        device=ns.device,
+        hold_timeout_s=ns.hold_timeout,
+        notif_grace_s=ns.notif_grace,
+        handshake_timeout_s=ns.handshake_timeout,
+        metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
+        log_level=ns.log_level.upper(),
+    )

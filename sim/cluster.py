@@ -1,0 +1,301 @@
+"""Real sidecar processes and simulated engines, for the demo and end-to-end tests.
+
+A :class:`SidecarProcess` is ``python -m kvsidecar serve`` in its own process
+(real ZMQ, real NIXL). A :class:`SimEngine` plays one engine with ``tp``
+ranks, each rank a client of its own sidecar, its KV cache in shared memory
+(allocated by the sidecar, or by the engine and attached). P engines fill
+their pages with the oracle's logical state and hold them; D engines poison
+their pages, read, and verify with the oracle. Nothing here shortcuts the
+daemon: every byte moves through NIXL between processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvsidecar.ipc.client import Registration, SidecarClient
+from kvsidecar.ipc.memory import ShmRegion, allocate_for_layout
+from kvsidecar.ipc.protocol import Completion, RemoteEngine
+from kvsidecar.sim.models import MakeLayout
+from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
+
+
+class SidecarProcess:
+    """One ``kvsidecar serve`` child process; logs go to ``<workdir>/<name>.log``."""
+
+    def __init__(self, workdir: Path, name: str, *, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.socket = str(workdir / f"{name}.sock")
+        self.log_path = workdir / f"{name}.log"
+        self.args = list(args)
+        self.env = env
+        self.proc: subprocess.Popen[str] | None = None
+        self.handshake = ""
+        self.metrics_port = -1
+        self._log: IO[str] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> SidecarProcess:
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, **(self.env or {})}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
+             "--handshake-host", "127.0.0.1", "--handshake-port", "0", *self.args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+        )
+        ready: dict[str, Any] = {}
+        got = threading.Event()
+
+        def pump(out: IO[str]) -> None:
+            for line in out:
+                if line.startswith("KVSIDECAR READY ") and not got.is_set():
+                    ready.update(json.loads(line[len("KVSIDECAR READY "):]))
+                    got.set()
+
+        assert self.proc.stdout is not None
+        threading.Thread(target=pump, args=(self.proc.stdout,), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not got.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"sidecar {self.name} did not start; log:\n{self.read_log()}")
+        self.handshake = str(ready["handshake"])
+        self.metrics_port = int(ready["metrics_port"])
+        return self
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text()[-8000:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        if self._log:
+            self._log.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Sent:
+    """What P hands D for one request (vLLM's kv_transfer_params)."""
+
+    request_id: str
+    remote: RemoteEngine
+    block_ids: list[list[int]]
+    req: Request
+
+
+@dataclass
+class Receiving:
+    request_id: str
+    sent: Sent
+    block_ids: list[list[int]]
+    skip_tokens: int
+    done: dict[int, Completion] = field(default_factory=dict)
+
+
+class SimEngine:
+    """One engine of ``tp`` ranks, each served by its own sidecar."""
+
+    def __init__(self, engine_id: str, make: MakeLayout, tp: int, num_blocks: int,
+                 sidecars: Sequence[SidecarProcess], *, attach: bool = False,
+                 timeout_s: float = 30.0) -> None:
+        if len(sidecars) != tp:
+            raise ValueError(f"engine {engine_id}: {tp} ranks need {tp} sidecars")
+        self.engine_id = engine_id
+        self.tp = tp
+        self.layout = make(tp, num_blocks)
+        self.clients = [SidecarClient(s.socket, timeout_s=timeout_s) for s in sidecars]
+        self.registrations: list[Registration] = []
+        self._own: list[list[ShmRegion]] = []
+        for rank, client in enumerate(self.clients):
+            if attach:
+                mine = allocate_for_layout(self.layout, f"eng-{engine_id}-{rank}")
+                self._own.append(mine)
+                self.registrations.append(client.register(engine_id, rank, self.layout,
+                                                          regions=mine))
+            else:
+                self.registrations.append(client.register(engine_id, rank, self.layout,
+                                                          allocate=True))
+        self.buffers = [[r.numpy() for r in reg.regions] for reg in self.registrations]
+        for bufs in self.buffers:
+            for b in bufs:
+                b[:] = POISON
+        self._free = list(range(num_blocks))
+        self.receiving: dict[str, Receiving] = {}
+        self.completions: dict[int, list[Completion]] = {r: [] for r in range(tp)}
+
+    # ------------------------------------------------------------ both roles
+
+    @property
+    def remote(self) -> RemoteEngine:
+        return RemoteEngine(self.engine_id, self.tp,
+                            [r.handshake_address for r in self.registrations])
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"engine {self.engine_id}: out of blocks ({n} > {len(self._free)})")
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, ids: list[list[int]]) -> None:
+        for group in ids:
+            for b in group:
+                for bufs in self.buffers:
+                    for buf in bufs:
+                        buf[b * self.layout.page_bytes:(b + 1) * self.layout.page_bytes] = POISON
+            self._free.extend(group)
+
+    def blocks_for(self, tokens: int, mamba_pages: int = 1) -> list[list[int]]:
+        ids = []
+        for g in self.layout.groups:
+            if g.kind == "attention":
+                per = g.sub_blocks * g.block_tokens
+                ids.append(self.alloc(-(-tokens // per) if tokens > 0 else 0))
+            else:
+                ids.append(self.alloc(mamba_pages if tokens > 0 else 0))
+        return ids
+
+    def poll(self) -> None:
+        for rank, c in enumerate(self.clients):
+            self.completions[rank].extend(c.poll(self.engine_id))
+
+    def wait_for(self, request_ids: Sequence[str], timeout_s: float = 60.0
+                 ) -> dict[str, dict[int, Completion]]:
+        """Poll every rank until each request has a completion on every rank."""
+        want = set(request_ids)
+        got: dict[str, dict[int, Completion]] = {r: {} for r in want}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            for rank, items in self.completions.items():
+                keep = []
+                for c in items:
+                    if c.request_id in want:
+                        got[c.request_id][rank] = c
+                    else:
+                        keep.append(c)
+                self.completions[rank] = keep
+            if all(len(v) == self.tp for v in got.values()):
+                return got
+            if time.monotonic() > deadline:
+                missing = {r: sorted(set(range(self.tp)) - set(v)) for r, v in got.items()
+                           if len(v) < self.tp}
+                raise TimeoutError(f"engine {self.engine_id}: no completion for {missing}")
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        for c in self.clients:
+            with contextlib.suppress(Exception):
+                c.deregister(self.engine_id)
+            c.close()
+        for reg in self.registrations:
+            for r in reg.regions:
+                r.close()
+        for mine in self._own:
+            for r in mine:
+                r.close()
+                r.unlink()
+
+    # ------------------------------------------------------------ P role
+
+    def prefill(self, request_id: str, req: Request, *, readers: int = 1,
+                timeout_s: float | None = None, hold: bool = True) -> Sent:
+        ids = self.blocks_for(req.prompt_tokens)
+        for rank in range(self.tp):
+            fill_shard(self.buffers[rank], self.layout, rank, ids, req)
+            if hold:
+                self.clients[rank].hold(self.engine_id, request_id, ids, readers=readers,
+                                        timeout_s=timeout_s)
+        return Sent(request_id, self.remote, ids, req)
+
+    # ------------------------------------------------------------ D role
+
+    def start_read(self, sent: Sent, *, request_id: str | None = None, skip_blocks: int = 0,
+                   full_hit: bool = False, explicit_skip: bool = True) -> Receiving:
+        rid = request_id or sent.request_id
+        skip = 0
+        ids: list[list[int]] = []
+        for g in self.layout.groups:
+            if full_hit:
+                ids.append([])
+            elif g.kind == "attention":
+                per = g.sub_blocks * g.block_tokens
+                skip = skip_blocks * per
+                ids.append(self.alloc(-(-(sent.req.prompt_tokens - skip) // per)))
+            else:
+                ids.append(self.alloc(1))
+        rec = Receiving(rid, sent, ids, skip)
+        self.receiving[rid] = rec
+        for rank in range(self.tp):
+            self.clients[rank].read(self.engine_id, rid, ids, sent.remote, sent.block_ids,
+                                    remote_request_id=sent.request_id,
+                                    skip_tokens=skip if explicit_skip else None)
+        return rec
+
+    def verify(self, rid: str) -> list[str]:
+        """The oracle's verdict on every rank's pages for one received request."""
+        rec = self.receiving[rid]
+        others = {b for r, o in self.receiving.items() if r != rid
+                  for g in o.block_ids for b in g}
+        problems = []
+        for rank in range(self.tp):
+            problems += [f"rank {rank}: {p}" for p in check_received(
+                self.buffers[rank], self.layout, rank, rec.block_ids, rec.sent.req,
+                rec.skip_tokens, ignore_blocks=others)]
+        return problems
+
+    def finish(self, rid: str) -> None:
+        rec = self.receiving.pop(rid)
+        self.free(rec.block_ids)
+
+
+@contextlib.contextmanager
+def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarProcess],
+            uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,
+            n_d: int = 1, attach: bool = False, blocks: int = 96
+            ) -> Iterator[tuple[SimEngine, list[SimEngine]]]:
+    """A P engine of ``p_tp`` ranks and ``n_d`` D engines of ``d_tp`` ranks, closed after."""
+    made: list[SimEngine] = []
+    try:
+        P = SimEngine(uid("P"), make, p_tp, blocks, p_sidecars[:p_tp], attach=attach)
+        made.append(P)
+        ds = []
+        for _ in range(n_d):
+            D = SimEngine(uid("D"), make, d_tp, blocks, d_sidecars[:d_tp], attach=attach)
+            made.append(D)
+            ds.append(D)
+        yield P, ds
+    finally:
+        for e in made:
+            e.close()

@@ -1,0 +1,215 @@
+"""End to end: bad input and failures get clear answers; the daemon keeps serving."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvsidecar.ipc.client import BadRequest, Duplicate, SidecarClient, UnknownEngine
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.memory import ShmRegion, unique_name
+from kvsidecar.ipc.protocol import Error, RemoteEngine, decode_reply
+from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+
+def _completion(engine, rid: str, timeout_s: float = 30.0):
+    got = engine.wait_for([rid], timeout_s)[rid]
+    return got
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_hold_expires(pool) -> None:
+    with pool.engines(attn(8), 2, 1) as (P, _):
+        P.prefill("lonely", Request(seed=1, prompt_tokens=20), timeout_s=0.3)
+        got = _completion(P, "lonely")
+        assert {c.kind for c in got.values()} == {"expired"}
+        assert "0 of 1 reading engines" in got[0].reason
+
+
+def test_release_aborts_a_hold(pool) -> None:
+    with pool.engines(attn(8), 1, 1) as (P, _):
+        P.prefill("dropped", Request(seed=1, prompt_tokens=20))
+        P.clients[0].release(P.engine_id, "dropped")
+        got = _completion(P, "dropped")
+        assert got[0].kind == "aborted"
+        with pytest.raises(BadRequest, match="no read or hold 'dropped'"):
+            P.clients[0].release(P.engine_id, "dropped")
+
+
+def test_release_aborts_a_read_waiting_for_its_handshake(pool) -> None:
+    """A read stuck in its handshake (peer never answers) is aborted at once;
+    its blocks are reported invalid."""
+    with pool.engines(hybrid, 1, 1) as (P, (D,)):
+        sent = P.prefill("slow-peer", Request(seed=2, prompt_tokens=30))
+        silent = socket.socket()  # accepts TCP connections, never speaks ZMQ
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        try:
+            sent.remote = RemoteEngine(sent.remote.engine_id, 1,
+                                       [f"127.0.0.1:{silent.getsockname()[1]}"])
+            rec = D.start_read(sent)
+            D.clients[0].release(D.engine_id, "slow-peer")
+            got = _completion(D, "slow-peer")
+        finally:
+            silent.close()
+        assert got[0].kind == "aborted"
+        assert got[0].invalid_block_ids == rec.block_ids
+        D.finish("slow-peer")
+
+
+def test_dead_handshake_address_fails_the_read_not_the_daemon(pool) -> None:
+    with pool.engines(hybrid, 1, 2) as (P, (D,)):
+        sent = P.prefill("dead", Request(seed=3, prompt_tokens=30))
+        good = sent.remote
+        sent.remote = RemoteEngine(good.engine_id, 1, [f"127.0.0.1:{_free_port()}"])
+        rec = D.start_read(sent)
+        got = _completion(D, "dead", timeout_s=30)
+        for c in got.values():
+            assert c.kind == "failed"
+            assert "no answer from" in c.reason
+            assert c.invalid_block_ids == rec.block_ids
+        D.finish("dead")
+        # The same daemons still serve a good read.
+        sent.remote = good
+        D.start_read(sent, request_id="after-dead")
+        got = _completion(D, "after-dead")
+        assert {c.kind for c in got.values()} == {"received"}
+        assert not D.verify("after-dead")
+
+
+def test_incompatible_peer_is_refused_by_field(pool) -> None:
+    def other(tp: int, nb: int):
+        return attention_layout(model="e2e-attn", num_layers=3, total_kv_heads=8, head_dim=32,
+                                block_tokens=8, tp_size=tp, num_blocks=nb)
+
+    with pool.engines(attn(8), 1, 1) as (P, _), pool.engines(other, 1, 1) as (_, (D,)):
+        sent = P.prefill("mismatch", Request(seed=4, prompt_tokens=16))
+        D.start_read(sent)
+        got = _completion(D, "mismatch")
+        assert got[0].kind == "failed"
+        assert "model.head_dim" in got[0].reason
+
+
+def test_wrong_engine_id_at_address_is_refused(pool) -> None:
+    with pool.engines(attn(8), 1, 1) as (P, (D,)):
+        sent = P.prefill("who", Request(seed=4, prompt_tokens=16))
+        sent.remote = RemoteEngine("nobody", 1, sent.remote.handshake)
+        D.start_read(sent)
+        got = _completion(D, "who")
+        assert got[0].kind == "failed"
+        assert "nobody" in got[0].reason
+
+
+def test_bad_requests_get_typed_errors(pool) -> None:
+    with pool.engines(hybrid, 1, 1) as (P, (D,)):
+        c = D.clients[0]
+        sent = P.prefill("bad", Request(seed=5, prompt_tokens=16))
+        n = D.layout.num_blocks
+        with pytest.raises(BadRequest, match=rf"block id {n} out of range"):
+            c.read(D.engine_id, "bad", [[n], [0]], sent.remote, sent.block_ids)
+        with pytest.raises(BadRequest, match="name 1 groups"):
+            c.read(D.engine_id, "bad", [[1]], sent.remote, sent.block_ids)
+        with pytest.raises(BadRequest, match="tp_size 3 but 2 handshake addresses"):
+            c.read(D.engine_id, "bad", [[1], [2]],
+                   RemoteEngine(P.engine_id, 3, ["127.0.0.1:1"] * 2), sent.block_ids)
+        with pytest.raises(BadRequest, match="named twice"):
+            c.read(D.engine_id, "bad", [[1], [1]], sent.remote, sent.block_ids)
+        with pytest.raises(UnknownEngine, match="'ghost' is not registered"):
+            c.poll("ghost")
+        with pytest.raises(Duplicate, match="already registered"):
+            c.register(D.engine_id, 0, D.layout, allocate=True)
+        with pytest.raises(BadRequest, match="block id"):
+            P.clients[0].hold(P.engine_id, "bad2", [[10**6], []])
+        with pytest.raises(Duplicate):
+            P.clients[0].hold(P.engine_id, "bad", sent.block_ids)
+        # Nothing accepted was lost: the good request still goes through.
+        D.start_read(sent)
+        got = _completion(D, "bad")
+        assert {x.kind for x in got.values()} == {"received"}
+        assert not D.verify("bad")
+
+
+def test_attach_with_wrong_region_size_is_refused(pool) -> None:
+    layout = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8,
+                              block_tokens=4, tp_size=1, num_blocks=8)
+    small = [ShmRegion.create(unique_name("t"), layout.region_bytes // 2) for _ in range(2)]
+    try:
+        with SidecarClient(pool.d[0].socket) as c:
+            with pytest.raises(BadRequest, match="the layout needs 8 pages"):
+                c.register(pool.uid("A"), 0, layout, regions=small)
+            with pytest.raises(BadRequest, match="tp_rank 1 outside"):
+                c.register(pool.uid("A"), 1, layout, allocate=True)
+    finally:
+        for r in small:
+            r.close()
+            r.unlink()
+
+
+def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(pool) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"ipc://{pool.d[1].socket}")
+    try:
+        bad = [
+            b"\xc1garbage",
+            msgspec.msgpack.encode({"op": "read", "id": 4, "v": 1}),
+            msgspec.msgpack.encode({"op": "explode", "id": 5, "v": 1}),
+            msgspec.msgpack.encode({"op": "ping", "id": 6, "v": 99}),
+            msgspec.msgpack.encode([1, 2, 3]),
+        ]
+        for raw in bad:
+            s.send(raw)
+            reply = decode_reply(s.recv())
+            assert isinstance(reply, Error), reply
+            assert reply.code in ("bad_message", "version")
+        s.send_multipart([b"two", b"frames"])
+        assert isinstance(decode_reply(s.recv()), Error)
+    finally:
+        s.close()
+    with SidecarClient(pool.d[1].socket) as c:
+        assert c.ping().version == 1
+
+
+def test_engine_process_exit_releases_its_registration(pool, tmp_path) -> None:
+    """An engine that dies without deregistering is noticed by pid and cleaned up."""
+    script = textwrap.dedent(f"""
+        from kvsidecar.ipc.client import SidecarClient
+        from kvsidecar.ipc.layout import attention_layout
+        layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
+                                  block_tokens=4, tp_size=1, num_blocks=4)
+        c = SidecarClient({pool.d[2].socket!r})
+        reg = c.register("crashy", 0, layout, allocate=True)
+        print(reg.regions[0].name, flush=True)
+        import os; os._exit(1)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False)
+    shm_name = out.stdout.strip()
+    assert shm_name, out.stderr
+    with SidecarClient(pool.d[2].socket) as c:
+        deadline = time.monotonic() + 20
+        while "crashy" in c.ping().engines:
+            assert time.monotonic() < deadline, "dead engine never released"
+            time.sleep(0.1)
+    # Its memory goes right after (once its NIXL agent has stopped).
+    while os.path.exists(f"/dev/shm/{shm_name}"):
+        assert time.monotonic() < deadline, "allocated region never unlinked"
+        time.sleep(0.1)
