@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
 from kvsidecar.daemon.planner import plan_read, segment_pieces
 from kvsidecar.ipc.layout import Group, Layout, Segment, validate
 

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     settings_mod.add_arguments(p_serve)
     p_demo = sub.add_parser("demo", help="move hybrid attention+Mamba2 KV from P tp1 to D tp2 "
                                          "through real sidecars and check every byte")
-    p_demo.add_argument("--requests", type=int, default=16)
-    p_demo.add_argument("--layers", type=int, default=8)
+    p_demo.add_argument("--requests", type=int, default=12)
+    p_demo.add_argument("--layers", type=int, default=4)
     p_demo.add_argument("--p-tp", type=int, default=1)
     p_demo.add_argument("--d-tp", type=int, default=2)
     args = parser.parse_args(argv)
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(settings_mod.from_args(args))
     from kvsidecar.sim.demo import run_demo
 
-    return run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp, d_tp=args.d_tp)
+    return int(run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp,
+                        d_tp=args.d_tp))
 
 
 if __name__ == "__main__":

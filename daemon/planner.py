@@ -221,6 +221,7 @@ def pair_group(
     lids: I64,
     rids: I64,
     skip_tokens: int | None,
+    num_tokens: int | None = None,
 ) -> tuple[I64, I64]:
     """Byte offsets (within a region) of paired views: (local, remote), one entry per pair."""
     lg, rg = local.groups[gi], remote.groups[gi]
@@ -258,6 +259,9 @@ def pair_group(
             "the remote blocks hold"
         )
     n = min(lk.size, rk.size - skip_k)
+    if num_tokens is not None:
+        # Kernel block i starts at token (skip_k + i) * kbs; later ones hold no token.
+        n = max(0, min(n, -(-num_tokens // kbs) - skip_k))
     return lk[:n], rk[skip_k : skip_k + n]
 
 
@@ -339,12 +343,14 @@ def plan_read(
     remote_block_ids: BlockIds,
     *,
     skip_tokens: int | None = None,
+    num_tokens: int | None = None,
     pieces: list[Piece] | None = None,
     check: bool = True,
 ) -> ReadPlan:
     """Plan one request's reads for D rank ``d_rank``.
 
-    ``pieces`` may be passed from a per-peer cache (:func:`segment_pieces` of
+    ``num_tokens`` (the request's length) drops attention kernel blocks that
+    start at or after it. ``pieces`` may be passed from a per-peer cache (:func:`segment_pieces` of
     the same layouts); ``check=False`` skips the compatibility check that the
     daemon already did at handshake time.
     """
@@ -356,7 +362,7 @@ def plan_read(
     if pieces is None:
         pieces = segment_pieces(local, d_rank, remote)
     pairs = [
-        pair_group(gi, local, remote, lids[gi], rids[gi], skip_tokens)
+        pair_group(gi, local, remote, lids[gi], rids[gi], skip_tokens, num_tokens)
         for gi in range(len(local.groups))
     ]
     reads: list[RankRead] = []

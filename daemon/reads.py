@@ -83,7 +83,7 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
                       local_bases: I64, remote_bases: dict[int, I64]
                       ) -> tuple[ReadPlan, list[PostList]]:
     plan = plan_read(local, rank, remote, req.local_block_ids, req.remote_block_ids,
-                     skip_tokens=req.skip_tokens, check=False)
+                     skip_tokens=req.skip_tokens, num_tokens=req.num_tokens, check=False)
     return plan, build_posts(plan, local_bases, remote_bases)
 
 

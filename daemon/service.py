@@ -248,6 +248,7 @@ class Sidecar:
                 metrics.READS.labels(outcome="received").inc()
                 metrics.READ_BYTES.inc(out.nbytes)
                 metrics.DESCRIPTORS.inc(out.descriptors)
+                metrics.DESCRIPTORS_PLANNED.inc(out.descriptors_before)
                 metrics.READ_SECONDS.observe(time.perf_counter() - t0)
         finally:
             self._reads.pop((eng.engine_id, req.request_id), None)

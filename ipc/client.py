@@ -212,10 +212,11 @@ def _register_request(id: int, engine_id: str, tp_rank: int, layout: Layout,
 
 def _read_request(id: int, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
                   remote: RemoteEngine, remote_block_ids: BlockIdsLike,
-                  remote_request_id: str | None, skip_tokens: int | None) -> Read:
+                  remote_request_id: str | None, skip_tokens: int | None,
+                  num_tokens: int | None = None) -> Read:
     return Read(
         engine_id, request_id, block_id_lists(local_block_ids), remote,
-        block_id_lists(remote_block_ids), remote_request_id, skip_tokens, id=id,
+        block_id_lists(remote_block_ids), remote_request_id, skip_tokens, num_tokens, id=id,
     )
 
 
@@ -271,9 +272,10 @@ class SidecarClient:
 
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
-             remote_request_id: str | None = None, skip_tokens: int | None = None) -> None:
+             remote_request_id: str | None = None, skip_tokens: int | None = None,
+             num_tokens: int | None = None) -> None:
         req = _read_request(next(self._ids), engine_id, request_id, local_block_ids, remote,
-                            remote_block_ids, remote_request_id, skip_tokens)
+                            remote_block_ids, remote_request_id, skip_tokens, num_tokens)
         _expect(self._call(req), Ok)
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
@@ -383,9 +385,9 @@ class AsyncSidecarClient:
     async def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
                    remote_request_id: str | None = None,
-                   skip_tokens: int | None = None) -> None:
+                   skip_tokens: int | None = None, num_tokens: int | None = None) -> None:
         req = _read_request(next(self._ids), engine_id, request_id, local_block_ids, remote,
-                            remote_block_ids, remote_request_id, skip_tokens)
+                            remote_block_ids, remote_request_id, skip_tokens, num_tokens)
         _expect(await self._call(req), Ok)
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,

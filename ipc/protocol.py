@@ -170,6 +170,10 @@ class Read(_RequestBase, tag="read", frozen=True):
 
     ``remote_request_id`` defaults to ``request_id``; ``skip_tokens`` leading
     tokens are already present locally (prefix cache hit) and are not read.
+    ``num_tokens`` (the prompt length, optional) lets the planner skip kernel
+    blocks that hold no token of the request: with large logical blocks (a
+    hybrid model's page can hold thousands of tokens) that is most of the
+    last page.
     The result arrives later through :class:`Poll` as a ``received`` or
     ``failed`` completion.
     """
@@ -181,6 +185,7 @@ class Read(_RequestBase, tag="read", frozen=True):
     remote_block_ids: BlockIds
     remote_request_id: str | None = None
     skip_tokens: NonNegative | None = None
+    num_tokens: NonNegative | None = None
 
 
 class Hold(_RequestBase, tag="hold", frozen=True):

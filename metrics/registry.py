@@ -14,6 +14,8 @@ READS = Counter("kvsidecar_reads_total", "Read requests finished", ["outcome"])
 READ_BYTES = Counter("kvsidecar_read_bytes_total", "Bytes read from peers")
 DESCRIPTORS = Counter("kvsidecar_read_descriptors_total",
                       "NIXL descriptors posted (after coalescing)")
+DESCRIPTORS_PLANNED = Counter("kvsidecar_read_descriptors_planned",
+                              "Descriptors the planner produced before coalescing")
 READ_SECONDS = Histogram(
     "kvsidecar_read_seconds", "Read request time from acceptance to completion",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),

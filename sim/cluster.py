@@ -128,14 +128,15 @@ class SimEngine:
     """One engine of ``tp`` ranks, each served by its own sidecar."""
 
     def __init__(self, engine_id: str, make: MakeLayout, tp: int, num_blocks: int,
-                 sidecars: Sequence[SidecarProcess], *, attach: bool = False,
+                 sidecars: Sequence[SidecarProcess | str], *, attach: bool = False,
                  timeout_s: float = 30.0) -> None:
         if len(sidecars) != tp:
             raise ValueError(f"engine {engine_id}: {tp} ranks need {tp} sidecars")
         self.engine_id = engine_id
         self.tp = tp
         self.layout = make(tp, num_blocks)
-        self.clients = [SidecarClient(s.socket, timeout_s=timeout_s) for s in sidecars]
+        self.clients = [SidecarClient(s if isinstance(s, str) else s.socket, timeout_s=timeout_s)
+                        for s in sidecars]
         self.registrations: list[Registration] = []
         self._own: list[list[ShmRegion]] = []
         for rank, client in enumerate(self.clients):
@@ -242,7 +243,8 @@ class SimEngine:
     # ------------------------------------------------------------ D role
 
     def start_read(self, sent: Sent, *, request_id: str | None = None, skip_blocks: int = 0,
-                   full_hit: bool = False, explicit_skip: bool = True) -> Receiving:
+                   full_hit: bool = False, explicit_skip: bool = True,
+                   trim: bool = True) -> Receiving:
         rid = request_id or sent.request_id
         skip = 0
         ids: list[list[int]] = []
@@ -260,7 +262,8 @@ class SimEngine:
         for rank in range(self.tp):
             self.clients[rank].read(self.engine_id, rid, ids, sent.remote, sent.block_ids,
                                     remote_request_id=sent.request_id,
-                                    skip_tokens=skip if explicit_skip else None)
+                                    skip_tokens=skip if explicit_skip else None,
+                                    num_tokens=sent.req.prompt_tokens if trim else None)
         return rec
 
     def verify(self, rid: str) -> list[str]:

@@ -96,6 +96,7 @@ def run_transfer(
     full_hit: bool = False,
     p_blocks: int = 40,
     d_blocks: int = 48,
+    trim: bool = False,
 ) -> list[tuple[int, int, int]]:
     """Move one request P -> D with every D rank; returns (rank, descs before, after)."""
     rng = np.random.default_rng(seed)
@@ -129,7 +130,8 @@ def run_transfer(
                 n = mamba_pages
             d_ids.append([next(pool) for _ in range(n)])
         d_bufs = [np.full(D.region_bytes, POISON, np.uint8) for _ in range(D.num_regions)]
-        plan = plan_read(D, j, P, d_ids, p_ids, skip_tokens=skip if explicit_skip else None)
+        plan = plan_read(D, j, P, d_ids, p_ids, skip_tokens=skip if explicit_skip else None,
+                         num_tokens=prompt_tokens if trim else None)
         apply_plan(plan, d_bufs, p_bufs)
         problems = check_received(d_bufs, D, j, d_ids, req, skip)
         assert not problems, f"P{p_tp}->D{d_tp} rank {j}: " + "; ".join(problems[:3])
@@ -162,6 +164,26 @@ def test_partial_prefix_hit_inferred_skip(p_tp: int, d_tp: int) -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 4), (4, 1)])
 def test_full_prefix_hit_reads_nothing_but_notifies(family: str, p_tp: int, d_tp: int) -> None:
     run_transfer(FAMILIES[family], p_tp, d_tp, full_hit=True)
+
+
+@pytest.mark.parametrize("family", ["attn-K2", "mamba2-K2-g1", "gdn-K2", "mamba1-hybrid-K4"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 4), (4, 1), (2, 8)])
+@pytest.mark.parametrize("skip_blocks", [0, 1])
+def test_trimmed_to_prompt_length(family: str, p_tp: int, d_tp: int, skip_blocks: int) -> None:
+    run_transfer(FAMILIES[family], p_tp, d_tp, prompt_tokens=93, skip_blocks=skip_blocks,
+                 trim=True)
+
+
+def test_trimming_reads_only_kernel_blocks_holding_tokens() -> None:
+    make = FAMILIES["mamba2-K2-g1"]
+    P, D = make(1, 8), make(2, 8)
+    per_page = D.groups[0].sub_blocks * KBS
+    full = plan_read(D, 0, P, [[0], [1]], [[2], [3]], skip_tokens=0)
+    short = plan_read(D, 0, P, [[0], [1]], [[2], [3]], skip_tokens=0, num_tokens=KBS + 1)
+    kb_read = 2 * P.num_regions * D.groups[0].kernel_block_bytes  # two kernel blocks
+    mamba = P.num_regions * sum(s.nbytes_local for s in D.groups[1].segments)
+    assert per_page > KBS + 1
+    assert short.nbytes == kb_read + mamba < full.nbytes
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 8)])

@@ -124,6 +124,6 @@ def test_full_prefix_hit_reads_nothing_and_notifies(pool) -> None:
 
 def test_attach_mode_engine_owned_memory(pool) -> None:
     with pool.engines(hybrid, 2, 1, attach=True) as (P, (D,)):
-        D.start_read(P.prefill("attached", Request(seed=8, prompt_tokens=33)))
+        D.start_read(P.prefill("attached", Request(seed=8, prompt_tokens=33)), trim=False)
         assert_received(D, ["attached"])
         assert_sent(P, ["attached"])
