@@ -42,8 +42,15 @@ class ReadJob:
     req: Read
     accepted_at: float = field(default_factory=time.monotonic)
     posted: bool = False
-    aborted: bool = False
+    abort_reason: str | None = None
     task: asyncio.Task[None] | None = None
+
+    def abort(self, reason: str) -> None:
+        """Abort now if nothing is posted yet; else report ``aborted`` once transfers end."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        if not self.posted and self.task is not None:
+            self.task.cancel()
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor) -> ReadOutc
         planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
         {p: peer.bases for p, peer in zip(cands, peers)},
     )
-    if job.aborted:
+    if job.abort_reason is not None:
         raise asyncio.CancelledError
     job.posted = True
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,

@@ -45,6 +45,7 @@ from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
     PROTOCOL_VERSION,
+    UNAVAILABLE,
     UNKNOWN_ENGINE,
     Completion,
     Completions,
@@ -95,20 +96,30 @@ class Sidecar:
         log.info("kvsidecar %s serving engines on %s, handshakes on %s (peers dial %s)",
                  self.daemon_id, self.settings.socket, bound, self.handshake_address)
 
-    async def stop(self) -> None:
-        """Stop accepting, finish or fail in-flight reads, release everything."""
+    async def stop(self, drain_s: float = 2.0) -> None:
+        """Stop accepting, finish or fail in-flight reads, release everything.
+
+        New registrations, reads and holds are refused (``unavailable``) from
+        the first moment; reads not yet posted are aborted, posted ones run to
+        completion (memory must not go while NIXL writes into it). Engines may
+        keep polling for up to ``drain_s`` so they learn every outcome before
+        the socket goes away.
+        """
         if self._stopping:
             return
         self._stopping = True
-        await self._server.stop()
-        for t in self._tasks:
-            t.cancel()
         for job in list(self._reads.values()):
-            if not job.posted and job.task is not None:
-                job.task.cancel()
+            if not job.posted:
+                job.abort("the sidecar is shutting down")
         pending = [j.task for j in self._reads.values() if j.task is not None]
         if pending:
             await asyncio.wait(pending, timeout=30)
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and any(e.completions for e in self._engines.values()):
+            await asyncio.sleep(0.01)
+        await self._server.stop()
+        for t in self._tasks:
+            t.cancel()
         for engine_id in list(self._engines):
             await self._drop_engine(engine_id, "daemon shutting down")
         await self._hs_server.stop()
@@ -120,6 +131,8 @@ class Sidecar:
 
     async def handle(self, req: Request) -> Reply:
         metrics.REQUESTS.labels(op=type(req).__name__.lower()).inc()
+        if self._stopping and isinstance(req, (Register, Read, Hold)):
+            raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
         if isinstance(req, Read):
             return self._read(req)
         if isinstance(req, Poll):
@@ -150,8 +163,6 @@ class Sidecar:
         return eng
 
     async def _register(self, req: Register) -> Reply:
-        if self._stopping:
-            raise RequestError(BAD_REQUEST, "the daemon is shutting down")
         if req.engine_id in self._engines:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
         try:
@@ -234,15 +245,15 @@ class Sidecar:
         try:
             out = await run_read(eng, job, self._planner)
         except asyncio.CancelledError:
-            c = aborted(req, "aborted before any transfer was posted")
+            c = aborted(req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
         except Exception as e:  # every failure becomes a completion, never a crash
             reason = f"{type(e).__name__}: {e}"
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
             metrics.READS.labels(outcome="failed").inc()
             c = failed(req, reason)
         else:
-            if job.aborted:
-                c = aborted(req, "aborted by the engine (transfers had finished)")
+            if job.abort_reason is not None:
+                c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes)
                 metrics.READS.labels(outcome="received").inc()
@@ -274,9 +285,7 @@ class Sidecar:
         eng = self._engine(req.engine_id)
         job = self._reads.get((req.engine_id, req.request_id))
         if job is not None:
-            job.aborted = True
-            if not job.posted and job.task is not None:
-                job.task.cancel()
+            job.abort("released by the engine")
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id):
             return Ok()
@@ -330,9 +339,7 @@ class Sidecar:
         self._hs_server.invalidate(engine_id)
         jobs = [j for (e, _), j in self._reads.items() if e == engine_id]
         for j in jobs:
-            j.aborted = True
-            if not j.posted and j.task is not None:
-                j.task.cancel()
+            j.abort(why)
         # Memory may only go once nothing writes into it.
         tasks = [j.task for j in jobs if j.task is not None]
         if tasks:

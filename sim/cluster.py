@@ -45,6 +45,7 @@ class SidecarProcess:
         self.handshake = ""
         self.metrics_port = -1
         self._log: IO[str] | None = None
+        self._terminated = False
 
     def start(self, timeout_s: float = 60.0) -> SidecarProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
@@ -84,12 +85,18 @@ class SidecarProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """Send SIGTERM once: a second one could land after the event loop (and its
+        handler) is gone and kill the process mid-cleanup."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM and wait; returns the exit code."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             rc = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

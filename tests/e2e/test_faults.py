@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -13,10 +14,17 @@ import msgspec
 import pytest
 import zmq
 
-from kvsidecar.ipc.client import BadRequest, Duplicate, SidecarClient, UnknownEngine
+from kvsidecar.ipc.client import (
+    AsyncSidecarClient,
+    BadRequest,
+    Duplicate,
+    SidecarClient,
+    UnknownEngine,
+)
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.memory import ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Error, RemoteEngine, decode_reply
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
 
@@ -213,3 +221,51 @@ def test_engine_process_exit_releases_its_registration(pool, tmp_path) -> None:
     while os.path.exists(f"/dev/shm/{shm_name}"):
         assert time.monotonic() < deadline, "allocated region never unlinked"
         time.sleep(0.1)
+
+
+def test_sigterm_finishes_or_aborts_in_flight_reads_and_cleans_up(pool, tmp_path) -> None:
+    sidecar = SidecarProcess(tmp_path, "short-lived").start()
+    P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
+    D = SimEngine(pool.uid("D"), hybrid, 1, 96, [sidecar], timeout_s=3)
+    try:
+        rids = [f"term-{i}" for i in range(12)]
+        for i, rid in enumerate(rids):
+            D.start_read(P.prefill(rid, Request(seed=i, prompt_tokens=60 + i)))
+        sidecar.terminate()
+        got = D.wait_for(rids, timeout_s=30)
+        for rid in rids:
+            c = got[rid][0]
+            assert c.kind in ("received", "aborted"), c
+            if c.kind == "received":
+                assert not D.verify(rid)
+            else:
+                assert "shutting down" in c.reason and c.invalid_block_ids
+        assert sidecar.stop() == 0
+        assert not os.path.exists(sidecar.socket)
+        assert "stopped" in sidecar.read_log()
+    finally:
+        sidecar.kill()
+        D.close()
+        P.close()
+
+
+async def test_async_client_against_a_real_sidecar(pool) -> None:
+    layout = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8,
+                              block_tokens=4, tp_size=1, num_blocks=8)
+    eid = pool.uid("async")
+    async with AsyncSidecarClient(pool.d[3].socket) as c:
+        reg = await c.register(eid, 0, layout, allocate=True)
+        try:
+            assert len(reg.regions) == 2 and reg.regions[0].nbytes == layout.region_bytes
+            pong, polled = await asyncio.gather(c.ping(), c.poll(eid))
+            assert eid in pong.engines and polled == []
+            await c.hold(eid, "h", [[1, 2]], timeout_s=0.2)
+            deadline = time.monotonic() + 10
+            while not (items := await c.poll(eid)):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            assert [(x.request_id, x.kind) for x in items] == [("h", "expired")]
+        finally:
+            await c.deregister(eid)
+            for r in reg.regions:
+                r.close()
