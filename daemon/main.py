@@ -27,6 +27,9 @@ async def _serve(s: settings_mod.Settings) -> int:
     await sidecar.start()
     metrics_port = registry.serve(s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else -1
     log.info("transport: %s", transport_note())
+    if s.device != "cpu":
+        log.warning("device %s: GPU memory (CUDA IPC) is not supported yet; engines register "
+                    "host shared-memory regions, and the device only names the socket", s.device)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
