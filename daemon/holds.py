@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvsidecar.daemon.notifications import ReadDone
 from kvsidecar.daemon.planner import expected_notifications
@@ -49,7 +50,7 @@ class _Early:
 class HoldOutcome:
     engine_id: str
     request_id: str
-    kind: str  # "sent" | "expired" | "aborted"
+    kind: Literal["sent", "expired", "aborted"]
     reason: str = ""
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -120,7 +122,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor) -> ReadOutc
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
-    ops = []
+    ops: list[Coroutine[Any, Any, TransferStats | None]] = []
     for post in posts:
         if post.length.size:
             ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
