@@ -163,8 +163,9 @@ class Sidecar:
         return eng
 
     async def _register(self, req: Register) -> Reply:
-        if req.engine_id in self._engines:
-            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
+        old = self._engines.get(req.engine_id)
+        if old is not None:
+            return self._reattach(old, req)
         try:
             layout = validate(req.layout)
         except LayoutError as e:
@@ -209,6 +210,31 @@ class Sidecar:
         return Registered(engine_id=req.engine_id, handshake_address=self.handshake_address,
                           agent_name=worker.agent_name,
                           regions=[r.ref() for r in regions] if owned else [])
+
+    def _reattach(self, old: EngineRank, req: Register) -> Reply:
+        """A restarted engine takes over the registration it asked to keep.
+
+        Only for ``keep_on_exit`` registrations whose process is gone, with the
+        same rank, layout and mode: the memory (and the KV in it) is handed
+        back as it is; holds and peers' links stay valid.
+        """
+        if not (old.keep_on_exit and (old.pid == 0 or not _alive(old.pid))):
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
+        mode = "allocate" if old.owned else "attach"
+        if req.tp_rank != old.tp_rank or req.layout != old.layout or req.mode != mode:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is kept for a restart with "
+                                          f"rank {old.tp_rank}, mode {mode} and its old layout; "
+                                          "this registration differs")
+        if not old.owned:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} attached its own memory; "
+                                          "deregister it before attaching again")
+        log.info("engine %r rank %d reattached (pid %d -> %d)", req.engine_id, old.tp_rank,
+                 old.pid, req.pid)
+        old.pid = req.pid
+        old.keep_on_exit = req.keep_on_exit
+        return Registered(engine_id=old.engine_id, handshake_address=self.handshake_address,
+                          agent_name=old.worker.agent_name,
+                          regions=[r.ref() for r in old.regions])
 
     def _lookup(self, engine_id: str, rank: int) -> HandshakeInfo | None:
         eng = self._engines.get(engine_id)

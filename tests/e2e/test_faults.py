@@ -269,3 +269,44 @@ async def test_async_client_against_a_real_sidecar(pool) -> None:
             await c.deregister(eid)
             for r in reg.regions:
                 r.close()
+
+
+def test_kept_registration_survives_engine_restart(pool) -> None:
+    """keep_on_exit: the sidecar keeps allocated memory (and its KV) for a restarted
+    engine; without it the memory goes with the engine."""
+    script = textwrap.dedent(f"""
+        from kvsidecar.ipc.client import SidecarClient
+        from kvsidecar.ipc.layout import attention_layout
+        layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
+                                  block_tokens=4, tp_size=1, num_blocks=4)
+        c = SidecarClient({pool.d[2].socket!r})
+        reg = c.register("phoenix", 0, layout, allocate=True, keep_on_exit=True)
+        reg.regions[0].numpy()[:4] = [1, 2, 3, 4]
+        print(reg.regions[0].name, flush=True)
+        import os; os._exit(1)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False)
+    shm_name = out.stdout.strip()
+    assert shm_name, out.stderr
+    layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
+                              block_tokens=4, tp_size=1, num_blocks=4)
+    with SidecarClient(pool.d[2].socket) as c:
+        time.sleep(1.5)  # past a liveness check: the dead pid must not release it
+        assert "phoenix" in c.ping().engines
+        with pytest.raises(Duplicate, match="differs"):
+            c.register("phoenix", 0, layout.with_blocks(8), allocate=True)
+        reg = c.register("phoenix", 0, layout, allocate=True)
+        try:
+            assert reg.regions[0].name == shm_name
+            assert reg.regions[0].numpy()[:4].tolist() == [1, 2, 3, 4]
+            with pytest.raises(Duplicate, match="already registered"):
+                c.register("phoenix", 0, layout, allocate=True)
+        finally:
+            for r in reg.regions:
+                r.close()
+            c.deregister("phoenix")
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/dev/shm/{shm_name}"):
+        assert time.monotonic() < deadline, "region not unlinked after deregister"
+        time.sleep(0.1)
