@@ -102,6 +102,10 @@ class NixlError(Exception):
         self.remote = remote
 
 
+class NixlTimeout(NixlError):
+    """A read was cancelled at its deadline: the peer is stalled or unreachable."""
+
+
 # -- transport detection -------------------------------------------------------------------------
 
 _SM_ALIASES = {"cma", "sm", "shm", "all"}
@@ -241,6 +245,7 @@ class _Inflight:
     ndesc: int
     t0: float
     t_post: float
+    deadline: float | None = None
 
 
 def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -396,11 +401,16 @@ class NixlWorker:
         mem_type: str = "DRAM",
         dev_id: int = 0,
         remote_dev_id: int | None = None,
+        timeout_s: float | None = None,
     ) -> TransferStats:
         """READ ``length[i]`` bytes from ``remote_addr[i]`` on the peer into ``local_addr[i]``.
 
         With zero descriptors only the notification (if any) is sent.
-        ``remote_dev_id`` defaults to ``dev_id``.
+        ``remote_dev_id`` defaults to ``dev_id``. A read still in progress
+        ``timeout_s`` after posting is cancelled (its handle released, which
+        aborts the transfer) and fails; if NIXL cannot cancel it, the read keeps
+        being polled and reports only once it ends, so a failed read never
+        leaves a transfer writing into memory the caller believes is free.
         """
         n = len(local_addr)
         for label, arr in (("local_addr", local_addr), ("remote_addr", remote_addr),
@@ -416,7 +426,7 @@ class NixlWorker:
             raise TypeError("notif must be bytes")
         fn = functools.partial(
             self._do_read, remote_agent, local_addr, remote_addr, length, notif, mem_type,
-            dev_id, dev_id if remote_dev_id is None else remote_dev_id,
+            dev_id, dev_id if remote_dev_id is None else remote_dev_id, timeout_s,
         )
         stats: TransferStats = await self._submit(
             f"read of {n} descriptors from remote agent {remote_agent!r}", fn, remote=remote_agent
@@ -549,6 +559,9 @@ class NixlWorker:
                                                  r.remote))
                 continue
             if state == "PROC":
+                late = r.deadline is not None and time.perf_counter() > r.deadline
+                if late and self._cancel(r):
+                    continue
                 still.append(r)
             elif state == "DONE":
                 self._finish_read(r, self._stats(r), None)
@@ -558,9 +571,26 @@ class NixlWorker:
                     remote=r.remote))
         self._inflight = still
 
+    def _cancel(self, r: _Inflight) -> bool:
+        """Abort a read past its deadline; False if NIXL would not (keep polling it)."""
+        waited = time.perf_counter() - r.t0
+        r.deadline = None
+        try:
+            self._agent.release_xfer_handle(r.handle)
+        except Exception:
+            log.warning("NIXL agent %r: a read from %r is stuck after %.1f s and cannot be "
+                        "cancelled; still polling it", self._name, r.remote, waited,
+                        exc_info=True)
+            return False
+        self._finish_read(r, None, NixlTimeout(
+            f"read from remote agent {r.remote!r} timed out after {waited:.1f} s "
+            "(cancelled; the peer is stalled or unreachable)", remote=r.remote), released=True)
+        return True
+
     def _finish_read(self, r: _Inflight, stats: TransferStats | None,
-                     exc: BaseException | None) -> None:
-        self._release(r.handle, r.remote)
+                     exc: BaseException | None, released: bool = False) -> None:
+        if not released:
+            self._release(r.handle, r.remote)
         left = self._inflight_by_agent.get(r.remote, 1) - 1
         if left > 0:
             self._inflight_by_agent[r.remote] = left
@@ -725,6 +755,7 @@ class NixlWorker:
         mem_type: str,
         dev_id: int,
         remote_dev_id: int,
+        timeout_s: float | None,
         fut: _Fut,
     ) -> object:
         if remote not in self._remotes:
@@ -754,7 +785,8 @@ class NixlWorker:
         except Exception as exc:
             raise _wrap(f"read of {n} descriptors from remote agent {remote!r}: "
                         "initialize_xfer", exc, remote) from exc
-        r = _Inflight(handle, fut, remote, int(lens.sum()), n, t0, t0)
+        r = _Inflight(handle, fut, remote, int(lens.sum()), n, t0, t0,
+                      None if timeout_s is None else t0 + timeout_s)
         self._inflight_by_agent[remote] = self._inflight_by_agent.get(remote, 0) + 1
         try:
             state = self._agent.transfer(handle)

@@ -11,6 +11,9 @@ request retries instead of inheriting the failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +24,8 @@ from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class PeerLinks:
         self._layout = layout
         self._client = client
         self._links: dict[Key, asyncio.Task[Peer]] = {}
+        self._made: dict[Key, float] = {}
+        self._unloading: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._links)
@@ -48,11 +55,13 @@ class PeerLinks:
         if task is None or (task.done() and (task.cancelled() or task.exception())):
             task = asyncio.ensure_future(self._link(address, engine_id, tp_size, rank))
             self._links[key] = task
+            self._made[key] = time.monotonic()
         try:
             peer = await asyncio.shield(task)
         except BaseException:
             if self._links.get(key) is task and task.done():
                 del self._links[key]
+                self._made.pop(key, None)
             raise
         if peer.info.tp_size != tp_size:
             # Cached from a request that described the engine differently.
@@ -65,6 +74,20 @@ class PeerLinks:
         agent = await self._worker.add_remote(info.agent_metadata)
         return Peer(info, agent, np.asarray(info.bases, dtype=np.int64))
 
-    def forget(self, address: str | None = None) -> None:
-        for key in [k for k in self._links if address is None or k[0] == address]:
-            del self._links[key]
+    def forget(self, address: str, made_before: float = float("inf")) -> bool:
+        """Drop the links to ``address`` (the peer restarted or failed) and unload
+        their agents; True if one of them was made before ``made_before``."""
+        older = False
+        for key in [k for k in self._links if k[0] == address]:
+            task = self._links.pop(key)
+            older |= self._made.pop(key, 0.0) < made_before
+            if task.done() and not task.cancelled() and task.exception() is None:
+                unload = asyncio.ensure_future(self._unload(task.result().agent))
+                self._unloading.add(unload)
+                unload.add_done_callback(self._unloading.discard)
+        return older
+
+    async def _unload(self, agent: str) -> None:
+        # Refused while reads to it are in flight; those fail or finish on their own.
+        with contextlib.suppress(Exception):
+            await self._worker.remove_remote(agent)

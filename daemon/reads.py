@@ -96,7 +96,8 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
     return plan, build_posts(plan, local_bases, remote_bases)
 
 
-async def run_read(eng: EngineRank, job: ReadJob, planner: Executor) -> ReadOutcome:
+async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
+                   timeout_s: float | None = None) -> ReadOutcome:
     """Carry one read through; raises on failure (the caller turns it into a completion)."""
     req = job.req
     remote = req.remote
@@ -126,7 +127,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor) -> ReadOutc
     for post in posts:
         if post.length.size:
             ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
-                                       notif=note))
+                                       notif=note, timeout_s=timeout_s))
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
     results = await asyncio.gather(*ops, return_exceptions=True)

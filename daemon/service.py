@@ -20,8 +20,10 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -30,12 +32,13 @@ from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines import EngineRank, map_regions, release_regions
 from kvsidecar.daemon.handshake import (
     HandshakeClient,
+    HandshakeFailed,
     HandshakeInfo,
     HandshakeServer,
     make_handshake_info,
     new_daemon_id,
 )
-from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.daemon.nixl_worker import NixlError, NixlTimeout, NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.daemon.planner import PlanError, candidate_ranks, validate_block_ids
 from kvsidecar.daemon.reads import ReadJob, aborted, failed, run_read
@@ -82,6 +85,7 @@ class Sidecar:
         )
         self._server = EngineServer(settings.socket, self)
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.handshake_address = ""
         self._stopping = False
 
@@ -120,6 +124,8 @@ class Sidecar:
         await self._server.stop()
         for t in self._tasks:
             t.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=60)
         for engine_id in list(self._engines):
             await self._drop_engine(engine_id, "daemon shutting down")
         await self._hs_server.stop()
@@ -165,7 +171,7 @@ class Sidecar:
     async def _register(self, req: Register) -> Reply:
         old = self._engines.get(req.engine_id)
         if old is not None:
-            return self._reattach(old, req)
+            return await self._reattach(old, req)
         try:
             layout = validate(req.layout)
         except LayoutError as e:
@@ -211,14 +217,17 @@ class Sidecar:
                           agent_name=worker.agent_name,
                           regions=[r.ref() for r in regions] if owned else [])
 
-    def _reattach(self, old: EngineRank, req: Register) -> Reply:
+    async def _reattach(self, old: EngineRank, req: Register) -> Reply:
         """A restarted engine takes over the registration it asked to keep.
 
-        Only for ``keep_on_exit`` registrations whose process is gone, with the
-        same rank, layout and mode: the memory (and the KV in it) is handed
-        back as it is; holds and peers' links stay valid.
+        Only for ``keep_on_exit`` registrations whose process (known by pid) is
+        gone, with the same rank, layout and mode: the memory (and the KV in
+        it) is handed back as it is. The old process's reads are aborted and
+        waited for (nothing may still write into blocks the new process will
+        reuse), its holds and undelivered completions are dropped: the new
+        process knows nothing of them.
         """
-        if not (old.keep_on_exit and (old.pid == 0 or not _alive(old.pid))):
+        if not (old.keep_on_exit and old.pid and not _alive(old.pid)):
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
         mode = "allocate" if old.owned else "attach"
         if req.tp_rank != old.tp_rank or req.layout != old.layout or req.mode != mode:
@@ -228,6 +237,15 @@ class Sidecar:
         if not old.owned:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} attached its own memory; "
                                           "deregister it before attaching again")
+        jobs = [j for (e, _), j in self._reads.items() if e == old.engine_id]
+        for j in jobs:
+            j.abort("the engine restarted")
+        tasks = [j.task for j in jobs if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks)
+        old.holds.drop_engine(old.engine_id)
+        old.completions.clear()
+        old.worker.set_hot(False)
         log.info("engine %r rank %d reattached (pid %d -> %d)", req.engine_id, old.tp_rank,
                  old.pid, req.pid)
         old.pid = req.pid
@@ -263,13 +281,39 @@ class Sidecar:
         job = ReadJob(req)
         self._reads[key] = job
         job.task = asyncio.ensure_future(self._run_read(eng, job))
+        # A task cancelled before its first step never runs its body; the
+        # callback still reports it and frees the request id.
+        job.task.add_done_callback(partial(self._read_task_done, eng, job))
         return Ok()
+
+    def _read_task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            self._finish_read(eng, job, aborted(
+                job.req, f"{job.abort_reason or 'cancelled'}; nothing had been posted"))
+
+    def _finish_read(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        if self._reads.get((eng.engine_id, job.req.request_id)) is job:
+            del self._reads[(eng.engine_id, job.req.request_id)]
+        current = self._engines.get(eng.engine_id)
+        if current is not None and current is eng:
+            current.complete(c)
 
     async def _run_read(self, eng: EngineRank, job: ReadJob) -> None:
         req = job.req
         t0 = time.perf_counter()
         try:
-            out = await run_read(eng, job, self._planner)
+            try:
+                out = await run_read(eng, job, self._planner, self.settings.read_timeout_s)
+            except (NixlError, HandshakeFailed) as e:
+                # A peer that restarted or re-registered leaves stale links behind:
+                # forget them, and retry once if this read used links made earlier.
+                stale = self._forget_peer(eng, job)
+                retry = isinstance(e, NixlError) and not isinstance(e, NixlTimeout)
+                if not (stale and retry and job.abort_reason is None):
+                    raise
+                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
+                job.posted = False
+                out = await run_read(eng, job, self._planner, self.settings.read_timeout_s)
         except asyncio.CancelledError:
             c = aborted(req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
         except Exception as e:  # every failure becomes a completion, never a crash
@@ -287,11 +331,16 @@ class Sidecar:
                 metrics.DESCRIPTORS.inc(out.descriptors)
                 metrics.DESCRIPTORS_PLANNED.inc(out.descriptors_before)
                 metrics.READ_SECONDS.observe(time.perf_counter() - t0)
-        finally:
-            self._reads.pop((eng.engine_id, req.request_id), None)
-        current = self._engines.get(eng.engine_id)
-        if current is not None and current is eng:
-            current.complete(c)
+        self._finish_read(eng, job, c)
+
+    def _forget_peer(self, eng: EngineRank, job: ReadJob) -> bool:
+        """Drop cached handshakes and links to the remote engine; True if a link
+        predates this request (then it may have been stale)."""
+        stale = False
+        for addr in set(job.req.remote.handshake):
+            stale |= eng.peers.forget(addr, made_before=job.accepted_at)
+            self._hs_client.forget(addr, job.req.remote.engine_id)
+        return stale
 
     def _hold(self, req: Hold) -> Reply:
         eng = self._engine(req.engine_id)
@@ -344,19 +393,28 @@ class Sidecar:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            for eng in list(self._engines.values()):
-                before = eng.holds.unclaimed
-                eng.holds.expire(now)
-                if eng.holds.unclaimed != before:
-                    metrics.NOTIFICATIONS.labels(outcome="unclaimed").inc(
-                        eng.holds.unclaimed - before)
-            if now - last_pid_check >= 1.0:
-                last_pid_check = now
+            try:
                 for eng in list(self._engines.values()):
-                    if eng.pid and not eng.keep_on_exit and not _alive(eng.pid):
-                        log.warning("engine %r (pid %d) is gone; releasing its resources",
-                                    eng.engine_id, eng.pid)
-                        await self._drop_engine(eng.engine_id, "engine process exited")
+                    before = eng.holds.unclaimed
+                    eng.holds.expire(now)
+                    if eng.holds.unclaimed != before:
+                        metrics.NOTIFICATIONS.labels(outcome="unclaimed").inc(
+                            eng.holds.unclaimed - before)
+                if now - last_pid_check >= 1.0:
+                    last_pid_check = now
+                    for eng in list(self._engines.values()):
+                        if eng.pid and not eng.keep_on_exit and not _alive(eng.pid):
+                            log.warning("engine %r (pid %d) is gone; releasing its resources",
+                                        eng.engine_id, eng.pid)
+                            self._spawn(self._drop_engine(eng.engine_id,
+                                                          "engine process exited"))
+            except Exception:  # housekeeping must outlive any single bad entry
+                log.exception("housekeeping pass failed; continuing")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _drop_engine(self, engine_id: str, why: str) -> None:
         eng = self._engines.pop(engine_id, None)
@@ -385,4 +443,6 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except (OverflowError, ValueError):
+        return False
     return True

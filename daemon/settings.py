@@ -23,6 +23,7 @@ class Settings:
     hold_timeout_s: float = 120.0
     notif_grace_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handshake-timeout", type=float,
                    default=float(_env("HANDSHAKE_TIMEOUT", "5")),
                    help="seconds to wait for a peer's handshake (env KVSIDECAR_HANDSHAKE_TIMEOUT)")
+    p.add_argument("--read-timeout", type=float, default=float(_env("READ_TIMEOUT", "60")),
+                   help="seconds a posted read may take before it is cancelled and fails "
+                        "(env KVSIDECAR_READ_TIMEOUT)")
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
                    help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
                         "(env KVSIDECAR_METRICS_PORT)")
@@ -88,7 +92,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not backends:
         raise SystemExit("kvsidecar: --backends names no backend")
-    for name in ("hold_timeout", "notif_grace", "handshake_timeout"):
+    for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout"):
         if getattr(ns, name) <= 0:
             raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be > 0")
     return Settings(
@@ -101,6 +105,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         hold_timeout_s=ns.hold_timeout,
         notif_grace_s=ns.notif_grace,
         handshake_timeout_s=ns.handshake_timeout,
+        read_timeout_s=ns.read_timeout,
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         log_level=ns.log_level.upper(),

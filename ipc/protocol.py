@@ -52,6 +52,7 @@ ERROR_CODES: Final = (
 )
 
 NonNegative = Annotated[int, Meta(ge=0)]
+PID_MAX: Final = 1 << 22  # Linux's PID_MAX_LIMIT
 EngineId = Annotated[str, Meta(min_length=1)]
 BlockIds = list[list[int]]
 """One list of block ids per KV-cache group, in the layout's group order.
@@ -148,7 +149,7 @@ class Register(_RequestBase, tag="register", frozen=True):
     mode: Literal["attach", "allocate"]
     regions: list[RegionRef] = []
     keep_on_exit: bool = False
-    pid: NonNegative = 0
+    pid: Annotated[int, Meta(ge=0, le=PID_MAX)] = 0
 
 
 class Deregister(_RequestBase, tag="deregister", frozen=True):

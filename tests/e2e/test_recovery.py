@@ -1,0 +1,108 @@
+"""End to end: races, restarts and stalls (found by review, kept as regressions)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvsidecar.ipc.client import SidecarClient
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+
+def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> None:
+    """A Release can cancel a read task before its first step; it must still report."""
+    with pool.engines(attn(8), 1, 1) as (P, (D,)):
+        sent = P.prefill("race", Request(seed=1, prompt_tokens=24))
+        c = D.clients[0]
+        rids = [f"race-{i}" for i in range(20)]
+        for rid in rids:
+            ids = D.alloc(3)
+            c.read(D.engine_id, rid, [ids], sent.remote, sent.block_ids,
+                   remote_request_id="race")
+            c.release(D.engine_id, rid)
+        got = D.wait_for(rids)
+        assert {got[r][0].kind for r in rids} <= {"aborted", "received"}
+        # Every id is free again: a new read under the same id is accepted.
+        D.start_read(sent, request_id=rids[0])
+        assert D.wait_for([rids[0]])[rids[0]][0].kind == "received"
+        assert not D.verify(rids[0])
+
+
+def test_reads_recover_after_the_prefill_engine_re_registers(pool) -> None:
+    """Cached handshakes and NIXL links go stale when a peer re-registers; the first
+    read that trips over them refreshes them and is retried once."""
+    with pool.engines(hybrid, 2, 1) as (P, (D,)):
+        D.start_read(P.prefill("before", Request(seed=1, prompt_tokens=40)))
+        assert {c.kind for c in D.wait_for(["before"])["before"].values()} == {"received"}
+        engine_id = P.engine_id
+        P.close()
+        P2 = SimEngine(engine_id, hybrid, 2, 96, pool.p[:2])
+        try:
+            D.start_read(P2.prefill("after", Request(seed=2, prompt_tokens=40)))
+            got = D.wait_for(["after"])["after"]
+            assert {c.kind for c in got.values()} == {"received"}, got
+            assert not D.verify("after")
+            assert {c.kind for c in P2.wait_for(["after"])["after"].values()} == {"sent"}
+        finally:
+            P2.close()
+
+
+def test_a_stalled_peer_times_out_instead_of_hanging(tmp_path) -> None:
+    """Over TCP (no CMA) a stopped peer stalls the transfer; the read is cancelled
+    after --read-timeout and fails with a reason."""
+    env = {"UCX_TLS": "tcp,self"}
+    p = SidecarProcess(tmp_path, "stall-p", env=env).start()
+    d = SidecarProcess(tmp_path, "stall-d", env=env, args=["--read-timeout", "1"]).start()
+    big = lambda tp, nb: attention_layout(  # noqa: E731
+        model="stall", num_layers=2, total_kv_heads=8, head_dim=128, block_tokens=64,
+        tp_size=tp, num_blocks=nb)
+    P = SimEngine("stall-P", big, 1, 64, [p])
+    D = SimEngine("stall-D", big, 1, 64, [d], timeout_s=5)
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 60))
+        assert p.proc is not None
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            D.start_read(sent)
+            got = D.wait_for(["stuck"], timeout_s=30)["stuck"][0]
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        assert got.kind in ("failed", "received"), got
+        if got.kind == "failed":
+            assert "timed out" in got.reason or "Disconnect" in got.reason, got.reason
+            assert got.invalid_block_ids
+        else:  # the kernel finished the transfer before the stop took hold
+            assert not D.verify("stuck")
+        with SidecarClient(d.socket) as c:
+            assert "stall-D" in c.ping().engines
+    finally:
+        D.close()
+        P.close()
+        assert d.stop() == 0
+        p.stop()
+
+
+def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
+    with pool.engines(attn(8), 1, 1) as (P, (D,)):
+        sent = P.prefill("far", Request(seed=1, prompt_tokens=16))
+        n = P.layout.num_blocks
+        c = D.clients[0]
+        ids = D.alloc(2)
+        c.read(D.engine_id, "far", [ids], sent.remote, [[n + 5, 2**62]])
+        got = D.wait_for(["far"])["far"][0]
+        assert got.kind == "failed" and "remote group 0: block id" in got.reason
+        c.read(D.engine_id, "far2", [ids], RemoteEngine(P.engine_id, 1, ["not-an-address"]),
+               sent.block_ids)
+        got = D.wait_for(["far2"])["far2"][0]
+        assert got.kind == "failed"
+        assert c.ping().version == 1
