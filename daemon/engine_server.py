@@ -3,13 +3,14 @@
 ::
 
     engine A (DEALER) ─┐                       ┌─▶ handler.handle(req) -> Reply
-    engine B (DEALER) ─┼─▶ ROUTER ipc://path ──┤   (one at a time, in order)
+    engine B (DEALER) ─┼─▶ ROUTER ipc://path ──┤   (a task per request)
     engine C (DEALER) ─┘   [identity, msg]     └─◀ Error(...) for bad input
 
 The server owns decoding, error replies and the socket; the handler owns what
-requests mean. Requests are handled one at a time in arrival order, so the
-handler needs no locks, but it must be quick (validate, record, hand work to
-the transfer machinery, return): while it awaits, every engine waits.
+requests mean. Each request is answered by its own task, started in arrival
+order: handlers that never await (reads, holds, polls) therefore run in
+arrival order, and one that awaits (registering gigabytes of memory,
+deregistering while reads drain) delays only its own caller.
 
 No input can stop the loop: undecodable messages, wrong frame counts,
 unknown ops, wrong types, refused requests and handler bugs all become
@@ -78,6 +79,7 @@ class EngineServer:
         self.internal_errors = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._answering: set[asyncio.Task[None]] = set()
 
     @property
     def endpoint(self) -> str:
@@ -110,6 +112,10 @@ class EngineServer:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self._answering:
+            _, pending = await asyncio.wait(list(self._answering), timeout=5)
+            for t in pending:
+                t.cancel()
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=0)
@@ -120,10 +126,16 @@ class EngineServer:
         while True:
             frames = await sock.recv_multipart()
             self.messages += 1
-            reply = await self._reply_to(frames)
-            if isinstance(reply, Error):
-                self.errors += 1
-            # A ROUTER drops replies to engines that went away; it never blocks.
+            task = asyncio.ensure_future(self._answer(sock, frames))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        reply = await self._reply_to(frames)
+        if isinstance(reply, Error):
+            self.errors += 1
+        # A ROUTER drops replies to engines that went away; it never blocks.
+        with contextlib.suppress(zmq.ZMQError):
             await sock.send_multipart([frames[0], self._encode(reply)])
 
     def _encode(self, reply: Reply) -> bytes:

@@ -86,6 +86,7 @@ class Sidecar:
         self._server = EngineServer(settings.socket, self)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._registering: set[str] = set()
         self.handshake_address = ""
         self._stopping = False
 
@@ -172,6 +173,15 @@ class Sidecar:
         old = self._engines.get(req.engine_id)
         if old is not None:
             return await self._reattach(old, req)
+        if req.engine_id in self._registering:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is being registered")
+        self._registering.add(req.engine_id)
+        try:
+            return await self._register_new(req)
+        finally:
+            self._registering.discard(req.engine_id)
+
+    async def _register_new(self, req: Register) -> Reply:
         try:
             layout = validate(req.layout)
         except LayoutError as e:
