@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import re
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +30,7 @@ from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.memory import RegionError, ShmRegion, allocate_for_layout, attach_refs
-from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, RegionRef, RequestError
+from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, Completions, RegionRef, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +51,34 @@ class EngineRank:
     info: HandshakeInfo
     hold_timeout_s: float
     notif_grace_s: float
-    completions: collections.deque[Completion] = field(default_factory=collections.deque)
+    completions: collections.deque[tuple[int, Completion]] = field(
+        default_factory=collections.deque)
     holds: HoldBook = field(init=False)
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    _seq: int = 0
 
     def __post_init__(self) -> None:
         self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
                               on_done=self.hold_done)
 
     def complete(self, c: Completion) -> None:
-        self.completions.append(c)
+        self._seq += 1
+        self.completions.append((self._seq, c))
+
+    def poll(self, ack: int | None, epoch: str) -> Completions:
+        """Drop what the engine acknowledged (same epoch), return the rest."""
+        if ack is None:
+            items = [c for _, c in self.completions]
+            self.completions.clear()
+        else:
+            if epoch == self.epoch:
+                while self.completions and self.completions[0][0] <= ack:
+                    self.completions.popleft()
+            items = [c for _, c in self.completions]
+        return Completions(items=items, last=self._seq, epoch=self.epoch)
 
     def hold_done(self, o: HoldOutcome) -> None:
-        self.completions.append(Completion(o.request_id, o.kind, o.reason))
+        self.complete(Completion(o.request_id, o.kind, o.reason))
         self.worker.set_hot(len(self.holds) > 0)
 
 

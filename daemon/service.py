@@ -51,7 +51,6 @@ from kvsidecar.ipc.protocol import (
     UNAVAILABLE,
     UNKNOWN_ENGINE,
     Completion,
-    Completions,
     Deregister,
     Hold,
     Ok,
@@ -143,10 +142,7 @@ class Sidecar:
         if isinstance(req, Read):
             return self._read(req)
         if isinstance(req, Poll):
-            eng = self._engine(req.engine_id)
-            items = list(eng.completions)
-            eng.completions.clear()
-            return Completions(items=items)
+            return self._engine(req.engine_id).poll(req.ack, req.epoch)
         if isinstance(req, Hold):
             return self._hold(req)
         if isinstance(req, Release):

@@ -253,6 +253,7 @@ class SidecarClient:
         self._timeout_s = timeout_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._ids = itertools.count(1)
+        self._acks: dict[str, tuple[str, int]] = {}
         self._sock: zmq.Socket[bytes] | None = None
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
@@ -288,7 +289,11 @@ class SidecarClient:
         _expect(self._call(Release(engine_id, request_id, id=next(self._ids))), Ok)
 
     def poll(self, engine_id: str) -> list[Completion]:
-        return _expect(self._call(Poll(engine_id, id=next(self._ids))), Completions).items
+        """Completions since the last poll; one that was lost to a timeout comes again."""
+        epoch, ack = self._acks.get(engine_id, ("", 0))
+        reply = _expect(self._call(Poll(engine_id, ack, epoch, id=next(self._ids))), Completions)
+        self._acks[engine_id] = (reply.epoch, reply.last)
+        return reply.items
 
     def ping(self) -> Pong:
         return _expect(self._call(Ping(id=next(self._ids))), Pong)
@@ -363,6 +368,7 @@ class AsyncSidecarClient:
         self._endpoint = _endpoint(socket_path)
         self._timeout_s = timeout_s
         self._ids = itertools.count(1)
+        self._acks: dict[str, tuple[str, int]] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
@@ -400,8 +406,12 @@ class AsyncSidecarClient:
         _expect(await self._call(Release(engine_id, request_id, id=next(self._ids))), Ok)
 
     async def poll(self, engine_id: str) -> list[Completion]:
-        reply = await self._call(Poll(engine_id, id=next(self._ids)))
-        return _expect(reply, Completions).items
+        """As :meth:`SidecarClient.poll`; keep one poll per engine outstanding."""
+        epoch, ack = self._acks.get(engine_id, ("", 0))
+        reply = _expect(await self._call(Poll(engine_id, ack, epoch, id=next(self._ids))),
+                        Completions)
+        self._acks[engine_id] = (reply.epoch, reply.last)
+        return reply.items
 
     async def ping(self) -> Pong:
         return _expect(await self._call(Ping(id=next(self._ids))), Pong)

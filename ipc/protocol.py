@@ -212,9 +212,17 @@ class Release(_RequestBase, tag="release", frozen=True):
 
 
 class Poll(_RequestBase, tag="poll", frozen=True):
-    """Collect the completions that happened since the last poll."""
+    """Collect completions.
+
+    With ``ack`` (the ``last`` of the previous :class:`Completions` of the
+    same ``epoch``) the daemon drops what was acknowledged and returns the
+    rest, so a reply lost to a client timeout is delivered again by the next
+    poll. Without it, whatever is returned is dropped at once.
+    """
 
     engine_id: EngineId
+    ack: NonNegative | None = None
+    epoch: str = ""
 
 
 class Ping(_RequestBase, tag="ping", frozen=True):
@@ -266,7 +274,12 @@ class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Completions(_ReplyBase, tag="completions"):
+    """``last`` numbers the newest item (acknowledge it in the next poll);
+    ``epoch`` names the registration the numbers belong to."""
+
     items: list[Completion] = []
+    last: int = 0
+    epoch: str = ""
 
 
 class Pong(_ReplyBase, tag="pong"):

@@ -89,7 +89,8 @@ def test_reply_round_trip(reply: Reply) -> None:
 
 def test_version_and_op_are_on_the_wire() -> None:
     raw = msgspec.msgpack.decode(encode_request(Poll("d0", id=7)))
-    assert raw == {"op": "poll", "engine_id": "d0", "id": 7, "v": PROTOCOL_VERSION}
+    assert raw == {"op": "poll", "engine_id": "d0", "id": 7, "v": PROTOCOL_VERSION,
+                   "ack": None, "epoch": ""}
 
 
 def test_region_refs_are_tagged_by_kind() -> None:

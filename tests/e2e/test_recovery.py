@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -23,13 +24,16 @@ def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> Non
         sent = P.prefill("race", Request(seed=1, prompt_tokens=24))
         c = D.clients[0]
         rids = [f"race-{i}" for i in range(20)]
+        used = []
         for rid in rids:
             ids = D.alloc(3)
+            used.append(ids)
             c.read(D.engine_id, rid, [ids], sent.remote, sent.block_ids,
                    remote_request_id="race")
             c.release(D.engine_id, rid)
         got = D.wait_for(rids)
         assert {got[r][0].kind for r in rids} <= {"aborted", "received"}
+        D.free(used)  # re-poison what the reads that won the race wrote
         # Every id is free again: a new read under the same id is accepted.
         D.start_read(sent, request_id=rids[0])
         assert D.wait_for([rids[0]])[rids[0]][0].kind == "received"
@@ -106,3 +110,23 @@ def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
         got = D.wait_for(["far2"])["far2"][0]
         assert got.kind == "failed"
         assert c.ping().version == 1
+
+
+def test_a_poll_reply_lost_to_a_timeout_is_delivered_again(pool) -> None:
+    """Completions stay until acknowledged by the next poll of the same epoch."""
+    with pool.engines(attn(8), 1, 1) as (P, _):
+        P.prefill("lost", Request(seed=1, prompt_tokens=8), timeout_s=0.2)
+        c = P.clients[0]
+        deadline = time.monotonic() + 20
+        while not (first := c.poll(P.engine_id)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert [x.kind for x in first] == ["expired"]
+        # Pretend that reply never arrived: the client acknowledges what it had before.
+        epoch, last = c._acks[P.engine_id]
+        c._acks[P.engine_id] = (epoch, last - 1)
+        assert [x.request_id for x in c.poll(P.engine_id)] == ["lost"]
+        assert c.poll(P.engine_id) == []
+        # Another registration's numbers are never taken as acknowledgements.
+        c._acks[P.engine_id] = ("other-epoch", 10**6)
+        assert c.poll(P.engine_id) == []
