@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from kvsidecar.daemon.handshake import HandshakeClient, HandshakeInfo, check_peer
+from kvsidecar.daemon.handshake import HandshakeClient, HandshakeFailed, HandshakeInfo, check_peer
 from kvsidecar.daemon.nixl_worker import NixlWorker
-from kvsidecar.ipc.layout import Layout
+from kvsidecar.ipc.layout import Layout, LayoutError, validate
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
 
@@ -70,6 +70,10 @@ class PeerLinks:
 
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
         info = await self._client.fetch(address, engine_id, rank)
+        try:
+            validate(info.layout)
+        except LayoutError as e:
+            raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
         check_peer(info, engine_id, tp_size, self._layout, address=address)
         agent = await self._worker.add_remote(info.agent_metadata)
         return Peer(info, agent, np.asarray(info.bases, dtype=np.int64))

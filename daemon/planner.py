@@ -180,7 +180,7 @@ def segment_pieces(local: Layout, d_rank: int, remote: Layout) -> list[Piece]:
 def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int, num_blocks: int) -> I64:
     try:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise BlockRangeError(f"{side} group {gi}: block ids are not integers ({e})") from None
     if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
         bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
@@ -236,13 +236,21 @@ def pair_group(
         return lids * local.page_bytes, rids * remote.page_bytes
     kbs = lg.block_tokens
     if skip_tokens is None:
-        if lids.size < rids.size and lg.sub_blocks != rg.sub_blocks:
+        if lg.sub_blocks == rg.sub_blocks:
+            # vLLM's "read the remote tail": the blocks D lacks are the first ones.
+            skip_k = max(0, int(rids.size - lids.size)) * rg.sub_blocks
+        elif num_tokens is not None:
+            # D's list is the tail of the ceil(num_tokens / D-block) blocks the prompt spans.
+            total = -(-num_tokens // (lg.sub_blocks * kbs))
+            skip_k = max(0, total - int(lids.size)) * lg.sub_blocks
+        else:
+            # Block counts of the two sides cover different token spans, so no count
+            # comparison can tell a prefix hit from none (stricter than LAYOUT.md 5).
             raise PairingError(
-                f"group {gi}: local list is shorter than remote ({lids.size} < {rids.size}) "
-                f"and sub_blocks differ ({lg.sub_blocks} vs {rg.sub_blocks}); "
-                "state skip_tokens explicitly"
+                f"group {gi}: sub_blocks differ ({lg.sub_blocks} local, {rg.sub_blocks} "
+                "remote), so a prefix hit cannot be inferred from block counts; "
+                "state skip_tokens or num_tokens"
             )
-        skip_k = max(0, int(rids.size - lids.size)) * rg.sub_blocks
     else:
         logical = lg.sub_blocks * kbs
         if skip_tokens < 0 or skip_tokens % logical:

@@ -33,6 +33,9 @@ Sharding = Literal["split", "replicated"]
 GroupKind = Literal["attention", "mamba"]
 
 LAYOUT_VERSION = 1
+# Bounds that keep every offset an int64 and reject layouts no machine has.
+MAX_REGION_BYTES = 1 << 44
+MAX_REGIONS = 1 << 16
 
 
 class LayoutError(ValueError):
@@ -154,11 +157,18 @@ def validate(layout: Layout) -> Layout:
         raise LayoutError(f"num_blocks must be >= 1, got {layout.num_blocks}")
     if layout.page_bytes < 1:
         raise LayoutError(f"page_bytes must be >= 1, got {layout.page_bytes}")
+    if layout.region_bytes > MAX_REGION_BYTES or layout.num_regions > MAX_REGIONS:
+        raise LayoutError(
+            f"{layout.num_regions} regions of {layout.region_bytes} B exceed the limits "
+            f"({MAX_REGIONS} regions of {MAX_REGION_BYTES} B)"
+        )
     if not layout.groups:
         raise LayoutError("a layout needs at least one group")
     for gi, g in enumerate(layout.groups):
         where = f"group {gi} ({g.kind})"
         if g.kind == "attention":
+            if g.sub_blocks > layout.page_bytes:
+                raise LayoutError(f"{where}: {g.sub_blocks} kernel blocks cannot fit a page")
             if g.sub_blocks < 1 or g.kernel_block_bytes < 1 or g.block_tokens < 1:
                 raise LayoutError(
                     f"{where}: sub_blocks, kernel_block_bytes and block_tokens must be >= 1"
@@ -188,6 +198,11 @@ def validate(layout: Layout) -> Layout:
             if s.sharding == "split" and tp <= s.units_total and s.units_total % tp:
                 raise LayoutError(
                     f"{sw}: {s.units_total} units cannot be split evenly over tp {tp}"
+                )
+            if s.sharding == "split" and tp > s.units_total and tp % s.units_total:
+                raise LayoutError(
+                    f"{sw}: tp {tp} replicates {s.units_total} units unevenly (tp must be a "
+                    "multiple of the unit count when it exceeds it)"
                 )
             n = units_local(s, tp)
             if s.nbytes_local < 1 or s.nbytes_local % n:
@@ -276,6 +291,9 @@ def _local_units(total: int, tp: int, what: str) -> int:
         if total % tp:
             raise LayoutError(f"{what}: {total} cannot be split evenly over tp {tp}")
         return total // tp
+    if tp % total:
+        raise LayoutError(f"{what}: tp {tp} is not a multiple of {total}, so ranks cannot "
+                          "share units evenly")
     return 1
 
 

@@ -103,7 +103,7 @@ class ShmRegion:
                 if reserve and hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, nbytes)
                 mm = mmap.mmap(fd, nbytes)
-            except OSError as e:
+            except (OSError, OverflowError) as e:
                 _posixshmem.shm_unlink("/" + name)
                 raise RegionError(f"cannot create shared memory {name!r} of {nbytes} B: {e}") from e
         finally:

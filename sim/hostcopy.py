@@ -23,6 +23,7 @@ def apply_plan(plan: ReadPlan, local: Sequence[U8], remote: Mapping[int, Sequenc
     Returns the bytes copied. Raises IndexError if a descriptor leaves a buffer,
     so a plan that would touch memory outside a region cannot pass silently.
     """
+    _check_disjoint(plan)
     copied = 0
     for rr in plan.reads:
         src_bufs = remote[rr.remote_rank]
@@ -37,3 +38,21 @@ def apply_plan(plan: ReadPlan, local: Sequence[U8], remote: Mapping[int, Sequenc
             dst[lo : lo + n] = src[ro : ro + n]
             copied += n
     return copied
+
+
+def _check_disjoint(plan: ReadPlan) -> None:
+    """Applied in order, overlapping writes would pass when the last one is right:
+    refuse them, so the oracle sees every byte written exactly once."""
+    if not plan.reads:
+        return
+    reg = np.concatenate([r.region for r in plan.reads]).astype(np.int64)
+    lo = np.concatenate([r.local_offset for r in plan.reads])
+    ln = np.concatenate([r.length for r in plan.reads])
+    order = np.lexsort((lo, reg))
+    reg, lo, ln = reg[order], lo[order], ln[order]
+    same = reg[1:] == reg[:-1]
+    bad = same & (lo[1:] < lo[:-1] + ln[:-1])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"plan writes region {int(reg[i])} bytes [{int(lo[i + 1])}, "
+                         f"{int(lo[i] + ln[i])}) twice")

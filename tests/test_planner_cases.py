@@ -85,7 +85,7 @@ def test_read_targets_k2_4p1d() -> None:
     assert attn == [0, 2]
     assert mamba == [0, 1, 2, 3]
     assert candidate_ranks(1, 0, 4) == (0, 1, 2, 3)
-    plan = plan_read(D, 0, P, [[1], [2]], [[3], [4]])
+    plan = plan_read(D, 0, P, [[1], [2]], [[3], [4]], skip_tokens=0)
     assert plan.notify == (0, 1, 2, 3)
     assert sorted(r.remote_rank for r in plan.reads) == [0, 1, 2, 3]
 
@@ -179,8 +179,11 @@ def test_pairing_errors() -> None:
     P, D = small_hybrid(1), small_hybrid(4)
     with pytest.raises(PairingError, match="never trimmed"):
         plan_read(D, 0, P, [[0], [1, 2]], [[0], [1]], skip_tokens=0)
-    with pytest.raises(PairingError, match="state skip_tokens explicitly"):
+    with pytest.raises(PairingError, match="state skip_tokens or num_tokens"):
         plan_read(P, 0, D, [[0], [1]], [[2, 3, 4], [5]])
+    # Not shorter, but still ambiguous: D's blocks span fewer tokens than P's.
+    with pytest.raises(PairingError, match="cannot be inferred from block counts"):
+        plan_read(D, 0, P, [[0, 2], [1]], [[3, 4], [5]])
     with pytest.raises(PairingError, match="not a whole number"):
         plan_read(D, 0, P, [[0], [1]], [[2, 3], [4]], skip_tokens=5)
     with pytest.raises(PairingError, match="exceeds"):
@@ -201,6 +204,17 @@ def test_builder_errors_are_specific() -> None:
                              num_blocks=4)
     with pytest.raises(LayoutError, match="num_blocks must be a positive integer"):
         small_hybrid(1, nb=0)
+    with pytest.raises(LayoutError, match="tp 4 is not a multiple of 3"):
+        attention_layout(model="m", num_layers=1, total_kv_heads=3, head_dim=4,
+                         block_tokens=4, tp_size=4, num_blocks=4)
+    with pytest.raises(LayoutError, match="exceed the limits"):
+        small_hybrid(1, nb=1 << 40)
+
+
+def test_block_ids_too_large_for_int64_are_bad_input() -> None:
+    L = small_hybrid(1)
+    with pytest.raises(BlockRangeError, match="not integers"):
+        plan_read(L, 0, L, [[2**63], [1]], [[0], [1]])
 
 
 # ---------------------------------------------------------------- layout model

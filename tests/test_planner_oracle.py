@@ -153,6 +153,16 @@ def test_partial_prefix_hit_explicit_skip(family: str, p_tp: int, d_tp: int) -> 
     run_transfer(FAMILIES[family], p_tp, d_tp, prompt_tokens=90, skip_blocks=1)
 
 
+@pytest.mark.parametrize("family", ["mamba2-K2-g1", "mamba2-K8-g8", "gdn-K2"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 4), (4, 1), (1, 2), (8, 2)])
+@pytest.mark.parametrize("skip_blocks", [0, 1, 2])
+def test_skip_inferred_from_num_tokens_when_sub_blocks_differ(
+    family: str, p_tp: int, d_tp: int, skip_blocks: int
+) -> None:
+    run_transfer(FAMILIES[family], p_tp, d_tp, prompt_tokens=150, skip_blocks=skip_blocks,
+                 explicit_skip=False, trim=True)
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (1, 2), (4, 2)])
 def test_partial_prefix_hit_inferred_skip(p_tp: int, d_tp: int) -> None:
     # Pure attention keeps sub_blocks 1 on both sides, so skip may be inferred.
