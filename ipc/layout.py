@@ -301,6 +301,14 @@ def _check_tp_rank(tp_size: int) -> None:
     _positive(tp_size=tp_size)
 
 
+def _state_params(conv_kernel: int, conv_dtype: str, ssm_dtype: str) -> tuple[int, int, int]:
+    """(conv rows kept, conv dtype bytes, temporal dtype bytes) of a recurrent layer."""
+    if conv_kernel < 2:
+        raise LayoutError(f"conv_kernel must be >= 2, got {conv_kernel}")
+    return (conv_kernel - 1, _dtype_bytes(conv_dtype, "conv_dtype"),
+            _dtype_bytes(ssm_dtype, "ssm_dtype"))
+
+
 def _attention_segments(
     total_kv_heads: int, head_dim: int, block_tokens: int, dtype_bytes: int, tp_size: int
 ) -> tuple[int, int]:
@@ -457,16 +465,12 @@ def mamba2_hybrid_layout(
               d_state=d_state, mamba_heads=mamba_heads, mamba_head_dim=mamba_head_dim,
               num_blocks=num_blocks)
     _check_tp_rank(tp_size)
-    if conv_kernel < 2:
-        raise LayoutError(f"conv_kernel must be >= 2, got {conv_kernel}")
     if mamba_heads * mamba_head_dim != intermediate_size:
         raise LayoutError(
             f"mamba_heads * mamba_head_dim ({mamba_heads} * {mamba_head_dim}) must equal "
             f"intermediate_size ({intermediate_size})"
         )
-    rows = conv_kernel - 1
-    cb = _dtype_bytes(conv_dtype, "conv_dtype")
-    sb = _dtype_bytes(ssm_dtype, "ssm_dtype")
+    rows, cb, sb = _state_params(conv_kernel, conv_dtype, ssm_dtype)
     facts: dict[str, str | int] = {
         "name": model, "num_layers": num_layers, "intermediate_size": intermediate_size,
         "n_groups": n_groups, "d_state": d_state, "conv_kernel": conv_kernel,
@@ -508,13 +512,9 @@ def gdn_hybrid_layout(
     _positive(num_layers=num_layers, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
               head_k_dim=head_k_dim, head_v_dim=head_v_dim, num_blocks=num_blocks)
     _check_tp_rank(tp_size)
-    if conv_kernel < 2:
-        raise LayoutError(f"conv_kernel must be >= 2, got {conv_kernel}")
     _local_units(num_k_heads, tp_size, "num_k_heads")
     _local_units(num_v_heads, tp_size, "num_v_heads")
-    rows = conv_kernel - 1
-    cb = _dtype_bytes(conv_dtype, "conv_dtype")
-    sb = _dtype_bytes(ssm_dtype, "ssm_dtype")
+    rows, cb, sb = _state_params(conv_kernel, conv_dtype, ssm_dtype)
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     facts: dict[str, str | int] = {
         "name": model, "num_layers": num_layers, "num_k_heads": num_k_heads,
@@ -554,11 +554,7 @@ def mamba1_layout(
     _positive(num_layers=num_layers, intermediate_size=intermediate_size, d_state=d_state,
               num_blocks=num_blocks)
     _check_tp_rank(tp_size)
-    if conv_kernel < 2:
-        raise LayoutError(f"conv_kernel must be >= 2, got {conv_kernel}")
-    rows = conv_kernel - 1
-    cb = _dtype_bytes(conv_dtype, "conv_dtype")
-    sb = _dtype_bytes(ssm_dtype, "ssm_dtype")
+    rows, cb, sb = _state_params(conv_kernel, conv_dtype, ssm_dtype)
     facts: dict[str, str | int] = {
         "name": model, "num_layers": num_layers, "intermediate_size": intermediate_size,
         "d_state": d_state, "conv_kernel": conv_kernel, "conv_dtype": conv_dtype,
