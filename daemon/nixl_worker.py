@@ -29,16 +29,17 @@ cost about a microsecond.
 *How progress is driven.* Each round runs the queued jobs, then polls: every
 in-flight handle plus ``get_new_notifs`` when reads are in flight or the owner
 set the hot hint (:meth:`NixlWorker.set_hot`), otherwise ``get_new_notifs``
-only. Then it blocks on the job queue for ``busy_poll_s`` (busy) or
+only. Then it blocks on the job queue for ``busy_poll_s`` (reads in flight),
+``hot_poll_s`` (blocks held, waiting for readers' notifications) or
 ``idle_poll_s`` (idle). A submitted job wakes the thread at once, so outbound
 work never waits for a tick; the tick is the latency only of *inbound* events
 (a peer wiring up, a notification arriving, an asynchronous transfer finishing).
 The trade-off is latency against CPU, and the cost is the wake-ups, not NIXL
 (an idle ``get_new_notifs`` is about 1.5 us): on a 2-vCPU VM one timed wake-up
 costs about 100 us of CPU, so idle at 5 ms a worker uses 2-3 % of a core
-(under 1 % at 20 ms), and hot at 0.2 ms about 18 %, which buys notification
-latency of a few tenths of a millisecond while a prefill side holds blocks
-for readers.
+(under 1 % at 20 ms), and at 0.2 ms about 18 %. Reads in flight get 0.2 ms
+(their completion is the decode engine's latency); held blocks get 1 ms (a
+notification only decides when the prefill side may reuse blocks).
 ``benchmarks/nixl_worker_idle.py`` measures both.
 
 *Notifications are lazy.* NIXL sends the notification attached to a READ only
@@ -268,13 +269,14 @@ class NixlWorker:
         on_notif: Callable[[str, bytes], None] | None = None,
         idle_poll_s: float = 0.005,
         busy_poll_s: float = 0.0002,
+        hot_poll_s: float = 0.001,
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         telemetry: bool = True,
         stop_timeout_s: float = _STOP_WAIT_S,
     ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
-        if idle_poll_s <= 0 or busy_poll_s <= 0:
+        if idle_poll_s <= 0 or busy_poll_s <= 0 or hot_poll_s <= 0:
             raise ValueError("poll intervals must be positive")
         self._name = name
         self._backends = tuple(backends)
@@ -282,6 +284,7 @@ class NixlWorker:
         self._on_notif = on_notif
         self._idle_poll_s = idle_poll_s
         self._busy_poll_s = busy_poll_s
+        self._hot_poll_s = hot_poll_s
         self._telemetry = telemetry
         self._stop_timeout_s = stop_timeout_s
 
@@ -441,7 +444,7 @@ class NixlWorker:
         )
 
     def set_hot(self, hot: bool) -> None:
-        """Poll notifications every busy_poll_s even with no reads in flight (thread-safe)."""
+        """Poll notifications every hot_poll_s even with no reads in flight (thread-safe)."""
         was = self._hot
         self._hot = bool(hot)
         if self._hot and not was:
@@ -504,9 +507,14 @@ class NixlWorker:
             self._drain_jobs()
             self._progress()
             self._flush()
-            busy = bool(self._inflight) or self._hot
+            if self._inflight:
+                wait = self._busy_poll_s
+            elif self._hot:
+                wait = self._hot_poll_s
+            else:
+                wait = self._idle_poll_s
             try:
-                job = self._jobs.get(timeout=self._busy_poll_s if busy else self._idle_poll_s)
+                job = self._jobs.get(timeout=wait)
             except queue.Empty:
                 continue
             if job is not None:
