@@ -28,11 +28,15 @@ Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Peer:
+    """One linked remote rank; compared by identity (a re-link is a new Peer)."""
+
+    key: Key
     info: HandshakeInfo
     agent: str
     bases: NDArray[np.int64]
+    made_at: float
 
 
 class PeerLinks:
@@ -43,7 +47,6 @@ class PeerLinks:
         self._layout = layout
         self._client = client
         self._links: dict[Key, asyncio.Task[Peer]] = {}
-        self._made: dict[Key, float] = {}
         self._unloading: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -55,13 +58,11 @@ class PeerLinks:
         if task is None or (task.done() and (task.cancelled() or task.exception())):
             task = asyncio.ensure_future(self._link(address, engine_id, tp_size, rank))
             self._links[key] = task
-            self._made[key] = time.monotonic()
         try:
             peer = await asyncio.shield(task)
         except BaseException:
             if self._links.get(key) is task and task.done():
                 del self._links[key]
-                self._made.pop(key, None)
             raise
         if peer.info.tp_size != tp_size:
             # Cached from a request that described the engine differently.
@@ -76,20 +77,22 @@ class PeerLinks:
             raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
         check_peer(info, engine_id, tp_size, self._layout, address=address)
         agent = await self._worker.add_remote(info.agent_metadata)
-        return Peer(info, agent, np.asarray(info.bases, dtype=np.int64))
+        return Peer((address, engine_id, rank), info, agent,
+                    np.asarray(info.bases, dtype=np.int64), time.monotonic())
 
-    def forget(self, address: str, made_before: float = float("inf")) -> bool:
-        """Drop the links to ``address`` (the peer restarted or failed) and unload
-        their agents; True if one of them was made before ``made_before``."""
-        older = False
-        for key in [k for k in self._links if k[0] == address]:
-            task = self._links.pop(key)
-            older |= self._made.pop(key, 0.0) < made_before
-            if task.done() and not task.cancelled() and task.exception() is None:
-                unload = asyncio.ensure_future(self._unload(task.result().agent))
-                self._unloading.add(unload)
-                unload.add_done_callback(self._unloading.discard)
-        return older
+    def forget(self, peer: Peer) -> None:
+        """Drop this link (its peer restarted or failed) and unload its agent.
+
+        Only if the cached link is still this very Peer: a concurrent read may
+        already have replaced it with a fresh one, which must survive.
+        """
+        task = self._links.get(peer.key)
+        if (task is not None and task.done() and not task.cancelled()
+                and task.exception() is None and task.result() is peer):
+            del self._links[peer.key]
+        unload = asyncio.ensure_future(self._unload(peer.agent))
+        self._unloading.add(unload)
+        unload.add_done_callback(self._unloading.discard)
 
     async def _unload(self, agent: str) -> None:
         # Refused while reads to it are in flight; those fail or finish on their own.

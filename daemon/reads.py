@@ -39,12 +39,17 @@ log = logging.getLogger(__name__)
 I64 = NDArray[np.int64]
 
 
+class PartialReadError(RuntimeError):
+    """Some P ranks were read and notified, others failed: never retried."""
+
+
 @dataclass
 class ReadJob:
     req: Read
     accepted_at: float = field(default_factory=time.monotonic)
     posted: bool = False
     abort_reason: str | None = None
+    peers: list[Peer] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
     def abort(self, reason: str) -> None:
@@ -105,6 +110,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     peers: list[Peer] = await asyncio.gather(
         *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p) for p in cands)
     )
+    job.peers = peers
     layout = peers[0].info.layout
     for p, peer in zip(cands[1:], peers[1:]):
         if peer.info.layout != layout:
@@ -132,6 +138,13 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
             ops.append(eng.worker.notify(agents[post.rank], note))
     results = await asyncio.gather(*ops, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
+    if errors and len(errors) < len(results):
+        # Some ranks were read and notified: their holds may be released already,
+        # so this read must not be retried as a whole.
+        raise PartialReadError(
+            f"{len(errors)} of {len(results)} remote ranks failed ({errors[0]}); the others "
+            "were read and notified"
+        ) from errors[0]
     if errors:
         raise errors[0]
     return ReadOutcome(plan.nbytes, plan.descriptors, plan.descriptors_before_coalescing,

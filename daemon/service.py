@@ -32,7 +32,6 @@ from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines import EngineRank, map_regions, release_regions
 from kvsidecar.daemon.handshake import (
     HandshakeClient,
-    HandshakeFailed,
     HandshakeInfo,
     HandshakeServer,
     make_handshake_info,
@@ -41,9 +40,10 @@ from kvsidecar.daemon.handshake import (
 from kvsidecar.daemon.nixl_worker import NixlError, NixlTimeout, NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.daemon.planner import PlanError, candidate_ranks, validate_block_ids
-from kvsidecar.daemon.reads import ReadJob, aborted, failed, run_read
+from kvsidecar.daemon.reads import PartialReadError, ReadJob, aborted, failed, run_read
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.layout import LayoutError, validate
+from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -117,7 +117,10 @@ class Sidecar:
                 job.abort("the sidecar is shutting down")
         pending = [j.task for j in self._reads.values() if j.task is not None]
         if pending:
-            await asyncio.wait(pending, timeout=30)
+            await asyncio.wait(pending, timeout=self._drain_timeout)
+        deadline = time.monotonic() + self._drain_timeout
+        while self._registering and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # a registration half-way would leak its memory
         deadline = time.monotonic() + drain_s
         while time.monotonic() < deadline and any(e.completions for e in self._engines.values()):
             await asyncio.sleep(0.01)
@@ -151,7 +154,10 @@ class Sidecar:
             return await self._register(req)
         if isinstance(req, Deregister):
             self._engine(req.engine_id)
-            await self._drop_engine(req.engine_id, "deregistered by the engine")
+            # Shielded: a caller that gives up (or a shutdown) must not cut the
+            # release short between forgetting the engine and freeing its memory.
+            await asyncio.shield(self._spawn(
+                self._drop_engine(req.engine_id, "deregistered by the engine")))
             return Ok()
         if isinstance(req, Ping):
             return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
@@ -166,13 +172,13 @@ class Sidecar:
         return eng
 
     async def _register(self, req: Register) -> Reply:
-        old = self._engines.get(req.engine_id)
-        if old is not None:
-            return await self._reattach(old, req)
         if req.engine_id in self._registering:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is being registered")
         self._registering.add(req.engine_id)
         try:
+            old = self._engines.get(req.engine_id)
+            if old is not None:
+                return await self._reattach(old, req)
             return await self._register_new(req)
         finally:
             self._registering.discard(req.engine_id)
@@ -187,8 +193,14 @@ class Sidecar:
                                             f"tp_size {layout.tp_size}")
         # Creating or mapping shared memory touches every page (about 1 s per GB):
         # off the loop, so other engines keep being served meanwhile.
-        regions, owned = await asyncio.get_running_loop().run_in_executor(
+        mapping = asyncio.get_running_loop().run_in_executor(
             None, map_regions, req.engine_id, layout, req.mode, req.regions)
+        try:
+            regions, owned = await asyncio.shield(mapping)
+        except asyncio.CancelledError:
+            # The thread finishes anyway: release what it creates.
+            mapping.add_done_callback(_release_late_mapping)
+            raise
         agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
         worker = NixlWorker(agent, backends=self.settings.backends,
                             on_notif=partial(self._on_notif, req.engine_id))
@@ -248,7 +260,7 @@ class Sidecar:
             j.abort("the engine restarted")
         tasks = [j.task for j in jobs if j.task is not None]
         if tasks:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=self._drain_timeout)
         old.holds.drop_engine(old.engine_id)
         old.completions.clear()
         old.worker.set_hot(False)
@@ -310,12 +322,16 @@ class Sidecar:
         try:
             try:
                 out = await run_read(eng, job, self._planner, self.settings.read_timeout_s)
-            except (NixlError, HandshakeFailed) as e:
+            except PartialReadError:
+                self._forget_peers(eng, job)  # the next request re-links the failed ranks
+                raise
+            except NixlError as e:
                 # A peer that restarted or re-registered leaves stale links behind:
-                # forget them, and retry once if this read used links made earlier.
-                stale = self._forget_peer(eng, job)
-                retry = isinstance(e, NixlError) and not isinstance(e, NixlTimeout)
-                if not (stale and retry and job.abort_reason is None):
+                # forget the ones this read used, and retry once if any of them
+                # predates the request (nothing was read or notified: a partial
+                # success raises PartialReadError instead).
+                stale = self._forget_peers(eng, job)
+                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
                     raise
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
                 job.posted = False
@@ -339,13 +355,15 @@ class Sidecar:
                 metrics.READ_SECONDS.observe(time.perf_counter() - t0)
         self._finish_read(eng, job, c)
 
-    def _forget_peer(self, eng: EngineRank, job: ReadJob) -> bool:
-        """Drop cached handshakes and links to the remote engine; True if a link
-        predates this request (then it may have been stale)."""
+    def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:
+        """Drop the links (and cached handshakes) this read used; True if one of
+        them predates the request, so it may have been stale."""
         stale = False
-        for addr in set(job.req.remote.handshake):
-            stale |= eng.peers.forget(addr, made_before=job.accepted_at)
-            self._hs_client.forget(addr, job.req.remote.engine_id)
+        for peer in job.peers:
+            stale |= peer.made_at < job.accepted_at
+            eng.peers.forget(peer)
+            self._hs_client.forget(peer.key[0], peer.key[1])
+        job.peers = []
         return stale
 
     def _hold(self, req: Hold) -> Reply:
@@ -417,10 +435,17 @@ class Sidecar:
             except Exception:  # housekeeping must outlive any single bad entry
                 log.exception("housekeeping pass failed; continuing")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    @property
+    def _drain_timeout(self) -> float:
+        """How long to wait for posted reads: past their own deadline, so memory is
+        never released while a transfer may still write into it."""
+        return self.settings.read_timeout_s + 15.0
 
     async def _drop_engine(self, engine_id: str, why: str) -> None:
         eng = self._engines.pop(engine_id, None)
@@ -433,13 +458,18 @@ class Sidecar:
         # Memory may only go once nothing writes into it.
         tasks = [j.task for j in jobs if j.task is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=30)
+            await asyncio.wait(tasks, timeout=self._drain_timeout)
         eng.holds.drop_engine(engine_id)
         with contextlib.suppress(Exception):
             await eng.worker.stop()
         release_regions(eng.regions, eng.owned)
         metrics.ENGINES.set(len(self._engines))
         log.info("engine %r released (%s)", engine_id, why)
+
+
+def _release_late_mapping(f: asyncio.Future[tuple[list[ShmRegion], bool]]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        release_regions(*f.result())
 
 
 def _alive(pid: int) -> bool:

@@ -369,6 +369,7 @@ class AsyncSidecarClient:
         self._timeout_s = timeout_s
         self._ids = itertools.count(1)
         self._acks: dict[str, tuple[str, int]] = {}
+        self._poll_locks: dict[str, asyncio.Lock] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
@@ -406,12 +407,15 @@ class AsyncSidecarClient:
         _expect(await self._call(Release(engine_id, request_id, id=next(self._ids))), Ok)
 
     async def poll(self, engine_id: str) -> list[Completion]:
-        """As :meth:`SidecarClient.poll`; keep one poll per engine outstanding."""
-        epoch, ack = self._acks.get(engine_id, ("", 0))
-        reply = _expect(await self._call(Poll(engine_id, ack, epoch, id=next(self._ids))),
-                        Completions)
-        self._acks[engine_id] = (reply.epoch, reply.last)
-        return reply.items
+        """As :meth:`SidecarClient.poll`. Polls of one engine are serialised: two
+        in flight would acknowledge the same number and receive items twice."""
+        lock = self._poll_locks.setdefault(engine_id, asyncio.Lock())
+        async with lock:
+            epoch, ack = self._acks.get(engine_id, ("", 0))
+            reply = _expect(await self._call(Poll(engine_id, ack, epoch, id=next(self._ids))),
+                            Completions)
+            self._acks[engine_id] = (reply.epoch, reply.last)
+            return reply.items
 
     async def ping(self) -> Pong:
         return _expect(await self._call(Ping(id=next(self._ids))), Pong)

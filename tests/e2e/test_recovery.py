@@ -50,13 +50,41 @@ def test_reads_recover_after_the_prefill_engine_re_registers(pool) -> None:
         P.close()
         P2 = SimEngine(engine_id, hybrid, 2, 96, pool.p[:2])
         try:
-            D.start_read(P2.prefill("after", Request(seed=2, prompt_tokens=40)))
-            got = D.wait_for(["after"])["after"]
-            assert {c.kind for c in got.values()} == {"received"}, got
-            assert not D.verify("after")
-            assert {c.kind for c in P2.wait_for(["after"])["after"].values()} == {"sent"}
+            # Several reads at once trip over the same stale links; each recovers.
+            rids = [f"after-{i}" for i in range(4)]
+            for i, rid in enumerate(rids):
+                D.start_read(P2.prefill(rid, Request(seed=2 + i, prompt_tokens=40)))
+            got = D.wait_for(rids)
+            for rid in rids:
+                assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
+                assert not D.verify(rid)
+            sent = P2.wait_for(rids)
+            assert {c.kind for r in rids for c in sent[r].values()} == {"sent"}
         finally:
             P2.close()
+
+
+def test_a_read_that_half_succeeded_is_failed_not_retried(pool) -> None:
+    """P rank 1 re-registers under D's feet while rank 0 stays: the read from rank 0
+    succeeds and notifies it, so the request must fail rather than be re-read."""
+    with pool.engines(attn(8), 2, 1) as (P, (D,)):
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        c1 = P.clients[1]
+        c1.deregister(P.engine_id)
+        for r in P.registrations[1].regions:
+            r.close()
+        reg = c1.register(P.engine_id, 1, P.layout, allocate=True)
+        P.registrations[1] = reg
+        P.buffers[1] = [r.numpy() for r in reg.regions]
+        D.start_read(P.prefill("half", Request(seed=2, prompt_tokens=24)))
+        got = D.wait_for(["half"])["half"][0]
+        assert got.kind == "failed", got
+        assert "1 of 2 remote ranks failed" in got.reason and got.invalid_block_ids
+        D.finish("half")
+        D.start_read(P.prefill("whole", Request(seed=3, prompt_tokens=24)))
+        assert D.wait_for(["whole"])["whole"][0].kind == "received"
+        assert not D.verify("whole")
 
 
 def test_a_stalled_peer_times_out_instead_of_hanging(tmp_path) -> None:
