@@ -22,6 +22,13 @@ def _agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
+def _descs(base: int, nbytes: int, ndesc: int) -> list[tuple[int, int, int]]:
+    """``ndesc`` equal pieces of ``nbytes``, every other slot of a 2x buffer, so
+    no two are adjacent (NIXL never merges them anyway; the stride keeps it fair)."""
+    size = nbytes // ndesc
+    return [(base + 2 * i * size, size, 0) for i in range(ndesc)]
+
+
 def _target(nbytes: int, conn: Connection) -> None:
     agent = _agent("raw-target")
     with ShmRegion.create(unique_name("raw"), nbytes) as region:
@@ -37,23 +44,25 @@ def _target(nbytes: int, conn: Connection) -> None:
         agent.deregister_memory(descs)
 
 
-def raw_read_seconds(nbytes: int, repeats: int = 3) -> float:
-    """Best wall time of one READ of ``nbytes`` as a single descriptor, cross-process."""
+def raw_read_seconds(nbytes: int, repeats: int = 3, descriptors: int = 1) -> float:
+    """Best wall time of one READ of ``nbytes`` cross-process, as one descriptor or
+    as ``descriptors`` scattered pieces."""
+    span = nbytes if descriptors == 1 else 2 * nbytes
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(nbytes, child), daemon=True)
+    proc = ctx.Process(target=_target, args=(span, child), daemon=True)
     proc.start()
     agent = _agent("raw-initiator")
     try:
-        with ShmRegion.create(unique_name("raw"), nbytes) as region:
-            reg = agent.get_reg_descs([(region.address, nbytes, 0, "")], "DRAM")
+        with ShmRegion.create(unique_name("raw"), span) as region:
+            reg = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
             agent.register_memory(reg)
             if not parent.poll(60):
                 raise RuntimeError("raw NIXL target did not start")
             meta, remote_addr = parent.recv()
             peer = agent.add_remote_agent(meta)
-            local = agent.get_xfer_descs([(region.address, nbytes, 0)], "DRAM")
-            remote = agent.get_xfer_descs([(remote_addr, nbytes, 0)], "DRAM")
+            local = agent.get_xfer_descs(_descs(region.address, nbytes, descriptors), "DRAM")
+            remote = agent.get_xfer_descs(_descs(remote_addr, nbytes, descriptors), "DRAM")
             best = float("inf")
             for i in range(repeats + 1):  # the first one wires up
                 t0 = time.perf_counter()
@@ -67,7 +76,7 @@ def raw_read_seconds(nbytes: int, repeats: int = 3) -> float:
                     raise RuntimeError("raw NIXL read failed")
                 if i:
                     best = min(best, dt)
-            if int(region.numpy()[nbytes - 1]) != 7:
+            if int(region.numpy()[0]) != 7:
                 raise RuntimeError("raw NIXL read moved no data")
             agent.send_notif(peer, b"stop")
             for _ in range(100):
