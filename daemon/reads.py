@@ -16,9 +16,10 @@ only reuse its blocks once nothing writes into them any more.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +29,19 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.nixl_worker import TransferStats
+from kvsidecar.daemon.handshake import HandshakeClient
+from kvsidecar.daemon.nixl_worker import NixlError, NixlTimeout, TransferStats
 from kvsidecar.daemon.peers import Peer
-from kvsidecar.daemon.planner import ReadPlan, candidate_ranks, plan_read
+from kvsidecar.daemon.planner import (
+    PlanError,
+    ReadPlan,
+    candidate_ranks,
+    plan_read,
+    validate_block_ids,
+)
 from kvsidecar.ipc.layout import Layout
-from kvsidecar.ipc.protocol import Completion, Read
+from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
+from kvsidecar.metrics import registry as metrics
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +168,126 @@ def failed(req: Read, reason: str) -> Completion:
 def aborted(req: Read, reason: str) -> Completion:
     return Completion(req.request_id, "aborted", reason,
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
+
+
+class ReadTable:
+    """Every accepted read of this sidecar, from acceptance to its completion.
+
+    It owns the read jobs and their tasks; completions go out through
+    ``deliver`` (which drops them if the engine has gone meanwhile). Failures
+    over links made before the request (a peer that restarted) drop those
+    links and retry once, unless some rank was already read and notified.
+    """
+
+    def __init__(self, planner: Executor, handshakes: HandshakeClient, read_timeout_s: float,
+                 deliver: Callable[[EngineRank, Completion], None]) -> None:
+        self._planner = planner
+        self._handshakes = handshakes
+        self._timeout_s = read_timeout_s
+        self._deliver = deliver
+        self._jobs: dict[tuple[str, str], ReadJob] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def accept(self, eng: EngineRank, req: Read) -> None:
+        """Validate what can be checked locally (raises RequestError) and start the read."""
+        key = (req.engine_id, req.request_id)
+        if key in self._jobs:
+            raise RequestError(DUPLICATE, f"read {req.request_id!r} is already in progress")
+        r = req.remote
+        if len(r.handshake) != r.tp_size:
+            raise RequestError(BAD_REQUEST, f"remote engine {r.engine_id!r} has tp_size "
+                                            f"{r.tp_size} but {len(r.handshake)} handshake "
+                                            "addresses")
+        try:
+            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+            validate_block_ids(eng.layout, req.local_block_ids, "local")
+            if len(req.remote_block_ids) != len(eng.layout.groups):
+                raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
+                                f"the layout has {len(eng.layout.groups)}")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        job = ReadJob(req)
+        self._jobs[key] = job
+        job.task = asyncio.ensure_future(self._run(eng, job))
+        # A task cancelled before its first step never runs its body; the
+        # callback still reports it and frees the request id.
+        job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+
+    def abort(self, engine_id: str, request_id: str, reason: str) -> bool:
+        job = self._jobs.get((engine_id, request_id))
+        if job is None:
+            return False
+        job.abort(reason)
+        return True
+
+    async def abort_all(self, engine_id: str | None, reason: str, timeout_s: float, *,
+                        posted_too: bool = True) -> None:
+        """Abort the reads of one engine (or all), then wait until none can still write."""
+        jobs = [j for (e, _), j in self._jobs.items() if engine_id is None or e == engine_id]
+        for j in jobs:
+            if posted_too or not j.posted:
+                j.abort(reason)
+        tasks = [j.task for j in jobs if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            self._finish(eng, job, aborted(
+                job.req, f"{job.abort_reason or 'cancelled'}; nothing had been posted"))
+
+    def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        key = (eng.engine_id, job.req.request_id)
+        if self._jobs.get(key) is job:
+            del self._jobs[key]
+        self._deliver(eng, c)
+
+    async def _run(self, eng: EngineRank, job: ReadJob) -> None:
+        req = job.req
+        t0 = time.perf_counter()
+        try:
+            try:
+                out = await run_read(eng, job, self._planner, self._timeout_s)
+            except PartialReadError:
+                self._forget_peers(eng, job)  # the next request re-links the failed ranks
+                raise
+            except NixlError as e:
+                # Retry once only over links older than the request, and never
+                # after a timeout (the peer is stalled, not restarted).
+                stale = self._forget_peers(eng, job)
+                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
+                    raise
+                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
+                job.posted = False
+                out = await run_read(eng, job, self._planner, self._timeout_s)
+        except asyncio.CancelledError:
+            c = aborted(req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
+        except Exception as e:  # every failure becomes a completion, never a crash
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
+            metrics.READS.labels(outcome="failed").inc()
+            c = failed(req, reason)
+        else:
+            if job.abort_reason is not None:
+                c = aborted(req, f"{job.abort_reason}; its transfers had finished")
+            else:
+                c = Completion(req.request_id, "received", nbytes=out.nbytes)
+                metrics.READS.labels(outcome="received").inc()
+                metrics.READ_BYTES.inc(out.nbytes)
+                metrics.DESCRIPTORS.inc(out.descriptors)
+                metrics.DESCRIPTORS_PLANNED.inc(out.descriptors_before)
+                metrics.READ_SECONDS.observe(time.perf_counter() - t0)
+        self._finish(eng, job, c)
+
+    def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:
+        """Drop the links (and cached handshakes) this read used; True if one of
+        them predates the request, so it may have been stale."""
+        stale = False
+        for peer in job.peers:
+            stale |= peer.made_at < job.accepted_at
+            eng.peers.forget(peer)
+            self._handshakes.forget(peer.key[0], peer.key[1])
+        job.peers = []
+        return stale

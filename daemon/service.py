@@ -37,10 +37,10 @@ from kvsidecar.daemon.handshake import (
     make_handshake_info,
     new_daemon_id,
 )
-from kvsidecar.daemon.nixl_worker import NixlError, NixlTimeout, NixlWorker
+from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
-from kvsidecar.daemon.planner import PlanError, candidate_ranks, validate_block_ids
-from kvsidecar.daemon.reads import PartialReadError, ReadJob, aborted, failed, run_read
+from kvsidecar.daemon.planner import PlanError, validate_block_ids
+from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.memory import ShmRegion
@@ -75,9 +75,10 @@ class Sidecar:
         self.settings = settings
         self.daemon_id = new_daemon_id()
         self._engines: dict[str, EngineRank] = {}
-        self._reads: dict[tuple[str, str], ReadJob] = {}
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
         self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
+        self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
+                                self._deliver)
         self._hs_server = HandshakeServer(
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
             engines=lambda: list(self._engines),
@@ -112,12 +113,8 @@ class Sidecar:
         if self._stopping:
             return
         self._stopping = True
-        for job in list(self._reads.values()):
-            if not job.posted:
-                job.abort("the sidecar is shutting down")
-        pending = [j.task for j in self._reads.values() if j.task is not None]
-        if pending:
-            await asyncio.wait(pending, timeout=self._drain_timeout)
+        await self._reads.abort_all(None, "the sidecar is shutting down", self._drain_timeout,
+                                    posted_too=False)
         deadline = time.monotonic() + self._drain_timeout
         while self._registering and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # a registration half-way would leak its memory
@@ -143,7 +140,8 @@ class Sidecar:
         if self._stopping and isinstance(req, (Register, Read, Hold)):
             raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
         if isinstance(req, Read):
-            return self._read(req)
+            self._reads.accept(self._engine(req.engine_id), req)
+            return Ok()
         if isinstance(req, Poll):
             return self._engine(req.engine_id).poll(req.ack, req.epoch)
         if isinstance(req, Hold):
@@ -255,12 +253,7 @@ class Sidecar:
         if not old.owned:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} attached its own memory; "
                                           "deregister it before attaching again")
-        jobs = [j for (e, _), j in self._reads.items() if e == old.engine_id]
-        for j in jobs:
-            j.abort("the engine restarted")
-        tasks = [j.task for j in jobs if j.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self._drain_timeout)
+        await self._reads.abort_all(old.engine_id, "the engine restarted", self._drain_timeout)
         old.holds.drop_engine(old.engine_id)
         old.completions.clear()
         old.worker.set_hot(False)
@@ -278,93 +271,10 @@ class Sidecar:
             return None
         return eng.info
 
-    def _read(self, req: Read) -> Reply:
-        eng = self._engine(req.engine_id)
-        key = (req.engine_id, req.request_id)
-        if key in self._reads:
-            raise RequestError(DUPLICATE, f"read {req.request_id!r} is already in progress")
-        r = req.remote
-        if len(r.handshake) != r.tp_size:
-            raise RequestError(BAD_REQUEST, f"remote engine {r.engine_id!r} has tp_size "
-                                            f"{r.tp_size} but {len(r.handshake)} handshake "
-                                            "addresses")
-        try:
-            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
-            validate_block_ids(eng.layout, req.local_block_ids, "local")
-            if len(req.remote_block_ids) != len(eng.layout.groups):
-                raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
-                                f"the layout has {len(eng.layout.groups)}")
-        except PlanError as e:
-            raise RequestError(BAD_REQUEST, str(e)) from None
-        job = ReadJob(req)
-        self._reads[key] = job
-        job.task = asyncio.ensure_future(self._run_read(eng, job))
-        # A task cancelled before its first step never runs its body; the
-        # callback still reports it and frees the request id.
-        job.task.add_done_callback(partial(self._read_task_done, eng, job))
-        return Ok()
-
-    def _read_task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            self._finish_read(eng, job, aborted(
-                job.req, f"{job.abort_reason or 'cancelled'}; nothing had been posted"))
-
-    def _finish_read(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
-        if self._reads.get((eng.engine_id, job.req.request_id)) is job:
-            del self._reads[(eng.engine_id, job.req.request_id)]
+    def _deliver(self, eng: EngineRank, c: Completion) -> None:
         current = self._engines.get(eng.engine_id)
         if current is not None and current is eng:
             current.complete(c)
-
-    async def _run_read(self, eng: EngineRank, job: ReadJob) -> None:
-        req = job.req
-        t0 = time.perf_counter()
-        try:
-            try:
-                out = await run_read(eng, job, self._planner, self.settings.read_timeout_s)
-            except PartialReadError:
-                self._forget_peers(eng, job)  # the next request re-links the failed ranks
-                raise
-            except NixlError as e:
-                # A peer that restarted or re-registered leaves stale links behind:
-                # forget the ones this read used, and retry once if any of them
-                # predates the request (nothing was read or notified: a partial
-                # success raises PartialReadError instead).
-                stale = self._forget_peers(eng, job)
-                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
-                    raise
-                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
-                job.posted = False
-                out = await run_read(eng, job, self._planner, self.settings.read_timeout_s)
-        except asyncio.CancelledError:
-            c = aborted(req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
-        except Exception as e:  # every failure becomes a completion, never a crash
-            reason = f"{type(e).__name__}: {e}"
-            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
-            metrics.READS.labels(outcome="failed").inc()
-            c = failed(req, reason)
-        else:
-            if job.abort_reason is not None:
-                c = aborted(req, f"{job.abort_reason}; its transfers had finished")
-            else:
-                c = Completion(req.request_id, "received", nbytes=out.nbytes)
-                metrics.READS.labels(outcome="received").inc()
-                metrics.READ_BYTES.inc(out.nbytes)
-                metrics.DESCRIPTORS.inc(out.descriptors)
-                metrics.DESCRIPTORS_PLANNED.inc(out.descriptors_before)
-                metrics.READ_SECONDS.observe(time.perf_counter() - t0)
-        self._finish_read(eng, job, c)
-
-    def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:
-        """Drop the links (and cached handshakes) this read used; True if one of
-        them predates the request, so it may have been stale."""
-        stale = False
-        for peer in job.peers:
-            stale |= peer.made_at < job.accepted_at
-            eng.peers.forget(peer)
-            self._hs_client.forget(peer.key[0], peer.key[1])
-        job.peers = []
-        return stale
 
     def _hold(self, req: Hold) -> Reply:
         eng = self._engine(req.engine_id)
@@ -382,9 +292,7 @@ class Sidecar:
 
     def _release(self, req: Release) -> Reply:
         eng = self._engine(req.engine_id)
-        job = self._reads.get((req.engine_id, req.request_id))
-        if job is not None:
-            job.abort("released by the engine")
+        if self._reads.abort(req.engine_id, req.request_id, "released by the engine"):
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id):
             return Ok()
@@ -452,13 +360,8 @@ class Sidecar:
         if eng is None:
             return
         self._hs_server.invalidate(engine_id)
-        jobs = [j for (e, _), j in self._reads.items() if e == engine_id]
-        for j in jobs:
-            j.abort(why)
         # Memory may only go once nothing writes into it.
-        tasks = [j.task for j in jobs if j.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self._drain_timeout)
+        await self._reads.abort_all(engine_id, why, self._drain_timeout)
         eng.holds.drop_engine(engine_id)
         with contextlib.suppress(Exception):
             await eng.worker.stop()
