@@ -3,13 +3,15 @@ per engine rank, and answers engine requests.
 
 Every handler returns within microseconds: it validates, records and hands
 work to a task (reads), the hold book (holds) or a worker thread (NIXL).
-Registration is the exception: it awaits memory registration on the engine's
-worker thread, which the engine waits for anyway.
+Registration and deregistration are the exceptions: they await memory
+mapping, NIXL registration or draining reads; the engine server runs each
+request in its own task, so only their caller waits.
 
 Ownership: this class owns the table of engine ranks; each
 :class:`~kvsidecar.daemon.engines.EngineRank` owns its memory, worker, holds,
-peer links and completion queue; read jobs live in ``self._reads`` until
-their completion is queued.
+peer links and completion queue; the
+:class:`~kvsidecar.daemon.reads.ReadTable` owns read jobs until their
+completion is delivered.
 """
 
 from __future__ import annotations
