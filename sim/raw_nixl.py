@@ -1,9 +1,11 @@
-"""Baseline: the same number of bytes moved by one raw NIXL READ, no sidecar.
+"""Baselines: bytes moved by bare NIXL agents, no sidecar.
 
-Two processes, two bare ``nixl_agent`` objects (UCX, progress thread off), one
-descriptor each side over shared memory: the best case the sidecar's reads
-are compared with. The target keeps progressing its UCX worker (wire-up needs
-it) until the initiator's notification says it is done.
+:class:`RawPair` is two processes with one bare ``nixl_agent`` each (UCX,
+progress thread off) over shared memory: the initiator here, the target in a
+child process that keeps progressing its UCX worker (wire-up needs it) until
+the initiator's notification says it is done. The demo compares the
+sidecar's reads with one READ of the same bytes through it, and with the same
+bytes in as many scattered descriptors; benchmarks reuse it.
 """
 
 from __future__ import annotations
@@ -11,29 +13,25 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
+from types import TracebackType
 from typing import Any
+
+import numpy as np
 
 from kvsidecar.ipc.memory import ShmRegion, unique_name
 
 
-def _agent(name: str) -> Any:
+def bare_agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
-def _descs(base: int, nbytes: int, ndesc: int) -> list[tuple[int, int, int]]:
-    """``ndesc`` equal pieces of ``nbytes``, every other slot of a 2x buffer, so
-    no two are adjacent (NIXL never merges them anyway; the stride keeps it fair)."""
-    size = nbytes // ndesc
-    return [(base + 2 * i * size, size, 0) for i in range(ndesc)]
-
-
-def _target(nbytes: int, conn: Connection) -> None:
-    agent = _agent("raw-target")
-    with ShmRegion.create(unique_name("raw"), nbytes) as region:
+def _target(span: int, conn: Connection) -> None:
+    agent = bare_agent("raw-target")
+    with ShmRegion.create(unique_name("raw"), span) as region:
         region.numpy()[:] = 7
-        descs = agent.get_reg_descs([(region.address, nbytes, 0, "")], "DRAM")
+        descs = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
         agent.register_memory(descs)
         conn.send((agent.get_agent_metadata(), region.address))
         done = False
@@ -44,47 +42,73 @@ def _target(nbytes: int, conn: Connection) -> None:
         agent.deregister_memory(descs)
 
 
+class RawPair:
+    """An initiator agent here and a target agent in a child process, each with
+    ``span`` bytes of registered shared memory (the target's filled with 7s)."""
+
+    def __init__(self, span: int) -> None:
+        self.span = span
+
+    def __enter__(self) -> RawPair:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_target, args=(self.span, child), daemon=True)
+        self._proc.start()
+        self.agent = bare_agent("raw-initiator")
+        self.region = ShmRegion.create(unique_name("raw"), self.span)
+        self._reg = self.agent.get_reg_descs([(self.region.address, self.span, 0, "")], "DRAM")
+        self.agent.register_memory(self._reg)
+        if not parent.poll(60):
+            raise RuntimeError("raw NIXL target did not start")
+        meta, self.remote_addr = parent.recv()
+        self.peer = self.agent.add_remote_agent(meta)
+        return self
+
+    def table(self, base: int, slots: np.ndarray, size: int) -> np.ndarray:
+        """Nx3 (addr, len, dev) descriptors of ``size`` bytes at slot indices."""
+        return np.stack([base + slots * size, np.full(slots.size, size),
+                         np.zeros(slots.size, np.int64)], 1).astype(np.int64)
+
+    def finish(self, handle: Any) -> None:
+        """Post and poll one transfer to completion."""
+        state = self.agent.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = self.agent.check_xfer_state(handle)
+        self.agent.release_xfer_handle(handle)
+        if state == "ERR":
+            raise RuntimeError("raw NIXL transfer failed")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.agent.send_notif(self.peer, b"stop")
+            for _ in range(100):
+                self.agent.get_new_notifs()
+                time.sleep(0.001)
+            self.agent.deregister_memory(self._reg)
+        finally:
+            self.region.close()
+            self.region.unlink()
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
 def raw_read_seconds(nbytes: int, repeats: int = 3, descriptors: int = 1) -> float:
     """Best wall time of one READ of ``nbytes`` cross-process, as one descriptor or
-    as ``descriptors`` scattered pieces."""
-    span = nbytes if descriptors == 1 else 2 * nbytes
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(span, child), daemon=True)
-    proc.start()
-    agent = _agent("raw-initiator")
-    try:
-        with ShmRegion.create(unique_name("raw"), span) as region:
-            reg = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
-            agent.register_memory(reg)
-            if not parent.poll(60):
-                raise RuntimeError("raw NIXL target did not start")
-            meta, remote_addr = parent.recv()
-            peer = agent.add_remote_agent(meta)
-            local = agent.get_xfer_descs(_descs(region.address, nbytes, descriptors), "DRAM")
-            remote = agent.get_xfer_descs(_descs(remote_addr, nbytes, descriptors), "DRAM")
-            best = float("inf")
-            for i in range(repeats + 1):  # the first one wires up
-                t0 = time.perf_counter()
-                h = agent.initialize_xfer("READ", local, remote, peer, b"")
-                state = agent.transfer(h)
-                while state not in ("DONE", "ERR"):
-                    state = agent.check_xfer_state(h)
-                dt = time.perf_counter() - t0
-                agent.release_xfer_handle(h)
-                if state == "ERR":
-                    raise RuntimeError("raw NIXL read failed")
-                if i:
-                    best = min(best, dt)
-            if int(region.numpy()[0]) != 7:
-                raise RuntimeError("raw NIXL read moved no data")
-            agent.send_notif(peer, b"stop")
-            for _ in range(100):
-                agent.get_new_notifs()
-                time.sleep(0.001)
-            agent.deregister_memory(reg)
-            return float(best)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    as ``descriptors`` equal pieces in every other slot (nothing adjacent)."""
+    size = nbytes // descriptors
+    span = nbytes if descriptors == 1 else 2 * descriptors * size
+    with RawPair(span) as pair:
+        slots = np.arange(descriptors, dtype=np.int64) * (1 if descriptors == 1 else 2)
+        local = pair.agent.get_xfer_descs(pair.table(pair.region.address, slots, size), "DRAM")
+        remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, slots, size), "DRAM")
+        best = float("inf")
+        for i in range(repeats + 1):  # the first one wires up
+            t0 = time.perf_counter()
+            pair.finish(pair.agent.initialize_xfer("READ", local, remote, pair.peer, b""))
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        if int(pair.region.numpy()[0]) != 7:
+            raise RuntimeError("raw NIXL read moved no data")
+        return float(best)
