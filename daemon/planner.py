@@ -352,23 +352,20 @@ def plan_read(
     *,
     skip_tokens: int | None = None,
     num_tokens: int | None = None,
-    pieces: list[Piece] | None = None,
     check: bool = True,
 ) -> ReadPlan:
     """Plan one request's reads for D rank ``d_rank``.
 
     ``num_tokens`` (the request's length) drops attention kernel blocks that
-    start at or after it. ``pieces`` may be passed from a per-peer cache (:func:`segment_pieces` of
-    the same layouts); ``check=False`` skips the compatibility check that the
-    daemon already did at handshake time.
+    start at or after it. ``check=False`` skips the compatibility check that
+    the daemon already did at handshake time.
     """
     if check:
         check_compatible(local, remote)
     notify = candidate_ranks(local.tp_size, d_rank, remote.tp_size)
     lids = validate_block_ids(local, local_block_ids, "local")
     rids = validate_block_ids(remote, remote_block_ids, "remote")
-    if pieces is None:
-        pieces = segment_pieces(local, d_rank, remote)
+    pieces = segment_pieces(local, d_rank, remote)
     pairs = [
         pair_group(gi, local, remote, lids[gi], rids[gi], skip_tokens, num_tokens)
         for gi in range(len(local.groups))
