@@ -255,10 +255,8 @@ class Sidecar:
         if not old.owned:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} attached its own memory; "
                                           "deregister it before attaching again")
-        await self._reads.abort_all(old.engine_id, "the engine restarted", self._drain_timeout)
-        old.holds.drop_engine(old.engine_id)
+        await self._quiesce(old, "the engine restarted")
         old.completions.clear()
-        old.worker.set_hot(False)
         log.info("engine %r rank %d reattached (pid %d -> %d)", req.engine_id, old.tp_rank,
                  old.pid, req.pid)
         old.pid = req.pid
@@ -357,14 +355,19 @@ class Sidecar:
         never released while a transfer may still write into it."""
         return self.settings.read_timeout_s + 15.0
 
+    async def _quiesce(self, eng: EngineRank, why: str) -> None:
+        """Abort the engine's reads and wait until none can still write into its
+        memory; forget its holds (nobody will hear about them)."""
+        await self._reads.abort_all(eng.engine_id, why, self._drain_timeout)
+        eng.holds.drop_engine(eng.engine_id)
+        eng.worker.set_hot(False)
+
     async def _drop_engine(self, engine_id: str, why: str) -> None:
         eng = self._engines.pop(engine_id, None)
         if eng is None:
             return
         self._hs_server.invalidate(engine_id)
-        # Memory may only go once nothing writes into it.
-        await self._reads.abort_all(engine_id, why, self._drain_timeout)
-        eng.holds.drop_engine(engine_id)
+        await self._quiesce(eng, why)
         with contextlib.suppress(Exception):
             await eng.worker.stop()
         release_regions(eng.regions, eng.owned)
