@@ -165,6 +165,10 @@ def failed(req: Read, reason: str) -> Completion:
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
 
 
+def _aborted_before_posting(job: ReadJob) -> Completion:
+    return aborted(job.req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
+
+
 def aborted(req: Read, reason: str) -> Completion:
     return Completion(req.request_id, "aborted", reason,
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
@@ -235,8 +239,7 @@ class ReadTable:
 
     def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
         if task.cancelled():
-            self._finish(eng, job, aborted(
-                job.req, f"{job.abort_reason or 'cancelled'}; nothing had been posted"))
+            self._finish(eng, job, _aborted_before_posting(job))
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
         key = (eng.engine_id, job.req.request_id)
@@ -263,7 +266,7 @@ class ReadTable:
                 job.posted = False
                 out = await run_read(eng, job, self._planner, self._timeout_s)
         except asyncio.CancelledError:
-            c = aborted(req, f"{job.abort_reason or 'cancelled'}; nothing had been posted")
+            c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
             reason = f"{type(e).__name__}: {e}"
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
