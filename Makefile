@@ -31,7 +31,7 @@ lint: $(STAMP)
 	@# mypy cannot follow the editable install's package-dir mapping; a symlink
 	@# named kvsidecar lets it check the real import paths.
 	mkdir -p .typecheck && ln -sfn .. .typecheck/kvsidecar
-	MYPYPATH=.typecheck $(VENV)/bin/mypy -p kvsidecar.daemon -p kvsidecar.ipc \
+	MYPYPATH=.typecheck $(VENV)/bin/mypy -m kvsidecar.cli -p kvsidecar.daemon -p kvsidecar.ipc \
 		-p kvsidecar.metrics -p kvsidecar.sim
 
 bench: $(STAMP)

@@ -1,3 +1,3 @@
-from kvsidecar.daemon.main import main
+from kvsidecar.cli import main
 
 raise SystemExit(main())

@@ -1,13 +1,12 @@
-"""The ``kvsidecar`` command line: ``serve`` runs one sidecar, ``demo`` shows it working."""
+"""``kvsidecar serve``: run one sidecar until SIGTERM/SIGINT (the command line
+itself is :mod:`kvsidecar.cli`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import signal
-import sys
 
 from kvsidecar.daemon import settings as settings_mod
 
@@ -54,30 +53,3 @@ def serve(s: settings_mod.Settings) -> int:
         return uvloop.run(_serve(s))
     except ImportError:  # pragma: no cover - uvloop is a dependency
         return asyncio.run(_serve(s))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvsidecar", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_serve = sub.add_parser(
-        "serve", help="run one sidecar (one per GPU)",
-        description="Run one sidecar. Every flag has a KVSIDECAR_* environment default.",
-    )
-    settings_mod.add_arguments(p_serve)
-    p_demo = sub.add_parser("demo", help="move hybrid attention+Mamba2 KV from P tp1 to D tp2 "
-                                         "through real sidecars and check every byte")
-    p_demo.add_argument("--requests", type=int, default=12)
-    p_demo.add_argument("--layers", type=int, default=4)
-    p_demo.add_argument("--p-tp", type=int, default=1)
-    p_demo.add_argument("--d-tp", type=int, default=2)
-    args = parser.parse_args(argv)
-    if args.cmd == "serve":
-        return serve(settings_mod.from_args(args))
-    from kvsidecar.sim.demo import run_demo
-
-    return int(run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp,
-                        d_tp=args.d_tp))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -71,6 +71,9 @@ from kvsidecar.metrics import registry as metrics
 
 log = logging.getLogger(__name__)
 
+_REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold})
+"""Requests that would start new work; a stopping sidecar answers ``unavailable``."""
+
 
 class Sidecar:
     def __init__(self, settings: Settings) -> None:
@@ -91,6 +94,11 @@ class Sidecar:
         self._registering: set[str] = set()
         self.handshake_address = ""
         self._stopping = False
+        # One handler per request type (each takes exactly that type).
+        self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
+            Register: self._register, Deregister: self._deregister, Read: self._read,
+            Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
+        }
 
     # ------------------------------------------------------------ lifecycle
 
@@ -138,30 +146,33 @@ class Sidecar:
     # ------------------------------------------------------------ requests
 
     async def handle(self, req: Request) -> Reply:
-        metrics.REQUESTS.labels(op=type(req).__name__.lower()).inc()
-        if self._stopping and isinstance(req, (Register, Read, Hold)):
+        """Answer one engine request through the handler its type names."""
+        kind = type(req)
+        metrics.REQUESTS.labels(op=kind.__name__.lower()).inc()
+        if self._stopping and kind in _REFUSED_WHILE_STOPPING:
             raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
-        if isinstance(req, Read):
-            self._reads.accept(self._engine(req.engine_id), req)
-            return Ok()
-        if isinstance(req, Poll):
-            return self._engine(req.engine_id).poll(req.ack, req.epoch)
-        if isinstance(req, Hold):
-            return self._hold(req)
-        if isinstance(req, Release):
-            return self._release(req)
-        if isinstance(req, Register):
-            return await self._register(req)
-        if isinstance(req, Deregister):
-            self._engine(req.engine_id)
-            # Shielded: a caller that gives up (or a shutdown) must not cut the
-            # release short between forgetting the engine and freeing its memory.
-            await asyncio.shield(self._spawn(
-                self._drop_engine(req.engine_id, "deregistered by the engine")))
-            return Ok()
-        if isinstance(req, Ping):
-            return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
-        raise RequestError(BAD_REQUEST, f"unsupported request {type(req).__name__}")
+        handler = self._handlers.get(kind)
+        if handler is None:
+            raise RequestError(BAD_REQUEST, f"unsupported request {kind.__name__}")
+        return await handler(req)
+
+    async def _read(self, req: Read) -> Reply:
+        self._reads.accept(self._engine(req.engine_id), req)
+        return Ok()
+
+    async def _poll(self, req: Poll) -> Reply:
+        return self._engine(req.engine_id).poll(req.ack, req.epoch)
+
+    async def _deregister(self, req: Deregister) -> Reply:
+        self._engine(req.engine_id)
+        # Shielded: a caller that gives up (or a shutdown) must not cut the
+        # release short between forgetting the engine and freeing its memory.
+        await asyncio.shield(self._spawn(
+            self._drop_engine(req.engine_id, "deregistered by the engine")))
+        return Ok()
+
+    async def _ping(self, req: Ping) -> Reply:
+        return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
 
     def _engine(self, engine_id: str) -> EngineRank:
         eng = self._engines.get(engine_id)
@@ -276,7 +287,7 @@ class Sidecar:
         if current is not None and current is eng:
             current.complete(c)
 
-    def _hold(self, req: Hold) -> Reply:
+    async def _hold(self, req: Hold) -> Reply:
         eng = self._engine(req.engine_id)
         try:
             validate_block_ids(eng.layout, req.block_ids, "held")
@@ -290,7 +301,7 @@ class Sidecar:
         eng.worker.set_hot(len(eng.holds) > 0)
         return Ok()
 
-    def _release(self, req: Release) -> Reply:
+    async def _release(self, req: Release) -> Reply:
         eng = self._engine(req.engine_id)
         if self._reads.abort(req.engine_id, req.request_id, "released by the engine"):
             return Ok()

@@ -4,9 +4,11 @@ Every call is one short round trip: the daemon accepts or refuses a request
 and answers at once; transfers finish later and are collected with
 :meth:`SidecarClient.poll`. Nothing here waits on a transfer.
 
-Two flavours with the same methods: :class:`SidecarClient` (blocking, one
-call at a time, one per thread) and :class:`AsyncSidecarClient` (coroutines,
-several calls outstanding, replies matched by id).
+Two faces with the same methods over one core: :class:`SidecarClient`
+(blocking, one call at a time, one per thread) and :class:`AsyncSidecarClient`
+(coroutines, several calls outstanding, replies matched by id). Each call is
+written once, in :class:`ClientCore`, as a generator that yields requests and
+receives replies; a face only moves bytes and waits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import operator
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
@@ -67,6 +69,7 @@ BlockIdsLike: TypeAlias = (
 """Per-group block ids: lists of ints, 1-D integer arrays, or one 2-D integer array."""
 
 R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------
@@ -199,32 +202,6 @@ def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:
         raise TypeError(f"block ids: expected an integer array, got dtype {a.dtype}")
 
 
-def _register_request(id: int, engine_id: str, tp_rank: int, layout: Layout,
-                      regions: Sequence[ShmRegion] | None, allocate: bool,
-                      keep_on_exit: bool) -> Register:
-    if allocate == (regions is not None):
-        raise ValueError("register: pass either regions (attach mode) or allocate=True")
-    return Register(
-        engine_id, tp_rank, layout, "allocate" if allocate else "attach",
-        [r.ref() for r in regions or ()], keep_on_exit, os.getpid(), id=id,
-    )
-
-
-def _read_request(id: int, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
-                  remote: RemoteEngine, remote_block_ids: BlockIdsLike,
-                  remote_request_id: str | None, skip_tokens: int | None,
-                  num_tokens: int | None = None) -> Read:
-    return Read(
-        engine_id, request_id, block_id_lists(local_block_ids), remote,
-        block_id_lists(remote_block_ids), remote_request_id, skip_tokens, num_tokens, id=id,
-    )
-
-
-def _hold_request(id: int, engine_id: str, request_id: str, block_ids: BlockIdsLike,
-                  readers: int, timeout_s: float | None) -> Hold:
-    return Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s, id=id)
-
-
 def _registration(reply: Registered, regions: Sequence[ShmRegion] | None) -> Registration:
     """Map allocate-mode regions; the caller deregisters if this raises."""
     mapped = list(regions) if regions is not None else attach_refs(reply.regions)
@@ -235,8 +212,118 @@ def _endpoint(socket_path: str) -> str:
     return socket_path if "://" in socket_path else f"ipc://{socket_path}"
 
 
+
 # --------------------------------------------------------------------------
-# Blocking client
+# The core shared by both clients: every call as a generator (sans I/O)
+# --------------------------------------------------------------------------
+
+Call: TypeAlias = Generator[Request, Reply, T]
+"""One client call without I/O: it yields each request it needs answered and
+receives the reply (or has the transport's exception thrown in); its return
+value is the call's result. Both clients run the same generators, so request
+building, reply checking, error mapping and acknowledgement bookkeeping exist
+once; the clients only move bytes."""
+
+
+class ClientCore:
+    """What both clients share: ids, calls, decoding and correlation of replies,
+    error mapping and the per-engine poll acknowledgements."""
+
+    def __init__(self, socket_path: str, timeout_s: float) -> None:
+        self.endpoint = _endpoint(socket_path)
+        self.timeout_s = timeout_s
+        self.acks: dict[str, tuple[str, int]] = {}
+        self._ids = itertools.count(1)
+
+    # ---- calls
+
+    def register(self, engine_id: str, tp_rank: int, layout: Layout,
+                 regions: Sequence[ShmRegion] | None, allocate: bool,
+                 keep_on_exit: bool) -> Call[Registration]:
+        if allocate == (regions is not None):
+            raise ValueError("register: pass either regions (attach mode) or allocate=True")
+        req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
+                       [r.ref() for r in regions or ()], keep_on_exit, os.getpid(),
+                       id=self._next_id())
+        reply = _expect((yield req), Registered)
+        try:
+            return _registration(reply, regions)
+        except BaseException:
+            # The daemon holds a registration this engine cannot use: undo it.
+            try:
+                _expect((yield Deregister(engine_id, id=self._next_id())), Ok)
+            except SidecarError as e:
+                log.warning("could not deregister %s after a failed registration: %s",
+                            engine_id, e)
+            raise
+
+    def deregister(self, engine_id: str) -> Call[None]:
+        _expect((yield Deregister(engine_id, id=self._next_id())), Ok)
+
+    def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
+             remote: RemoteEngine, remote_block_ids: BlockIdsLike,
+             remote_request_id: str | None, skip_tokens: int | None,
+             num_tokens: int | None) -> Call[None]:
+        req = Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
+                   block_id_lists(remote_block_ids), remote_request_id, skip_tokens, num_tokens,
+                   id=self._next_id())
+        _expect((yield req), Ok)
+
+    def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
+             timeout_s: float | None) -> Call[None]:
+        req = Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
+                   id=self._next_id())
+        _expect((yield req), Ok)
+
+    def release(self, engine_id: str, request_id: str) -> Call[None]:
+        _expect((yield Release(engine_id, request_id, id=self._next_id())), Ok)
+
+    def poll(self, engine_id: str) -> Call[list[Completion]]:
+        """Completions since the last poll; one that was lost to a timeout comes
+        again, because each poll acknowledges only what this client received."""
+        epoch, ack = self.acks.get(engine_id, ("", 0))
+        reply = _expect((yield Poll(engine_id, ack, epoch, id=self._next_id())), Completions)
+        self.acks[engine_id] = (reply.epoch, reply.last)
+        return reply.items
+
+    def ping(self) -> Call[Pong]:
+        return _expect((yield Ping(id=self._next_id())), Pong)
+
+    # ---- wire
+
+    def encode(self, req: Request) -> bytes:
+        return encode_request(req)
+
+    def decode(self, data: bytes) -> tuple[int, Reply | SidecarError]:
+        """The reply's id and the reply, or the error an undecodable reply means."""
+        try:
+            reply = decode_reply(data)
+        except ProtocolError as e:
+            return e.id, BadMessage(e.code, f"undecodable reply: {e}")
+        return reply.id, reply
+
+    def timeout_for(self, req: Request) -> float:
+        """How long to wait for the reply to ``req``."""
+        return self.timeout_s
+
+    def timeout_error(self, req: Request, timeout_s: float) -> SidecarTimeout:
+        return SidecarTimeout(f"no reply to {type(req).__name__} within {timeout_s} s "
+                              f"from {self.endpoint}")
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+
+def _advance(call: Call[T], outcome: Reply | SidecarError | None) -> Request:
+    """Hand ``call`` its reply (or the transport's error) and return the next
+    request it needs answered; raises StopIteration carrying the result."""
+    if isinstance(outcome, SidecarError):
+        return call.throw(outcome)
+    return call.send(outcome)  # type: ignore[arg-type]  # None starts the generator
+
+
+# --------------------------------------------------------------------------
+# Blocking face
 # --------------------------------------------------------------------------
 
 
@@ -249,54 +336,47 @@ class SidecarClient:
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
-        self._endpoint = _endpoint(socket_path)
-        self._timeout_s = timeout_s
+        self._core = ClientCore(socket_path, timeout_s)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._ids = itertools.count(1)
-        self._acks: dict[str, tuple[str, int]] = {}
         self._sock: zmq.Socket[bytes] | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        return self._core.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._core.timeout_s = value
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                  regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
                  keep_on_exit: bool = False) -> Registration:
-        req = _register_request(next(self._ids), engine_id, tp_rank, layout, regions, allocate,
-                                keep_on_exit)
-        reply = _expect(self._call(req), Registered)
-        try:
-            return _registration(reply, regions)
-        except BaseException:
-            self._deregister_quietly(engine_id)
-            raise
+        return self._run(self._core.register(engine_id, tp_rank, layout, regions, allocate,
+                                             keep_on_exit))
 
     def deregister(self, engine_id: str) -> None:
-        _expect(self._call(Deregister(engine_id, id=next(self._ids))), Ok)
+        self._run(self._core.deregister(engine_id))
 
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
              remote_request_id: str | None = None, skip_tokens: int | None = None,
              num_tokens: int | None = None) -> None:
-        req = _read_request(next(self._ids), engine_id, request_id, local_block_ids, remote,
-                            remote_block_ids, remote_request_id, skip_tokens, num_tokens)
-        _expect(self._call(req), Ok)
+        self._run(self._core.read(engine_id, request_id, local_block_ids, remote,
+                                  remote_block_ids, remote_request_id, skip_tokens, num_tokens))
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> None:
-        req = _hold_request(next(self._ids), engine_id, request_id, block_ids, readers,
-                            timeout_s)
-        _expect(self._call(req), Ok)
+        self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
 
     def release(self, engine_id: str, request_id: str) -> None:
-        _expect(self._call(Release(engine_id, request_id, id=next(self._ids))), Ok)
+        self._run(self._core.release(engine_id, request_id))
 
     def poll(self, engine_id: str) -> list[Completion]:
         """Completions since the last poll; one that was lost to a timeout comes again."""
-        epoch, ack = self._acks.get(engine_id, ("", 0))
-        reply = _expect(self._call(Poll(engine_id, ack, epoch, id=next(self._ids))), Completions)
-        self._acks[engine_id] = (reply.epoch, reply.last)
-        return reply.items
+        return self._run(self._core.poll(engine_id))
 
     def ping(self) -> Pong:
-        return _expect(self._call(Ping(id=next(self._ids))), Pong)
+        return self._run(self._core.ping())
 
     def close(self) -> None:
         if self._sock is not None:
@@ -310,49 +390,57 @@ class SidecarClient:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    def _run(self, call: Call[T]) -> T:
+        outcome: Reply | SidecarError | None = None
+        while True:
+            try:
+                req = _advance(call, outcome)
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+            try:
+                outcome = self._exchange(req)
+            except SidecarError as e:
+                outcome = e
+            except BaseException:
+                call.close()
+                raise
+
     def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
             sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._endpoint)
+            sock.connect(self._core.endpoint)
             self._sock = sock
         return self._sock
 
-    def _call(self, req: Request) -> Reply:
+    def _exchange(self, req: Request) -> Reply:
         sock = self._socket()
         try:
-            sock.send(encode_request(req), zmq.NOBLOCK)
+            sock.send(self._core.encode(req), zmq.NOBLOCK)
         except zmq.Again:
             self.close()
-            raise SidecarTimeout(f"cannot queue {type(req).__name__} to {self._endpoint}") from None
-        deadline = time.monotonic() + self._timeout_s
+            raise SidecarTimeout(f"cannot queue {type(req).__name__} to "
+                                 f"{self._core.endpoint}") from None
+        timeout_s = self._core.timeout_for(req)
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
                 self.close()  # a fresh socket next time: a late reply dies with this one
-                raise SidecarTimeout(
-                    f"no reply to {type(req).__name__} within {self._timeout_s} s "
-                    f"from {self._endpoint}"
-                )
-            try:
-                reply = decode_reply(sock.recv())
-            except ProtocolError as e:
-                raise BadMessage(e.code, f"undecodable reply: {e}") from None
+                raise self._core.timeout_error(req, timeout_s)
+            id, outcome = self._core.decode(sock.recv())
             # With one call in flight, an error without an id (the daemon could
             # not read ours) is still this call's.
-            if reply.id == req.id or (reply.id == -1 and isinstance(reply, Error)):
-                return reply
-            log.debug("dropping a stale reply with id %d", reply.id)
-
-    def _deregister_quietly(self, engine_id: str) -> None:
-        try:
-            self.deregister(engine_id)
-        except SidecarError as e:
-            log.warning("could not deregister %s after a failed registration: %s", engine_id, e)
+            if id == req.id or (id == -1 and isinstance(outcome, (Error, SidecarError))):
+                if isinstance(outcome, SidecarError):
+                    raise outcome
+                return outcome
+            log.debug("dropping a stale reply with id %d", id)
 
 
 # --------------------------------------------------------------------------
-# asyncio client
+# asyncio face
 # --------------------------------------------------------------------------
 
 
@@ -365,60 +453,52 @@ class AsyncSidecarClient:
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
-        self._endpoint = _endpoint(socket_path)
-        self._timeout_s = timeout_s
-        self._ids = itertools.count(1)
-        self._acks: dict[str, tuple[str, int]] = {}
+        self._core = ClientCore(socket_path, timeout_s)
         self._poll_locks: dict[str, asyncio.Lock] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
 
+    @property
+    def timeout_s(self) -> float:
+        return self._core.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._core.timeout_s = value
+
     async def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                        regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
                        keep_on_exit: bool = False) -> Registration:
-        req = _register_request(next(self._ids), engine_id, tp_rank, layout, regions, allocate,
-                                keep_on_exit)
-        reply = _expect(await self._call(req), Registered)
-        try:
-            return _registration(reply, regions)
-        except BaseException:
-            await self._deregister_quietly(engine_id)
-            raise
+        return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
+                                                   allocate, keep_on_exit))
 
     async def deregister(self, engine_id: str) -> None:
-        _expect(await self._call(Deregister(engine_id, id=next(self._ids))), Ok)
+        await self._run(self._core.deregister(engine_id))
 
     async def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
                    remote_request_id: str | None = None,
                    skip_tokens: int | None = None, num_tokens: int | None = None) -> None:
-        req = _read_request(next(self._ids), engine_id, request_id, local_block_ids, remote,
-                            remote_block_ids, remote_request_id, skip_tokens, num_tokens)
-        _expect(await self._call(req), Ok)
+        await self._run(self._core.read(engine_id, request_id, local_block_ids, remote,
+                                        remote_block_ids, remote_request_id, skip_tokens,
+                                        num_tokens))
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
                    readers: int = 1, timeout_s: float | None = None) -> None:
-        req = _hold_request(next(self._ids), engine_id, request_id, block_ids, readers,
-                            timeout_s)
-        _expect(await self._call(req), Ok)
+        await self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
 
     async def release(self, engine_id: str, request_id: str) -> None:
-        _expect(await self._call(Release(engine_id, request_id, id=next(self._ids))), Ok)
+        await self._run(self._core.release(engine_id, request_id))
 
     async def poll(self, engine_id: str) -> list[Completion]:
         """As :meth:`SidecarClient.poll`. Polls of one engine are serialised: two
         in flight would acknowledge the same number and receive items twice."""
-        lock = self._poll_locks.setdefault(engine_id, asyncio.Lock())
-        async with lock:
-            epoch, ack = self._acks.get(engine_id, ("", 0))
-            reply = _expect(await self._call(Poll(engine_id, ack, epoch, id=next(self._ids))),
-                            Completions)
-            self._acks[engine_id] = (reply.epoch, reply.last)
-            return reply.items
+        async with self._poll_locks.setdefault(engine_id, asyncio.Lock()):
+            return await self._run(self._core.poll(engine_id))
 
     async def ping(self) -> Pong:
-        return _expect(await self._call(Ping(id=next(self._ids))), Pong)
+        return await self._run(self._core.ping())
 
     async def close(self) -> None:
         reader, self._reader = self._reader, None
@@ -437,47 +517,55 @@ class AsyncSidecarClient:
                         tb: TracebackType | None) -> None:
         await self.close()
 
+    async def _run(self, call: Call[T]) -> T:
+        outcome: Reply | SidecarError | None = None
+        while True:
+            try:
+                req = _advance(call, outcome)
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+            try:
+                outcome = await self._exchange(req)
+            except SidecarError as e:
+                outcome = e
+            except BaseException:
+                call.close()
+                raise
+
     def _socket(self) -> zmq.asyncio.Socket:
         if self._sock is None:
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._endpoint)
+            sock.connect(self._core.endpoint)
             self._sock = sock
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._sock))
         return self._sock
 
-    async def _call(self, req: Request) -> Reply:
+    async def _exchange(self, req: Request) -> Reply:
         sock = self._socket()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[req.id] = fut
+        timeout_s = self._core.timeout_for(req)
         try:
-            return await asyncio.wait_for(self._exchange(sock, req, fut), self._timeout_s)
+            return await asyncio.wait_for(self._send_and_wait(sock, req, fut), timeout_s)
         except asyncio.TimeoutError:
-            raise SidecarTimeout(
-                f"no reply to {type(req).__name__} within {self._timeout_s} s "
-                f"from {self._endpoint}"
-            ) from None
+            raise self._core.timeout_error(req, timeout_s) from None
         finally:
             self._pending.pop(req.id, None)
 
-    @staticmethod
-    async def _exchange(sock: zmq.asyncio.Socket, req: Request,
-                        fut: asyncio.Future[Reply]) -> Reply:
-        await sock.send(encode_request(req))
+    async def _send_and_wait(self, sock: zmq.asyncio.Socket, req: Request,
+                             fut: asyncio.Future[Reply]) -> Reply:
+        await sock.send(self._core.encode(req))
         return await fut
 
     async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
         """Route replies to waiting calls until cancelled or the socket dies."""
         try:
             while True:
-                data = await sock.recv()
-                try:
-                    reply = decode_reply(data)
-                except ProtocolError as e:
-                    self._resolve(e.id, BadMessage(e.code, f"undecodable reply: {e}"))
-                    continue
-                self._resolve(reply.id, reply)
+                id, outcome = self._core.decode(await sock.recv())
+                self._resolve(id, outcome)
         except zmq.ZMQError as e:
             self._fail_pending(Unavailable(UNAVAILABLE, f"socket failed: {e}"))
 
@@ -498,9 +586,3 @@ class AsyncSidecarClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)
-
-    async def _deregister_quietly(self, engine_id: str) -> None:
-        try:
-            await self.deregister(engine_id)
-        except SidecarError as e:
-            log.warning("could not deregister %s after a failed registration: %s", engine_id, e)

@@ -337,7 +337,7 @@ def test_sync_client_reaches_a_daemon_started_after_a_timeout(path: str,
         st = ServerThread(path, handler)
         st.start()
         try:
-            c._timeout_s = 5.0
+            c.timeout_s = 5.0
             assert c.ping().version == PROTOCOL_VERSION
             assert len(handler.requests) == 1  # the timed-out ping was dropped with its socket
         finally:

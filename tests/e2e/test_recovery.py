@@ -151,10 +151,10 @@ def test_a_poll_reply_lost_to_a_timeout_is_delivered_again(pool) -> None:
             time.sleep(0.02)
         assert [x.kind for x in first] == ["expired"]
         # Pretend that reply never arrived: the client acknowledges what it had before.
-        epoch, last = c._acks[P.engine_id]
-        c._acks[P.engine_id] = (epoch, last - 1)
+        epoch, last = c._core.acks[P.engine_id]
+        c._core.acks[P.engine_id] = (epoch, last - 1)
         assert [x.request_id for x in c.poll(P.engine_id)] == ["lost"]
         assert c.poll(P.engine_id) == []
         # Another registration's numbers are never taken as acknowledgements.
-        c._acks[P.engine_id] = ("other-epoch", 10**6)
+        c._core.acks[P.engine_id] = ("other-epoch", 10**6)
         assert c.poll(P.engine_id) == []
