@@ -20,11 +20,14 @@ async def _serve(s: settings_mod.Settings) -> int:
 
     from kvsidecar.daemon.nixl_worker import transport_note
     from kvsidecar.daemon.service import Sidecar
-    from kvsidecar.metrics import registry
+    from kvsidecar.metrics.registry import Metrics
+    from kvsidecar.metrics.server import MetricsServer
 
-    sidecar = Sidecar(s)
+    metrics = Metrics()
+    sidecar = Sidecar(s, metrics)
     await sidecar.start()
-    metrics_port = registry.serve(s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else -1
+    http = MetricsServer(metrics, s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else None
+    metrics_port = http.start() if http is not None else -1
     log.info("transport: %s", transport_note())
     if s.device != "cpu":
         log.warning("device %s: GPU memory (CUDA IPC) is not supported yet; engines register "
@@ -41,6 +44,8 @@ async def _serve(s: settings_mod.Settings) -> int:
     await stop.wait()
     log.info("signal received: shutting down")
     await sidecar.stop()
+    if http is not None:
+        http.stop()
     return 0
 
 

@@ -41,7 +41,7 @@ from kvsidecar.daemon.planner import (
 )
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
-from kvsidecar.metrics import registry as metrics
+from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,10 @@ class ReadTable:
     """
 
     def __init__(self, planner: Executor, handshakes: HandshakeClient, read_timeout_s: float,
-                 deliver: Callable[[EngineRank, Completion], None]) -> None:
+                 deliver: Callable[[EngineRank, Completion], None],
+                 metrics: Metrics) -> None:
         self._planner = planner
+        self._metrics = metrics
         self._handshakes = handshakes
         self._timeout_s = read_timeout_s
         self._deliver = deliver
@@ -270,18 +272,18 @@ class ReadTable:
         except Exception as e:  # every failure becomes a completion, never a crash
             reason = f"{type(e).__name__}: {e}"
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
-            metrics.READS.labels(outcome="failed").inc()
+            self._metrics.reads.labels(outcome="failed").inc()
             c = failed(req, reason)
         else:
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes)
-                metrics.READS.labels(outcome="received").inc()
-                metrics.READ_BYTES.inc(out.nbytes)
-                metrics.DESCRIPTORS.inc(out.descriptors)
-                metrics.DESCRIPTORS_PLANNED.inc(out.descriptors_before)
-                metrics.READ_SECONDS.observe(time.perf_counter() - t0)
+                self._metrics.reads.labels(outcome="received").inc()
+                self._metrics.read_bytes.inc(out.nbytes)
+                self._metrics.descriptors.inc(out.descriptors)
+                self._metrics.descriptors_planned.inc(out.descriptors_before)
+                self._metrics.read_seconds.observe(time.perf_counter() - t0)
         self._finish(eng, job, c)
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:

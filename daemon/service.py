@@ -67,7 +67,7 @@ from kvsidecar.ipc.protocol import (
     Request,
     RequestError,
 )
-from kvsidecar.metrics import registry as metrics
+from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,16 @@ _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, H
 
 
 class Sidecar:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
+        #: This daemon's metrics; nothing is shared with another Sidecar in the process.
+        self.metrics = metrics if metrics is not None else Metrics()
         self.daemon_id = new_daemon_id()
         self._engines: dict[str, EngineRank] = {}
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
         self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
-                                self._deliver)
+                                self._deliver, self.metrics)
         self._hs_server = HandshakeServer(
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
             engines=lambda: list(self._engines),
@@ -148,7 +150,7 @@ class Sidecar:
     async def handle(self, req: Request) -> Reply:
         """Answer one engine request through the handler its type names."""
         kind = type(req)
-        metrics.REQUESTS.labels(op=kind.__name__.lower()).inc()
+        self.metrics.requests.labels(op=kind.__name__.lower()).inc()
         if self._stopping and kind in _REFUSED_WHILE_STOPPING:
             raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
         handler = self._handlers.get(kind)
@@ -238,7 +240,7 @@ class Sidecar:
         )
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
-        metrics.ENGINES.set(len(self._engines))
+        self.metrics.engines.set(len(self._engines))
         log.info("registered engine %r rank %d/%d (%s, %d regions x %d B, %s)", req.engine_id,
                  req.tp_rank, layout.tp_size, layout.family, layout.num_regions,
                  layout.region_bytes, req.mode)
@@ -316,16 +318,16 @@ class Sidecar:
         try:
             note = notifications.decode(msg)
         except notifications.BadNotification as e:
-            metrics.NOTIFICATIONS.labels(outcome="bad").inc()
+            self.metrics.notifications.labels(outcome="bad").inc()
             log.warning("ignoring a notification from %s: %s", agent, e)
             return
         eng = self._engines.get(note.target_engine)
         if eng is None:
-            metrics.NOTIFICATIONS.labels(outcome="unknown_engine").inc()
+            self.metrics.notifications.labels(outcome="unknown_engine").inc()
             log.warning("notification for unknown engine %r (request %r) from %s",
                         note.target_engine, note.request_id, agent)
             return
-        metrics.NOTIFICATIONS.labels(outcome="ok").inc()
+        self.metrics.notifications.labels(outcome="ok").inc()
         eng.holds.notify(note, time.monotonic())
 
     # ------------------------------------------------------------ housekeeping
@@ -341,7 +343,7 @@ class Sidecar:
                     before = eng.holds.unclaimed
                     eng.holds.expire(now)
                     if eng.holds.unclaimed != before:
-                        metrics.NOTIFICATIONS.labels(outcome="unclaimed").inc(
+                        self.metrics.notifications.labels(outcome="unclaimed").inc(
                             eng.holds.unclaimed - before)
                 if now - last_pid_check >= 1.0:
                     last_pid_check = now
@@ -382,7 +384,7 @@ class Sidecar:
         with contextlib.suppress(Exception):
             await eng.worker.stop()
         release_regions(eng.regions, eng.owned)
-        metrics.ENGINES.set(len(self._engines))
+        self.metrics.engines.set(len(self._engines))
         log.info("engine %r released (%s)", engine_id, why)
 
 

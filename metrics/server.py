@@ -1,0 +1,58 @@
+"""The daemon's HTTP endpoint: ``/metrics`` of its own registry.
+
+A plain ``ThreadingHTTPServer`` on a daemon thread (scrapes must work even
+when the event loop is busy or wedged); one server per daemon, stopped with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvsidecar.metrics.registry import Metrics
+
+
+class MetricsServer:
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        self._metrics = metrics
+        self._host = host
+        self._port = port
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind and serve on a daemon thread; returns the bound port."""
+        metrics = self._metrics
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path != "/metrics":
+                    self._send(404, b"not found: try /metrics\n", "text/plain")
+                    return
+                self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                """Scrapes every few seconds are not news; stay quiet."""
+
+        self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvs-metrics",
+                                        daemon=True)
+        self._thread.start()
+        return int(self._httpd.server_address[1])
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

@@ -1,0 +1,51 @@
+"""Each daemon owns its metrics: two sidecars in one process count separately,
+and the HTTP endpoint serves its own daemon's registry."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+from kvsidecar.daemon.service import Sidecar
+from kvsidecar.daemon.settings import Settings
+from kvsidecar.ipc.protocol import Ping
+from kvsidecar.metrics.registry import Metrics
+from kvsidecar.metrics.server import MetricsServer
+
+
+def sample(m: Metrics, name: str, **labels: str) -> float:
+    v = m.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+async def test_two_sidecars_in_one_process_do_not_share_metrics(tmp_path: Path) -> None:
+    a = Sidecar(Settings(socket=str(tmp_path / "a.sock")))
+    b = Sidecar(Settings(socket=str(tmp_path / "b.sock")))
+    assert a.metrics is not b.metrics
+    await a.start()
+    await b.start()
+    try:
+        for _ in range(3):
+            await a.handle(Ping(id=1))
+        await b.handle(Ping(id=1))
+        assert sample(a.metrics, "kvsidecar_engine_requests_total", op="ping") == 3
+        assert sample(b.metrics, "kvsidecar_engine_requests_total", op="ping") == 1
+    finally:
+        await a.stop(drain_s=0)
+        await b.stop(drain_s=0)
+
+
+def test_http_endpoint_serves_its_own_registry() -> None:
+    one, two = Metrics(), Metrics()
+    one.reads.labels(outcome="received").inc(5)
+    two.reads.labels(outcome="received").inc(7)
+    servers = [MetricsServer(m, "127.0.0.1", 0) for m in (one, two)]
+    ports = [s.start() for s in servers]
+    try:
+        bodies = [urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10)
+                  .read().decode() for p in ports]
+        assert 'kvsidecar_reads_total{outcome="received"} 5.0' in bodies[0]
+        assert 'kvsidecar_reads_total{outcome="received"} 7.0' in bodies[1]
+    finally:
+        for s in servers:
+            s.stop()
