@@ -31,6 +31,7 @@ from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.memory import RegionError, ShmRegion, allocate_for_layout, attach_refs
 from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, Completions, RegionRef, RequestError
+from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class EngineRank:
         default_factory=collections.deque)
     holds: HoldBook = field(init=False)
     epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    #: counts every completion by outcome (None: not counted, e.g. in unit tests)
+    metrics: Metrics | None = None
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +65,8 @@ class EngineRank:
                               on_done=self.hold_done)
 
     def complete(self, c: Completion) -> None:
+        if self.metrics is not None:
+            self.metrics.completions.labels(self.engine_id, c.kind).inc()
         self._seq += 1
         self.completions.append((self._seq, c))
 

@@ -295,6 +295,8 @@ class NixlWorker:
         self._stop_requested = False
         self._closed = False
         self._hot = False
+        #: monotonic time the worker thread last went round its poll loop
+        self.heartbeat = time.monotonic()
         self._started_fut: _Fut | None = None
         self._stopped_fut: _Fut | None = None
 
@@ -504,6 +506,9 @@ class NixlWorker:
 
     def _serve(self) -> None:
         while not self._stop_requested:
+            # Read by /healthz and the poll-lag gauge from other threads: a float
+            # store is atomic, and a stale value only makes the thread look slower.
+            self.heartbeat = time.monotonic()
             self._drain_jobs()
             self._progress()
             self._flush()

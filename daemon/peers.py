@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,11 @@ class Peer:
 class PeerLinks:
     """The remote ranks one local engine rank has linked to."""
 
-    def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient) -> None:
+    def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient, *,
+                 on_link: Callable[[bool], None] | None = None) -> None:
         self._worker = worker
+        #: told True/False once per link attempt (handshake + add_remote), for metrics
+        self._on_link = on_link
         self._layout = layout
         self._client = client
         self._links: dict[Key, asyncio.Task[Peer]] = {}
@@ -58,6 +62,10 @@ class PeerLinks:
         if task is None or (task.done() and (task.cancelled() or task.exception())):
             task = asyncio.ensure_future(self._link(address, engine_id, tp_size, rank))
             self._links[key] = task
+            if self._on_link is not None:
+                on_link = self._on_link
+                task.add_done_callback(
+                    lambda t: on_link(not t.cancelled() and t.exception() is None))
         try:
             peer = await asyncio.shield(task)
         except BaseException:

@@ -77,6 +77,7 @@ class PostList:
     local: I64
     remote: I64
     length: I64
+    descriptors_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) 
             out.append(PostList(p, empty, empty, empty))
         else:
             out.append(PostList(p, local_bases[rr.region] + rr.local_offset,
-                                remote_bases[p][rr.region] + rr.remote_offset, rr.length))
+                                remote_bases[p][rr.region] + rr.remote_offset, rr.length,
+                                rr.descriptors_before_coalescing))
     return out
 
 
@@ -111,7 +113,8 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
 
 
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
-                   timeout_s: float | None = None) -> ReadOutcome:
+                   timeout_s: float | None = None, metrics: Metrics | None = None
+                   ) -> ReadOutcome:
     """Carry one read through; raises on failure (the caller turns it into a completion)."""
     req = job.req
     remote = req.remote
@@ -135,6 +138,9 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     if job.abort_reason is not None:
         raise asyncio.CancelledError
     job.posted = True
+    if metrics is not None:
+        metrics.read_queue_seconds.labels(eng.engine_id).observe(
+            time.monotonic() - job.accepted_at)
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
@@ -146,6 +152,8 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
     results = await asyncio.gather(*ops, return_exceptions=True)
+    if metrics is not None:
+        count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors and len(errors) < len(results):
         # Some ranks were read and notified: their holds may be released already,
@@ -158,6 +166,27 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
         raise errors[0]
     return ReadOutcome(plan.nbytes, plan.descriptors, plan.descriptors_before_coalescing,
                        [r for r in results if isinstance(r, TransferStats)])
+
+
+def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
+                    results: list[TransferStats | BaseException | None]) -> None:
+    """Per transfer (one remote rank of one read): the vLLM-compatible histograms
+    and counters. Bare notifications (nothing read from that rank) count as
+    notifications, not transfers."""
+    labels = (engine, peer)
+    for post, r in zip(posts, results):
+        if not post.length.size:
+            m.notifications_sent.labels(engine, "failed" if isinstance(r, BaseException)
+                                        else "ok").inc()
+        elif isinstance(r, BaseException):
+            m.transfer_failures.labels(*labels).inc()
+        elif isinstance(r, TransferStats):
+            m.transfer_seconds.labels(*labels).observe(r.xfer_us / 1e6)
+            m.transfer_post_seconds.labels(*labels).observe(r.post_us / 1e6)
+            m.transfer_bytes.labels(*labels).observe(r.bytes)
+            m.transfer_descriptors.labels(*labels).observe(r.descriptors)
+            m.transfer_descriptors_planned.labels(*labels).observe(post.descriptors_before)
+            m.read_bytes.labels(*labels).inc(r.bytes)
 
 
 def failed(req: Read, reason: str) -> Completion:
@@ -195,6 +224,13 @@ class ReadTable:
 
     def __len__(self) -> int:
         return len(self._jobs)
+
+    def by_engine(self) -> dict[str, int]:
+        """Reads in flight per engine id (for the in-flight gauge)."""
+        out: dict[str, int] = {}
+        for engine_id, _ in self._jobs:
+            out[engine_id] = out.get(engine_id, 0) + 1
+        return out
 
     def accept(self, eng: EngineRank, req: Read) -> None:
         """Validate what can be checked locally (raises RequestError) and start the read."""
@@ -254,7 +290,7 @@ class ReadTable:
         t0 = time.perf_counter()
         try:
             try:
-                out = await run_read(eng, job, self._planner, self._timeout_s)
+                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
@@ -266,24 +302,20 @@ class ReadTable:
                     raise
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
                 job.posted = False
-                out = await run_read(eng, job, self._planner, self._timeout_s)
+                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
             reason = f"{type(e).__name__}: {e}"
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
-            self._metrics.reads.labels(outcome="failed").inc()
             c = failed(req, reason)
         else:
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes)
-                self._metrics.reads.labels(outcome="received").inc()
-                self._metrics.read_bytes.inc(out.nbytes)
-                self._metrics.descriptors.inc(out.descriptors)
-                self._metrics.descriptors_planned.inc(out.descriptors_before)
-                self._metrics.read_seconds.observe(time.perf_counter() - t0)
+                self._metrics.read_seconds.labels(eng.engine_id).observe(
+                    time.perf_counter() - t0)
         self._finish(eng, job, c)
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:

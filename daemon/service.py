@@ -71,6 +71,9 @@ from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
+#: How often the event loop samples its own lag and the state gauges.
+SAMPLE_PERIOD_S = 0.5
+
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``."""
 
@@ -96,6 +99,8 @@ class Sidecar:
         self._registering: set[str] = set()
         self.handshake_address = ""
         self._stopping = False
+        #: monotonic time the event loop last ran the sampling timer (see _sample)
+        self.loop_beat = time.monotonic()
         # One handler per request type (each takes exactly that type).
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
@@ -110,6 +115,7 @@ class Sidecar:
         self.handshake_address = f"{self.settings.advertised}:{port}"
         await self._server.start()
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
+        self._tasks.append(asyncio.ensure_future(self._sample()))
         log.info("kvsidecar %s serving engines on %s, handshakes on %s (peers dial %s)",
                  self.daemon_id, self.settings.socket, bound, self.handshake_address)
 
@@ -150,13 +156,23 @@ class Sidecar:
     async def handle(self, req: Request) -> Reply:
         """Answer one engine request through the handler its type names."""
         kind = type(req)
-        self.metrics.requests.labels(op=kind.__name__.lower()).inc()
-        if self._stopping and kind in _REFUSED_WHILE_STOPPING:
-            raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
-        handler = self._handlers.get(kind)
-        if handler is None:
-            raise RequestError(BAD_REQUEST, f"unsupported request {kind.__name__}")
-        return await handler(req)
+        error = ""
+        try:
+            if self._stopping and kind in _REFUSED_WHILE_STOPPING:
+                raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
+            handler = self._handlers.get(kind)
+            if handler is None:
+                raise RequestError(BAD_REQUEST, f"unsupported request {kind.__name__}")
+            return await handler(req)
+        except RequestError as e:
+            error = e.code
+            raise
+        except BaseException:
+            error = "internal"
+            raise
+        finally:
+            # op comes from the closed set of request types, error from ERROR_CODES.
+            self.metrics.requests.labels(op=kind.__name__.lower(), error=error).inc()
 
     async def _read(self, req: Read) -> Reply:
         self._reads.accept(self._engine(req.engine_id), req)
@@ -231,12 +247,13 @@ class Sidecar:
             engine_id=req.engine_id, tp_rank=req.tp_rank, layout=layout, regions=regions,
             owned=owned, keep_on_exit=req.keep_on_exit, pid=req.pid, worker=worker,
             reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
-            peers=PeerLinks(worker, layout, self._hs_client),
+            peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link),
             info=make_handshake_info(
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
+            metrics=self.metrics,
         )
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
@@ -278,6 +295,9 @@ class Sidecar:
                           agent_name=old.worker.agent_name,
                           regions=[r.ref() for r in old.regions])
 
+    def _count_link(self, ok: bool) -> None:
+        self.metrics.handshakes.labels(side="client", result="ok" if ok else "failed").inc()
+
     def _lookup(self, engine_id: str, rank: int) -> HandshakeInfo | None:
         eng = self._engines.get(engine_id)
         if eng is None or eng.tp_rank != rank:
@@ -318,19 +338,50 @@ class Sidecar:
         try:
             note = notifications.decode(msg)
         except notifications.BadNotification as e:
-            self.metrics.notifications.labels(outcome="bad").inc()
+            self.metrics.notifications_received.labels(outcome="bad").inc()
             log.warning("ignoring a notification from %s: %s", agent, e)
             return
         eng = self._engines.get(note.target_engine)
         if eng is None:
-            self.metrics.notifications.labels(outcome="unknown_engine").inc()
+            self.metrics.notifications_received.labels(outcome="unknown_engine").inc()
             log.warning("notification for unknown engine %r (request %r) from %s",
                         note.target_engine, note.request_id, agent)
             return
-        self.metrics.notifications.labels(outcome="ok").inc()
+        self.metrics.notifications_received.labels(outcome="ok").inc()
         eng.holds.notify(note, time.monotonic())
 
     # ------------------------------------------------------------ housekeeping
+
+    async def _sample(self, period_s: float = SAMPLE_PERIOD_S) -> None:
+        """Every ``period_s``: measure event-loop lag (how late this timer fires)
+        and copy the state gauges from the loop's own data (no locks, no
+        scrape-time iteration from another thread). ``loop_beat`` is what
+        /healthz and the systemd watchdog look at."""
+        m = self.metrics
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(period_s)
+            now = time.monotonic()
+            self.loop_beat = now
+            m.loop_lag.set(max(0.0, now - t0 - period_s))
+            try:
+                reads = self._reads.by_engine()
+                for eng in list(self._engines.values()):
+                    e = eng.engine_id
+                    m.reads_in_flight.labels(e).set(reads.get(e, 0))
+                    m.holds_in_flight.labels(e).set(len(eng.holds))
+                    m.registered_regions.labels(e).set(len(eng.regions))
+                    m.registered_bytes.labels(e).set(len(eng.regions) * eng.layout.region_bytes)
+                    m.peers.labels(e).set(len(eng.peers))
+                    m.worker_lag.labels(e).set(max(0.0, now - eng.worker.heartbeat))
+                m.engines.set(len(self._engines))
+            except Exception:  # sampling must outlive any single bad entry
+                log.exception("metrics sampling failed; continuing")
+
+    def worker_lags(self) -> dict[str, float]:
+        """Seconds since each engine's NIXL worker thread last went round its loop."""
+        now = time.monotonic()
+        return {e: now - eng.worker.heartbeat for e, eng in list(self._engines.items())}
 
     async def _housekeeping(self) -> None:
         """Expire holds, drop early notifications, notice engines that died."""
@@ -343,7 +394,7 @@ class Sidecar:
                     before = eng.holds.unclaimed
                     eng.holds.expire(now)
                     if eng.holds.unclaimed != before:
-                        self.metrics.notifications.labels(outcome="unclaimed").inc(
+                        self.metrics.notifications_received.labels(outcome="unclaimed").inc(
                             eng.holds.unclaimed - before)
                 if now - last_pid_check >= 1.0:
                     last_pid_check = now
@@ -385,6 +436,7 @@ class Sidecar:
             await eng.worker.stop()
         release_regions(eng.regions, eng.owned)
         self.metrics.engines.set(len(self._engines))
+        self.metrics.forget_engine(engine_id)
         log.info("engine %r released (%s)", engine_id, why)
 
 

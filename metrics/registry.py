@@ -5,21 +5,42 @@ and hands it to the parts that count, so two daemons in one process (tests,
 embedding) never share or overwrite each other's numbers, and nothing is
 module-global.
 
-Adding a metric is one line in :meth:`Metrics.__init__` (``self.x = self._counter(...)``).
-Labels must have bounded cardinality: engine ids of this sidecar, peer engine
-ids, role, outcome, op, error code. Never request ids.
+Adding a metric is one line in :meth:`Metrics.__init__`
+(``self.x = self._counter(...)``) and one call where it happens.
+Labels must have bounded cardinality: ``engine`` (engine ids registered on
+this sidecar), ``peer`` (remote engine ids this sidecar has linked to), role,
+outcome, op, error code, side, result. Never request ids.
+
+Where vLLM's NixlConnector has the same quantity (``vllm:nixl_*``), the
+metric keeps its meaning and bucket layout, so dashboards and habits carry
+over; the README's "Operating kvsidecar" section has the mapping table.
 Names follow Prometheus conventions (``kvsidecar_`` prefix, base units,
 ``_total`` counters).
 """
 
 from __future__ import annotations
 
+import contextlib
+import platform
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-#: Latency buckets of the read request histogram.
-READ_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Bucket layouts of vLLM's NixlPromMetrics (same bounds, so quantiles compare).
+#: vllm:nixl_post_time_seconds
+POST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+#: vllm:nixl_xfer_time_seconds (the post buckets without the first)
+XFER_BUCKETS = POST_BUCKETS[1:]
+#: vllm:nixl_bytes_transferred: 2 KiB to 8 GiB, factor 4
+BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+#: vllm:nixl_num_descriptors
+DESC_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
+#: Our own latencies (request end to end, queueing, loop lag): 0.5 ms to 10 s.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                   10)
+
+ENGINE = ("engine",)
+ENGINE_PEER = ("engine", "peer")
 
 
 class Metrics:
@@ -27,22 +48,85 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = self._counter("kvsidecar_engine_requests_total",
-                                      "Engine IPC requests handled", ["op"])
-        self.reads = self._counter("kvsidecar_reads_total", "Read requests finished",
-                                   ["outcome"])
-        self.read_bytes = self._counter("kvsidecar_read_bytes_total", "Bytes read from peers")
-        self.descriptors = self._counter("kvsidecar_read_descriptors_total",
-                                         "NIXL descriptors posted (after coalescing)")
-        self.descriptors_planned = self._counter(
-            "kvsidecar_read_descriptors_planned",
-            "Descriptors the planner produced before coalescing")
-        self.read_seconds = self._histogram(
+        c, g, h = self._counter, self._gauge, self._histogram
+
+        # --- per transfer: one read request x one remote rank (D side)
+        self.transfer_seconds = h(
+            "kvsidecar_transfer_seconds", "Time from posting one NIXL READ to seeing it done "
+            "(vllm:nixl_xfer_time_seconds)", ENGINE_PEER, buckets=XFER_BUCKETS)
+        self.transfer_post_seconds = h(
+            "kvsidecar_transfer_post_seconds", "Time spent in the NIXL post call of one "
+            "transfer (vllm:nixl_post_time_seconds)", ENGINE_PEER, buckets=POST_BUCKETS)
+        self.transfer_bytes = h(
+            "kvsidecar_transfer_bytes", "Bytes moved by one transfer "
+            "(vllm:nixl_bytes_transferred)", ENGINE_PEER, buckets=BYTES_BUCKETS)
+        self.transfer_descriptors = h(
+            "kvsidecar_transfer_descriptors", "NIXL descriptors posted by one transfer, after "
+            "coalescing (vllm:nixl_num_descriptors)", ENGINE_PEER, buckets=DESC_BUCKETS)
+        self.transfer_descriptors_planned = h(
+            "kvsidecar_transfer_descriptors_planned", "Descriptors the planner produced for "
+            "one transfer, before coalescing", ENGINE_PEER, buckets=DESC_BUCKETS)
+        self.transfer_failures = c(
+            "kvsidecar_transfer_failures_total", "Transfers (one remote rank of one read) that "
+            "failed (vllm:nixl_num_failed_transfers)", ENGINE_PEER)
+        self.read_queue_seconds = h(
+            "kvsidecar_read_queue_seconds", "Time from the engine's read request to posting "
+            "its NIXL transfers (handshake, planning, queueing)", ENGINE,
+            buckets=LATENCY_BUCKETS)
+        self.read_seconds = h(
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",
-            buckets=READ_BUCKETS)
-        self.notifications = self._counter("kvsidecar_notifications_total",
-                                           "Notifications received from readers", ["outcome"])
-        self.engines = self._gauge("kvsidecar_engines", "Engine ranks registered")
+            ENGINE, buckets=LATENCY_BUCKETS)
+        self.read_bytes = c("kvsidecar_read_bytes_total", "Bytes read from peers", ENGINE_PEER)
+
+        # --- outcomes
+        self.completions = c(
+            "kvsidecar_completions_total", "Read and hold requests finished, by outcome: "
+            "received, failed, aborted (D); sent, expired, aborted (P). expired = "
+            "vllm:nixl_num_kv_expired_reqs", (*ENGINE, "outcome"))
+        self.notifications_sent = c(
+            "kvsidecar_notifications_sent_total", "Bare completion notifications sent to P "
+            "ranks nothing was read from, by result (failed = "
+            "vllm:nixl_num_failed_notifications)", (*ENGINE, "result"))
+        self.notifications_received = c(
+            "kvsidecar_notifications_received_total", "Notifications received from readers, by "
+            "outcome (ok, bad, unknown_engine, unclaimed, rejected)", ("outcome",))
+        self.handshakes = c(
+            "kvsidecar_handshakes_total", "Peer handshakes by side (client: links this sidecar "
+            "made; server: requests it answered) and result", ("side", "result"))
+        self.requests = c(
+            "kvsidecar_engine_requests_total", "Engine IPC requests handled, by op and error "
+            "code (empty = ok)", ("op", "error"))
+        self.late_completions = c(
+            "kvsidecar_late_completions_quarantined_total", "NIXL completions that arrived after "
+            "their read was reported failed and were quarantined", ENGINE)
+
+        # --- state (sampled on the event loop, see Sidecar._sample)
+        self.reads_in_flight = g("kvsidecar_reads_in_flight", "Read requests accepted and not "
+                                 "yet completed", ENGINE)
+        self.holds_in_flight = g("kvsidecar_holds_in_flight", "Held requests waiting for their "
+                                 "readers", ENGINE)
+        self.registered_bytes = g("kvsidecar_registered_bytes", "Memory registered with NIXL",
+                                  ENGINE)
+        self.registered_regions = g("kvsidecar_registered_regions", "Memory regions "
+                                    "registered with NIXL", ENGINE)
+        self.peers = g("kvsidecar_peers", "Remote ranks linked (NIXL remote agents loaded)",
+                       ENGINE)
+        self.engines = g("kvsidecar_engines", "Engine ranks registered")
+        self.loop_lag = g("kvsidecar_event_loop_lag_seconds", "How late the event loop's "
+                          "periodic timer fired, last sample")
+        self.worker_lag = g("kvsidecar_worker_poll_lag_seconds", "Time since the NIXL worker "
+                            "thread last went round its poll loop", ENGINE)
+        self.ready = g("kvsidecar_ready", "1 when /readyz passes")
+        self.transport_bandwidth = g(
+            "kvsidecar_selfcheck_bandwidth_bytes_per_second", "Loopback NIXL READ bandwidth "
+            "measured by the start-up transport self-check")
+        self.transport_info = g(
+            "kvsidecar_selfcheck_info", "Start-up transport self-check: 1 with the path found",
+            ("path", "passed"))
+        self.build_info = g("kvsidecar_build_info", "Versions this daemon runs",
+                            ("version", "python", "nixl"))
+        self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
+                               nixl=_version("nixl")).set(1)
 
     # One helper per metric type, so each metric is one line above and always
     # lands in this daemon's registry.
@@ -56,6 +140,22 @@ class Metrics:
                    buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop the gauges of an engine that left (its counters stay: they are history)."""
+        for gauge in (self.reads_in_flight, self.holds_in_flight, self.registered_bytes,
+                      self.registered_regions, self.peers, self.worker_lag):
+            with contextlib.suppress(KeyError):
+                gauge.remove(engine_id)
+
     def render(self) -> bytes:
         """The text exposition format of this daemon's metrics."""
         return generate_latest(self.registry)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"

@@ -93,15 +93,15 @@ def _decode(plan: Plan, sockets: list[str], from_driver: Queue[Any],
 
 
 def _metric(port: int, name: str) -> float:
+    """Sum of one sample name over all its label sets."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
 def _descriptors(sidecars: list[SidecarProcess]) -> tuple[float, float]:
-    return (sum(_metric(s.metrics_port, "kvsidecar_read_descriptors_planned_total")
+    return (sum(_metric(s.metrics_port, "kvsidecar_transfer_descriptors_planned_sum")
                 for s in sidecars),
-            sum(_metric(s.metrics_port, "kvsidecar_read_descriptors_total") for s in sidecars))
+            sum(_metric(s.metrics_port, "kvsidecar_transfer_descriptors_sum") for s in sidecars))
 
 
 def _expect(q: Queue[Any], kind: str, timeout: float = 180) -> Any:

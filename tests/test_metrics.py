@@ -28,8 +28,8 @@ async def test_two_sidecars_in_one_process_do_not_share_metrics(tmp_path: Path) 
         for _ in range(3):
             await a.handle(Ping(id=1))
         await b.handle(Ping(id=1))
-        assert sample(a.metrics, "kvsidecar_engine_requests_total", op="ping") == 3
-        assert sample(b.metrics, "kvsidecar_engine_requests_total", op="ping") == 1
+        assert sample(a.metrics, "kvsidecar_engine_requests_total", op="ping", error="") == 3
+        assert sample(b.metrics, "kvsidecar_engine_requests_total", op="ping", error="") == 1
     finally:
         await a.stop(drain_s=0)
         await b.stop(drain_s=0)
@@ -37,15 +37,15 @@ async def test_two_sidecars_in_one_process_do_not_share_metrics(tmp_path: Path) 
 
 def test_http_endpoint_serves_its_own_registry() -> None:
     one, two = Metrics(), Metrics()
-    one.reads.labels(outcome="received").inc(5)
-    two.reads.labels(outcome="received").inc(7)
+    one.completions.labels("e1", "received").inc(5)
+    two.completions.labels("e1", "received").inc(7)
     servers = [MetricsServer(m, "127.0.0.1", 0) for m in (one, two)]
     ports = [s.start() for s in servers]
     try:
         bodies = [urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10)
                   .read().decode() for p in ports]
-        assert 'kvsidecar_reads_total{outcome="received"} 5.0' in bodies[0]
-        assert 'kvsidecar_reads_total{outcome="received"} 7.0' in bodies[1]
+        assert 'kvsidecar_completions_total{engine="e1",outcome="received"} 5.0' in bodies[0]
+        assert 'kvsidecar_completions_total{engine="e1",outcome="received"} 7.0' in bodies[1]
     finally:
         for s in servers:
             s.stop()
