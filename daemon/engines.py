@@ -15,9 +15,11 @@ NIXL sees an address.
 from __future__ import annotations
 
 import collections
-import contextlib
+import hashlib
 import logging
+import os
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -52,6 +54,13 @@ class EngineRank:
     info: HandshakeInfo
     hold_timeout_s: float
     notif_grace_s: float
+    instance: str = ""
+    pid_visible: bool = False
+    """``pid`` names a process in the sidecar's own PID namespace (checkable)."""
+    last_seen: float = field(default_factory=time.monotonic)
+    """When the engine last sent a request (its liveness lease runs from here)."""
+    orphaned: bool = False
+    """A kept registration whose process is dead: a new instance may take it over."""
     completions: collections.deque[tuple[int, Completion]] = field(
         default_factory=collections.deque)
     holds: HoldBook = field(init=False)
@@ -87,14 +96,18 @@ class EngineRank:
         self.worker.set_hot(len(self.holds) > 0)
 
 
-def map_regions(engine_id: str, layout: Layout, mode: str,
-                refs: list[RegionRef]) -> tuple[list[ShmRegion], bool]:
-    """Map (attach) or create (allocate) the engine's regions; (regions, owned)."""
+def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
+                shm_prefix: str = "kvs") -> tuple[list[ShmRegion], bool]:
+    """Map (attach) or create (allocate) the engine's regions; (regions, owned).
+
+    Allocated segments are named ``<shm_prefix>-<engine id>-...``, so a
+    restarted sidecar can find (and remove) exactly its own leftovers.
+    """
     need = layout.region_bytes
     if mode == "allocate":
         if refs:
             raise RequestError(BAD_REQUEST, "allocate mode takes no region references")
-        prefix = "kvs-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
+        prefix = f"{shm_prefix}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
         try:
             return allocate_for_layout(layout, prefix), True
         except (RegionError, OSError) as e:
@@ -116,10 +129,53 @@ def map_regions(engine_id: str, layout: Layout, mode: str,
         raise RequestError(BAD_REQUEST, f"cannot map the engine's regions: {e}") from None
 
 
-def release_regions(regions: list[ShmRegion], owned: bool) -> None:
+def release_regions(regions: list[ShmRegion], owned: bool) -> int:
+    """Unmap (and, if this sidecar created them, unlink) an engine's regions.
+
+    Blocking (hundreds of ms per GB to give the pages back): call it off the
+    event loop. Failures are logged and returned as a count (the caller
+    counts them in its metrics), never raised: the engine is gone either way.
+    """
+    failures = 0
     for r in regions:
-        with contextlib.suppress(Exception):
+        try:
             r.close()
-        if owned:
-            with contextlib.suppress(Exception):
+            if owned:
                 r.unlink()
+        except Exception as e:
+            log.warning("releasing shared memory %r failed: %s", r.name, e)
+            failures += 1
+    return failures
+
+
+def shm_prefix_for(socket_path: str) -> str:
+    """``kvs-<8 hex>``: the name prefix of the segments one sidecar allocates,
+    derived from its (absolute) socket path. Two sidecars never serve the same
+    socket at once, so the prefix tells this sidecar's segments from every
+    other's, across its own restarts."""
+    digest = hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:8]
+    return f"kvs-{digest}"
+
+
+def remove_stale_segments(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the segments a previous run of this sidecar left (``<prefix>-*``).
+
+    Only call it once this sidecar owns its socket (no other live sidecar can
+    then use the same prefix). Returns the names removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        if name.startswith(prefix + "-"):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("cannot remove stale shared memory %s: %s", name, e)
+                continue
+            removed.append(name)
+    return removed

@@ -31,7 +31,13 @@ import numpy as np
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engine_server import EngineServer
-from kvsidecar.daemon.engines import EngineRank, map_regions, release_regions
+from kvsidecar.daemon.engines import (
+    EngineRank,
+    map_regions,
+    release_regions,
+    remove_stale_segments,
+    shm_prefix_for,
+)
 from kvsidecar.daemon.handshake import (
     HandshakeClient,
     HandshakeInfo,
@@ -96,7 +102,11 @@ class Sidecar:
         self._server = EngineServer(settings.socket, self)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
-        self._registering: set[str] = set()
+        # engine id -> (the registration in progress, its reply), so that a
+        # client retrying after a timeout joins the registration it started.
+        self._registering: dict[str, tuple[Register, asyncio.Future[Reply]]] = {}
+        self._shm_prefix = shm_prefix_for(settings.socket)
+        self._pid_ns = _own_pid_namespace()
         self.handshake_address = ""
         self._stopping = False
         #: monotonic time the event loop last ran the sampling timer (see _sample)
@@ -114,6 +124,14 @@ class Sidecar:
         port = bound.rsplit(":", 1)[1]
         self.handshake_address = f"{self.settings.advertised}:{port}"
         await self._server.start()
+        # Only now: the engine server refuses to start while another live
+        # sidecar serves this socket, so the prefix (a hash of the socket
+        # path) can only name this sidecar's own leftovers.
+        stale = await asyncio.get_running_loop().run_in_executor(
+            None, remove_stale_segments, self._shm_prefix)
+        if stale:
+            log.warning("removed %d shared memory segment(s) a previous run of this sidecar "
+                        "left in /dev/shm: %s", len(stale), ", ".join(stale))
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         self._tasks.append(asyncio.ensure_future(self._sample()))
         log.info("kvsidecar %s serving engines on %s, handshakes on %s (peers dial %s)",
@@ -193,24 +211,42 @@ class Sidecar:
         return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
 
     def _engine(self, engine_id: str) -> EngineRank:
+        """The engine a request names; any request renews its liveness lease."""
         eng = self._engines.get(engine_id)
         if eng is None:
             known = ", ".join(sorted(self._engines)) or "none"
             raise RequestError(UNKNOWN_ENGINE,
                                f"engine {engine_id!r} is not registered here (registered: {known})")
+        eng.last_seen = time.monotonic()
         return eng
 
     async def _register(self, req: Register) -> Reply:
-        if req.engine_id in self._registering:
+        inflight = self._registering.get(req.engine_id)
+        if inflight is not None:
+            first, reply = inflight
+            if _same_process(first, req) and _same_registration(first, req):
+                return await asyncio.shield(reply)  # a retry joins the registration it began
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is being registered")
-        self._registering.add(req.engine_id)
+        reply = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(_retrieve)
+        self._registering[req.engine_id] = (req, reply)
         try:
             old = self._engines.get(req.engine_id)
             if old is not None:
-                return await self._reattach(old, req)
-            return await self._register_new(req)
+                result = await self._reattach(old, req)
+            else:
+                result = await self._register_new(req)
+        except asyncio.CancelledError:
+            reply.cancel()
+            raise
+        except BaseException as e:
+            reply.set_exception(e)
+            raise
+        else:
+            reply.set_result(result)
+            return result
         finally:
-            self._registering.discard(req.engine_id)
+            del self._registering[req.engine_id]
 
     async def _register_new(self, req: Register) -> Reply:
         try:
@@ -223,7 +259,7 @@ class Sidecar:
         # Creating or mapping shared memory touches every page (about 1 s per GB):
         # off the loop, so other engines keep being served meanwhile.
         mapping = asyncio.get_running_loop().run_in_executor(
-            None, map_regions, req.engine_id, layout, req.mode, req.regions)
+            None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix)
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -240,7 +276,7 @@ class Sidecar:
         except BaseException as e:
             with contextlib.suppress(Exception):
                 await worker.stop()
-            release_regions(regions, owned)
+            await self._release_regions(regions, owned)
             raise RequestError(BAD_REQUEST, f"NIXL registration failed: {e}") from None
         bases = [r.address for r in regions]
         eng = EngineRank(
@@ -254,6 +290,7 @@ class Sidecar:
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
             metrics=self.metrics,
+            instance=req.instance, pid_visible=self._pid_visible(req),
         )
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
@@ -261,22 +298,63 @@ class Sidecar:
         log.info("registered engine %r rank %d/%d (%s, %d regions x %d B, %s)", req.engine_id,
                  req.tp_rank, layout.tp_size, layout.family, layout.num_regions,
                  layout.region_bytes, req.mode)
-        return Registered(engine_id=req.engine_id, handshake_address=self.handshake_address,
-                          agent_name=worker.agent_name,
-                          regions=[r.ref() for r in regions] if owned else [])
+        return self._registered(eng)
+
+    def _registered(self, eng: EngineRank) -> Registered:
+        return Registered(engine_id=eng.engine_id, handshake_address=self.handshake_address,
+                          agent_name=eng.worker.agent_name,
+                          regions=[r.ref() for r in eng.regions] if eng.owned else [])
+
+    def _pid_visible(self, req: Register) -> bool:
+        """Whether ``req.pid`` can serve as a liveness signal: only a pid of this
+        sidecar's own PID namespace that is alive right now."""
+        if not req.pid:
+            return False
+        if not self._pid_ns or req.pid_ns != self._pid_ns:
+            log.info("engine %r: pid %d is in another PID namespace (%r, ours %r); liveness by "
+                     "its requests only (--engine-lease %g s)", req.engine_id, req.pid,
+                     req.pid_ns or "unknown", self._pid_ns, self.settings.engine_lease_s)
+            return False
+        if not _alive(req.pid):
+            log.warning("engine %r: pid %d does not exist here; liveness by its requests only",
+                        req.engine_id, req.pid)
+            return False
+        return True
+
+    def _death(self, eng: EngineRank, now: float) -> str:
+        """Why ``eng`` is taken for dead ('' while alive)."""
+        if eng.pid_visible and not _alive(eng.pid):
+            return f"its process (pid {eng.pid}) exited"
+        idle = now - eng.last_seen
+        if idle > self.settings.engine_lease_s:
+            return (f"it sent no request for {idle:.1f} s (--engine-lease "
+                    f"{self.settings.engine_lease_s:g} s)")
+        return ""
 
     async def _reattach(self, old: EngineRank, req: Register) -> Reply:
-        """A restarted engine takes over the registration it asked to keep.
+        """The same registration again, or a restarted engine taking over its kept one.
 
-        Only for ``keep_on_exit`` registrations whose process (known by pid) is
-        gone, with the same rank, layout and mode: the memory (and the KV in
-        it) is handed back as it is. The old process's reads are aborted and
-        waited for (nothing may still write into blocks the new process will
-        reuse), its holds and undelivered completions are dropped: the new
-        process knows nothing of them.
+        The same process (``instance``) asking for the same rank, layout and
+        memory again is a retry (its first reply was lost to a timeout): it
+        gets the same registration, and nothing else changes.
+
+        Otherwise only for ``keep_on_exit`` registrations whose process is
+        dead (pid gone, where the pid is checkable, or no request within the
+        engine lease), with the same rank, layout and mode: the memory (and
+        the KV in it) is handed back as it is. The old process's reads are
+        aborted and waited for (nothing may still write into blocks the new
+        process will reuse), its holds and undelivered completions are
+        dropped: the new process knows nothing of them.
         """
-        if not (old.keep_on_exit and old.pid and not _alive(old.pid)):
-            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered")
+        if _same_process(old, req) and _same_registration_of(old, req):
+            old.last_seen = time.monotonic()
+            log.info("engine %r rank %d registered again by the same process: same "
+                     "registration", req.engine_id, old.tp_rank)
+            return self._registered(old)
+        if not (old.keep_on_exit and (old.orphaned or self._death(old, time.monotonic()))):
+            raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is already registered "
+                                          "(by a live process; the same process registering "
+                                          "the same rank and layout again gets it back)")
         mode = "allocate" if old.owned else "attach"
         if req.tp_rank != old.tp_rank or req.layout != old.layout or req.mode != mode:
             raise RequestError(DUPLICATE, f"engine {req.engine_id!r} is kept for a restart with "
@@ -290,10 +368,12 @@ class Sidecar:
         log.info("engine %r rank %d reattached (pid %d -> %d)", req.engine_id, old.tp_rank,
                  old.pid, req.pid)
         old.pid = req.pid
+        old.pid_visible = self._pid_visible(req)
+        old.instance = req.instance
+        old.orphaned = False
+        old.last_seen = time.monotonic()
         old.keep_on_exit = req.keep_on_exit
-        return Registered(engine_id=old.engine_id, handshake_address=self.handshake_address,
-                          agent_name=old.worker.agent_name,
-                          regions=[r.ref() for r in old.regions])
+        return self._registered(old)
 
     def _count_link(self, ok: bool) -> None:
         self.metrics.handshakes.labels(side="client", result="ok" if ok else "failed").inc()
@@ -385,7 +465,7 @@ class Sidecar:
 
     async def _housekeeping(self) -> None:
         """Expire holds, drop early notifications, notice engines that died."""
-        last_pid_check = 0.0
+        last_liveness_check = 0.0
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
@@ -396,16 +476,29 @@ class Sidecar:
                     if eng.holds.unclaimed != before:
                         self.metrics.notifications_received.labels(outcome="unclaimed").inc(
                             eng.holds.unclaimed - before)
-                if now - last_pid_check >= 1.0:
-                    last_pid_check = now
-                    for eng in list(self._engines.values()):
-                        if eng.pid and not eng.keep_on_exit and not _alive(eng.pid):
-                            log.warning("engine %r (pid %d) is gone; releasing its resources",
-                                        eng.engine_id, eng.pid)
-                            self._spawn(self._drop_engine(eng.engine_id,
-                                                          "engine process exited"))
+                if now - last_liveness_check >= 1.0:
+                    last_liveness_check = now
+                    self._check_liveness(now)
             except Exception:  # housekeeping must outlive any single bad entry
                 log.exception("housekeeping pass failed; continuing")
+
+    def _check_liveness(self, now: float) -> None:
+        for eng in list(self._engines.values()):
+            if eng.orphaned or eng.engine_id in self._registering:
+                continue
+            why = self._death(eng, now)
+            if not why:
+                continue
+            self.metrics.engines_gone.labels(
+                signal="pid" if why.startswith("its process") else "lease").inc()
+            if eng.keep_on_exit:
+                eng.orphaned = True
+                log.warning("engine %r is gone (%s); its registration is kept for a restart",
+                            eng.engine_id, why)
+            else:
+                log.warning("engine %r is gone (%s); releasing its resources", eng.engine_id,
+                            why)
+                self._spawn(self._drop_engine(eng.engine_id, f"engine gone: {why}"))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -432,12 +525,52 @@ class Sidecar:
             return
         self._hs_server.invalidate(engine_id)
         await self._quiesce(eng, why)
-        with contextlib.suppress(Exception):
+        try:
             await eng.worker.stop()
-        release_regions(eng.regions, eng.owned)
+        except Exception as e:
+            log.warning("stopping the NIXL worker of engine %r failed: %s", engine_id, e)
+            self.metrics.cleanup_failures.labels(what="worker").inc()
+        await self._release_regions(eng.regions, eng.owned)
         self.metrics.engines.set(len(self._engines))
         self.metrics.forget_engine(engine_id)
         log.info("engine %r released (%s)", engine_id, why)
+
+
+    async def _release_regions(self, regions: list[ShmRegion], owned: bool) -> None:
+        """Give the memory back off the event loop (hundreds of ms per GB)."""
+        failures = await asyncio.get_running_loop().run_in_executor(
+            None, release_regions, regions, owned)
+        if failures:
+            log.warning("%d region(s) could not be released", failures)
+            self.metrics.cleanup_failures.labels(what="memory").inc(failures)
+
+
+def _same_process(a: Register | EngineRank, b: Register) -> bool:
+    return bool(b.instance) and a.instance == b.instance
+
+
+def _same_registration(a: Register, b: Register) -> bool:
+    return (a.tp_rank, a.layout, a.mode, a.regions) == (b.tp_rank, b.layout, b.mode, b.regions)
+
+
+def _same_registration_of(eng: EngineRank, req: Register) -> bool:
+    mode = "allocate" if eng.owned else "attach"
+    refs = [] if eng.owned else [r.ref() for r in eng.regions]
+    return (eng.tp_rank, eng.layout, mode, refs) == (req.tp_rank, req.layout, req.mode,
+                                                     req.regions)
+
+
+def _retrieve(f: asyncio.Future[Reply]) -> None:
+    """Mark a registration's outcome as seen (its first caller raised it already)."""
+    if not f.cancelled():
+        f.exception()
+
+
+def _own_pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def _release_late_mapping(f: asyncio.Future[tuple[list[ShmRegion], bool]]) -> None:

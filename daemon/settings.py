@@ -7,6 +7,7 @@ template serves every GPU; flags win over the environment.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class Settings:
     notif_grace_s: float = 30.0
     handshake_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
+    engine_lease_s: float = 30.0
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -39,6 +41,9 @@ class Settings:
             return socket.gethostname()
         return self.handshake_host
 
+
+MAX_SECONDS = 86400.0
+"""Upper bound of every duration setting: a typo of extra zeros fails at start-up."""
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
@@ -77,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=float, default=float(_env("READ_TIMEOUT", "60")),
                    help="seconds a posted read may take before it is cancelled and fails "
                         "(env KVSIDECAR_READ_TIMEOUT)")
+    p.add_argument("--engine-lease", type=float, default=float(_env("ENGINE_LEASE", "30")),
+                   help="an engine that sends no request (a poll is enough) for this many "
+                        "seconds is taken for dead and released (env KVSIDECAR_ENGINE_LEASE)")
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
                    help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
                         "(env KVSIDECAR_METRICS_PORT)")
@@ -92,9 +100,12 @@ def from_args(ns: argparse.Namespace) -> Settings:
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not backends:
         raise SystemExit("kvsidecar: --backends names no backend")
-    for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout"):
-        if getattr(ns, name) <= 0:
-            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be > 0")
+    for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout",
+                 "engine_lease"):
+        value = getattr(ns, name)
+        if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be a finite number "
+                             f"of seconds in (0, {MAX_SECONDS:g}], got {value}")
     return Settings(
         socket=ns.socket or default_socket(ns.device),
         handshake_host=ns.handshake_host,
@@ -106,6 +117,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         notif_grace_s=ns.notif_grace,
         handshake_timeout_s=ns.handshake_timeout,
         read_timeout_s=ns.read_timeout,
+        engine_lease_s=ns.engine_lease,
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         log_level=ns.log_level.upper(),

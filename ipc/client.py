@@ -18,6 +18,7 @@ import itertools
 import logging
 import operator
 import os
+import secrets
 import time
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -208,6 +209,27 @@ def _registration(reply: Registered, regions: Sequence[ShmRegion] | None) -> Reg
     return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped)
 
 
+REGISTER_S_PER_GB = 2.0
+"""Extra reply wait per GB registered (measured 0.9 s/GB to create and touch shm)."""
+
+_INSTANCE = secrets.token_hex(6)
+
+
+def process_instance() -> str:
+    """Names this engine process for the sidecar (a fork is another instance):
+    a registration retried by the same process is recognised as a retry."""
+    return f"{_INSTANCE}-{os.getpid():x}"
+
+
+def _pid_namespace() -> str:
+    """``pid:[inode]`` of this process's PID namespace ('' where unknown): the
+    sidecar trusts ``pid`` only when this names its own namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _endpoint(socket_path: str) -> str:
     return socket_path if "://" in socket_path else f"ipc://{socket_path}"
 
@@ -244,7 +266,7 @@ class ClientCore:
             raise ValueError("register: pass either regions (attach mode) or allocate=True")
         req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
                        [r.ref() for r in regions or ()], keep_on_exit, os.getpid(),
-                       id=self._next_id())
+                       _pid_namespace(), process_instance(), id=self._next_id())
         reply = _expect((yield req), Registered)
         try:
             return _registration(reply, regions)
@@ -303,7 +325,13 @@ class ClientCore:
         return reply.id, reply
 
     def timeout_for(self, req: Request) -> float:
-        """How long to wait for the reply to ``req``."""
+        """How long to wait for the reply to ``req``: registration creates (or maps
+        and NIXL-registers) every byte of the cache, about 0.9 s per GB here, so
+        its wait grows with the layout's size (with a 2x margin for a loaded
+        machine); everything else is one short round trip."""
+        if isinstance(req, Register):
+            nbytes = req.layout.num_regions * req.layout.region_bytes
+            return self.timeout_s + REGISTER_S_PER_GB * nbytes / 1e9
         return self.timeout_s
 
     def timeout_error(self, req: Request, timeout_s: float) -> SidecarTimeout:

@@ -53,6 +53,8 @@ ERROR_CODES: Final = (
 
 NonNegative = Annotated[int, Meta(ge=0)]
 PID_MAX: Final = 1 << 22  # Linux's PID_MAX_LIMIT
+MAX_HOLD_S: Final = 3600.0
+"""Longest hold anyone may ask for (vLLM pins blocks 480 s); also rules out inf and NaN."""
 EngineId = Annotated[str, Meta(min_length=1)]
 BlockIds = list[list[int]]
 """One list of block ids per KV-cache group, in the layout's group order.
@@ -139,8 +141,16 @@ class Register(_RequestBase, tag="register", frozen=True):
     ``mode="attach"``: the engine allocated the regions and passes references.
     ``mode="allocate"``: the daemon allocates them and returns references in
     :class:`Registered` (the direction GPU memory will need).
-    ``keep_on_exit`` keeps the registration when the engine's process (``pid``)
-    is gone, for engines that restart and reattach.
+    ``keep_on_exit`` keeps the registration when the engine's process is
+    gone, for engines that restart and reattach.
+
+    Liveness: the engine is alive while it sends requests (a poll is enough)
+    at least every ``--engine-lease`` seconds. ``pid`` is an extra, faster
+    signal, used only when ``pid_ns`` (``readlink /proc/self/ns/pid``) names
+    the sidecar's own PID namespace. ``instance`` names the engine process
+    (random per process): the same instance registering the same id, rank and
+    layout again gets the same registration (a retry after a timeout); another
+    instance may take a kept registration over once the old one is dead.
     """
 
     engine_id: EngineId
@@ -150,6 +160,8 @@ class Register(_RequestBase, tag="register", frozen=True):
     regions: list[RegionRef] = []
     keep_on_exit: bool = False
     pid: Annotated[int, Meta(ge=0, le=PID_MAX)] = 0
+    pid_ns: Annotated[str, Meta(max_length=64)] = ""
+    instance: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Deregister(_RequestBase, tag="deregister", frozen=True):
@@ -201,7 +213,7 @@ class Hold(_RequestBase, tag="hold", frozen=True):
     request_id: str
     block_ids: BlockIds
     readers: Annotated[int, Meta(ge=1)] = 1
-    timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_HOLD_S)] | None = None
 
 
 class Release(_RequestBase, tag="release", frozen=True):

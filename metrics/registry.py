@@ -127,6 +127,12 @@ class Metrics:
                             ("version", "python", "nixl"))
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
+        self.cleanup_failures = c(
+            "kvsidecar_cleanup_failures_total",
+            "Failures while releasing an engine (logged, never fatal)", ("what",))
+        self.engines_gone = c(
+            "kvsidecar_engines_gone_total", "Engines taken for dead, by signal (pid, lease)",
+            ("signal",))
 
     # One helper per metric type, so each metric is one line above and always
     # lands in this daemon's registry.

@@ -577,3 +577,18 @@ async def test_async_close_fails_nothing_and_can_reopen(aclient: AsyncSidecarCli
     assert isinstance(await aclient.ping(), Pong)
     await aclient.close()
     assert isinstance(await aclient.ping(), Pong)  # a fresh socket on next use
+
+
+def test_register_waits_longer_for_larger_caches() -> None:
+    """Creating shared memory costs about 0.9 s per GB: a fixed timeout would fail
+    a large registration that the daemon completes."""
+    from kvsidecar.ipc.client import ClientCore
+
+    core = ClientCore("/tmp/x.sock", timeout_s=10.0)
+    big = attention_layout(model="m", num_layers=64, total_kv_heads=8, head_dim=128,
+                           block_tokens=16, tp_size=1, num_blocks=20_000)
+    nbytes = big.num_regions * big.region_bytes
+    assert nbytes > 20e9
+    reg = Register("e", 0, big, "allocate", id=1)
+    assert core.timeout_for(reg) >= 10.0 + 0.9 * nbytes / 1e9
+    assert core.timeout_for(Ping(id=2)) == 10.0

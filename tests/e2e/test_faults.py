@@ -297,13 +297,16 @@ def test_kept_registration_survives_engine_restart(pool) -> None:
         with pytest.raises(Duplicate, match="differs"):
             c.register("phoenix", 0, layout.with_blocks(8), allocate=True)
         reg = c.register("phoenix", 0, layout, allocate=True)
+        mapped = list(reg.regions)
         try:
             assert reg.regions[0].name == shm_name
             assert reg.regions[0].numpy()[:4].tolist() == [1, 2, 3, 4]
-            with pytest.raises(Duplicate, match="already registered"):
-                c.register("phoenix", 0, layout, allocate=True)
+            # The same process registering the same again (a retry) gets the same.
+            again = c.register("phoenix", 0, layout, allocate=True)
+            mapped += again.regions
+            assert [r.name for r in again.regions] == [r.name for r in reg.regions]
         finally:
-            for r in reg.regions:
+            for r in mapped:
                 r.close()
             c.deregister("phoenix")
     deadline = time.monotonic() + 20

@@ -1,0 +1,153 @@
+"""End to end: engine liveness without pids, idempotent registration, and a
+sidecar removing only its own stale shared memory at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvsidecar.daemon.engines import shm_prefix_for
+from kvsidecar.ipc.client import AsyncSidecarClient, SidecarClient, process_instance
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.memory import ShmRegion
+from kvsidecar.ipc.protocol import Register, Registered, decode_reply, encode_request
+from kvsidecar.sim.cluster import SidecarProcess
+
+pytestmark = pytest.mark.e2e
+
+LEASE_S = 2.0
+LAYOUT = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8, block_tokens=4,
+                          tp_size=1, num_blocks=4)
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+    """Segments a previous run of the sidecar (same socket) left, and one of
+    another sidecar, created before the sidecar under test starts."""
+    workdir = tmp_path_factory.mktemp("lifecycle")
+    mine = shm_prefix_for(str(workdir / "lease.sock"))
+    theirs = shm_prefix_for(str(workdir / "another-sidecar.sock"))
+    names = [f"{mine}-old-engine-1", f"{mine}-old-engine-2", f"{theirs}-their-engine"]
+    for n in names:
+        ShmRegion.create(n, 4096).close()
+    yield workdir, names
+    for n in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{n}")
+
+
+@pytest.fixture(scope="module")
+def sidecar(stale: tuple[Path, list[str]]) -> Iterator[SidecarProcess]:
+    workdir, _ = stale
+    s = SidecarProcess(workdir, "lease", args=["--engine-lease", str(LEASE_S)]).start()
+    yield s
+    assert s.stop() == 0
+
+
+def test_start_up_removes_only_its_own_stale_segments(sidecar, stale) -> None:
+    _, (mine1, mine2, theirs) = stale
+    assert not os.path.exists(f"/dev/shm/{mine1}")
+    assert not os.path.exists(f"/dev/shm/{mine2}")
+    assert os.path.exists(f"/dev/shm/{theirs}"), "another sidecar's segment was removed"
+    log = sidecar.read_log()
+    assert "removed 2 shared memory segment(s)" in log and mine1 in log and theirs not in log
+
+
+def _register_raw(socket: str, engine_id: str, pid: int, pid_ns: str) -> Registered:
+    """Register as an engine whose pid the sidecar cannot check (another PID
+    namespace), the way a container without a shared PID namespace does."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(f"ipc://{socket}")
+        sock.send(encode_request(Register(engine_id, 0, LAYOUT, "allocate", [], False, pid,
+                                          pid_ns, "other-container", id=1)))
+        reply = decode_reply(sock.recv())
+    finally:
+        sock.close()
+    assert isinstance(reply, Registered), reply
+    return reply
+
+
+def test_engine_in_another_pid_namespace_lives_while_it_polls(sidecar) -> None:
+    # pid 1 exists here too (so a pid check would even say "alive"), but it is
+    # not the engine: the foreign namespace makes the sidecar ignore it.
+    reg = _register_raw(sidecar.socket, "foreign", 1, "pid:[1]")
+    shm = f"/dev/shm/{reg.regions[0].name}"
+    assert reg.regions[0].name.startswith(shm_prefix_for(sidecar.socket) + "-")
+    with SidecarClient(sidecar.socket) as c:
+        # Polling for three leases keeps it registered...
+        until = time.monotonic() + 3 * LEASE_S
+        while time.monotonic() < until:
+            assert c.poll("foreign") == []
+            assert "foreign" in c.ping().engines
+            time.sleep(LEASE_S / 8)
+        # ...and once it stops, it is released with its memory.
+        deadline = time.monotonic() + 60
+        while "foreign" in c.ping().engines:
+            assert time.monotonic() < deadline, "silent engine never released"
+            time.sleep(0.1)
+    while os.path.exists(shm):
+        assert time.monotonic() < deadline, "released engine's memory never unlinked"
+        time.sleep(0.1)
+    assert "sent no request for" in sidecar.read_log()
+
+
+def test_a_pid_the_sidecar_cannot_see_does_not_release_the_engine(sidecar) -> None:
+    """Same namespace string but a pid that does not exist: not trusted either."""
+    own_ns = os.readlink("/proc/self/ns/pid")
+    _register_raw(sidecar.socket, "ghost-pid", 4_000_000, own_ns)
+    with SidecarClient(sidecar.socket) as c:
+        until = time.monotonic() + 2 * LEASE_S
+        while time.monotonic() < until:
+            c.poll("ghost-pid")
+            assert "ghost-pid" in c.ping().engines
+            time.sleep(LEASE_S / 8)
+        c.deregister("ghost-pid")
+
+
+async def test_a_retried_registration_is_the_same_registration(sidecar) -> None:
+    """A client retrying register (its first reply lost to a timeout) must not
+    get Duplicate: concurrent and later retries join the same registration."""
+    async with AsyncSidecarClient(sidecar.socket) as c:
+        first, second = await asyncio.gather(
+            c.register("retry", 0, LAYOUT, allocate=True),
+            c.register("retry", 0, LAYOUT, allocate=True))
+        third = await c.register("retry", 0, LAYOUT, allocate=True)
+        try:
+            names = [r.name for r in first.regions]
+            assert [r.name for r in second.regions] == names
+            assert [r.name for r in third.regions] == names
+            assert first.agent_name == second.agent_name == third.agent_name
+        finally:
+            for r in [*first.regions, *second.regions, *third.regions]:
+                r.close()
+            await c.deregister("retry")
+
+
+def test_another_process_with_the_same_engine_id_is_refused(sidecar) -> None:
+    with SidecarClient(sidecar.socket) as c:
+        reg = c.register("taken", 0, LAYOUT, allocate=True)
+        try:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 30_000)
+            sock.connect(f"ipc://{sidecar.socket}")
+            sock.send(encode_request(Register("taken", 0, LAYOUT, "allocate", [], False, 0, "",
+                                              "someone-else", id=1)))
+            reply = decode_reply(sock.recv())
+            sock.close()
+            assert reply.code == "duplicate" and "already registered" in reply.message
+            assert process_instance() != "someone-else"
+        finally:
+            for r in reg.regions:
+                r.close()
+            c.deregister("taken")
