@@ -43,7 +43,9 @@ def test_wildcard_bind_advertises_a_dialable_host() -> None:
 @pytest.mark.parametrize(("argv", "msg"), [
     (["--device", "gpu0"], "must be cpu or cuda:N"),
     (["--backends", " , "], "names no backend"),
-    (["--hold-timeout", "0"], "--hold-timeout must be > 0"),
+    (["--hold-timeout", "0"], "--hold-timeout must be a finite number"),
+    (["--engine-lease", "inf"], "--engine-lease must be a finite number"),
+    (["--read-timeout", "nan"], "--read-timeout must be a finite number"),
 ])
 def test_bad_settings_exit_with_a_message(argv: list[str], msg: str) -> None:
     with pytest.raises(SystemExit, match=msg):

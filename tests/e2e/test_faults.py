@@ -140,8 +140,9 @@ def test_bad_requests_get_typed_errors(pool) -> None:
             c.read(D.engine_id, "bad", [[1], [1]], sent.remote, sent.block_ids)
         with pytest.raises(UnknownEngine, match="'ghost' is not registered"):
             c.poll("ghost")
-        with pytest.raises(Duplicate, match="already registered"):
-            c.register(D.engine_id, 0, D.layout, allocate=True)
+        with pytest.raises(Duplicate, match="already registered"):  # not a retry: differs
+            c.register(D.engine_id, 0, D.layout.with_blocks(D.layout.num_blocks + 1),
+                       allocate=True)
         with pytest.raises(BadRequest, match="block id"):
             P.clients[0].hold(P.engine_id, "bad2", [[10**6], []])
         with pytest.raises(Duplicate):
