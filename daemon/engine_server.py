@@ -15,6 +15,14 @@ deregistering while reads drain) delays only its own caller.
 No input can stop the loop: undecodable messages, wrong frame counts,
 unknown ops, wrong types, refused requests and handler bugs all become
 :class:`~kvsidecar.ipc.protocol.Error` replies to the sender.
+
+Who may send is decided before anything is decoded: each message carries the
+sender's kernel credentials and a sender outside the :class:`AccessPolicy`
+gets one ``forbidden`` reply (see :mod:`~kvsidecar.daemon.engine_access` for
+the socket's directory, mode and lock). Messages over ``max_message_bytes``
+never reach Python: libzmq drops the connection (``ZMQ_MAXMSGSIZE``), and
+connections beyond ``max_connections`` are shut as they arrive
+(:class:`~kvsidecar.daemon.conn_guard.ConnectionGuard`).
 """
 
 from __future__ import annotations
@@ -23,9 +31,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-import stat
-from pathlib import Path
 from typing import Protocol
 
 import zmq
@@ -33,6 +38,7 @@ import zmq.asyncio
 
 from ..ipc.protocol import (
     BAD_MESSAGE,
+    FORBIDDEN,
     INTERNAL,
     REPLY_TYPES,
     Error,
@@ -43,12 +49,27 @@ from ..ipc.protocol import (
     decode_request,
     encode_reply,
 )
+from .conn_guard import ConnectionGuard
+from .engine_access import (
+    AccessPolicy,
+    PeerCred,
+    claim_socket,
+    current_peer,
+    parse_peer_address,
+    prepare_socket_dir,
+    restricted_umask,
+)
 
 __all__ = ["EngineServer", "RequestError", "RequestHandler"]
 
 log = logging.getLogger(__name__)
 
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, including the NUL
+#: Error messages are cut here: they may quote ids and other input, and a
+#: reply must never grow with what a client sent.
+MAX_ERROR_CHARS = 1024
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 class RequestHandler(Protocol):
@@ -67,16 +88,27 @@ class EngineServer:
 
     Counters (plain ints until the metrics registry exists): ``messages``
     received, ``errors`` (error replies of any kind), ``bad_messages``
-    (undecodable input) and ``internal_errors`` (handler bugs).
+    (undecodable input), ``internal_errors`` (handler bugs) and ``forbidden``
+    (messages from senders the access policy refuses).
     """
 
-    def __init__(self, socket_path: str, handler: RequestHandler) -> None:
+    def __init__(self, socket_path: str, handler: RequestHandler, *,
+                 access: AccessPolicy | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.socket_path = os.path.abspath(socket_path)
         self.handler = handler
+        self.access = access if access is not None else AccessPolicy.own_uid()
+        self.max_message_bytes = max_message_bytes
+        self.max_connections = max_connections
         self.messages = 0
         self.errors = 0
         self.bad_messages = 0
         self.internal_errors = 0
+        self.forbidden = 0
+        self.guard: ConnectionGuard | None = None
+        self._lock_fd: int | None = None
+        self._inode: tuple[int, int] | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._answering: set[asyncio.Task[None]] = set()
@@ -93,14 +125,25 @@ class EngineServer:
                 f"socket path is longer than {_UNIX_PATH_MAX} bytes (a unix socket limit): "
                 f"{self.socket_path}"
             )
-        Path(self.socket_path).parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_socket(self.socket_path)
+        prepare_socket_dir(os.path.dirname(self.socket_path), shared=self.access.shared,
+                           group=self.access.group)
+        self._lock_fd = claim_socket(self.socket_path)  # SocketInUse: nothing was touched
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError:
-            sock.close()
+            with restricted_umask():
+                sock.bind(self.endpoint)
+            os.chmod(self.socket_path, 0o660 if self.access.shared else 0o600)
+            if self.access.group is not None:
+                os.chown(self.socket_path, -1, self.access.group)
+            st = os.stat(self.socket_path)
+            self._inode = (st.st_dev, st.st_ino)
+            self.guard = ConnectionGuard(sock, "engine", self.max_connections,
+                                         local=self.socket_path)
+        except BaseException:
+            sock.close(linger=0)
+            self._release_lock()
             raise
         self._sock = sock
         self._task = asyncio.get_running_loop().create_task(self._serve(sock))
@@ -116,24 +159,65 @@ class EngineServer:
             _, pending = await asyncio.wait(list(self._answering), timeout=5)
             for t in pending:
                 t.cancel()
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.stop()
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=0)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+            self._unlink_own_socket()
+        self._release_lock()
+
+    def _unlink_own_socket(self) -> None:
+        """Remove the socket file only if it is still the one this server bound."""
+        try:
+            st = os.stat(self.socket_path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            os.unlink(self.socket_path)
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
+            msg = await sock.recv_multipart(copy=False)
             self.messages += 1
-            task = asyncio.ensure_future(self._answer(sock, frames))
+            cred = parse_peer_address(str(msg[-1].get("Peer-Address")))
+            frames = [f.bytes for f in msg]
+            if not self.access.allows(cred):
+                # A ROUTER send never blocks (it drops when the peer is gone or full).
+                with contextlib.suppress(zmq.ZMQError):
+                    await sock.send_multipart([frames[0], self._refusal(cred)])
+                continue
+            task = asyncio.ensure_future(self._answer(sock, frames, cred))
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
 
-    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    def _refusal(self, cred: PeerCred | None) -> bytes:
+        """One ``forbidden`` reply, nothing decoded, nothing about the engines said."""
+        self.forbidden += 1
+        self.errors += 1
+        who = (f"uid {cred.uid} gid {cred.gid} pid {cred.pid}" if cred is not None
+               else "a peer without credentials")
+        if self.forbidden <= 10 or self.forbidden % 1000 == 0:  # a flood must not flood the log
+            log.warning("engine socket: refused %s (allowed: %s; %d refused so far)", who,
+                        self.access.describe(), self.forbidden)
+        return encode_reply(Error(FORBIDDEN, f"{who} may not use this sidecar (its operator "
+                                             "can allow a uid or gid: --allow-uid, --allow-gid)"))
+
+    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes],
+                      cred: PeerCred | None = None) -> None:
+        current_peer.set(cred)  # this task's own context: the handler sees its sender
         reply = await self._reply_to(frames)
         if isinstance(reply, Error):
             self.errors += 1
+            if len(reply.message) > MAX_ERROR_CHARS:
+                cut = len(reply.message) - MAX_ERROR_CHARS
+                reply.message = f"{reply.message[:MAX_ERROR_CHARS]}... ({cut} characters cut)"
         # A ROUTER drops replies to engines that went away; it never blocks.
         with contextlib.suppress(zmq.ZMQError):
             await sock.send_multipart([frames[0], self._encode(reply)])
@@ -180,24 +264,3 @@ def _log_death(task: asyncio.Task[None]) -> None:
     """The serve loop only ends by cancellation; anything else must be loud."""
     if not task.cancelled() and task.exception() is not None:
         log.critical("engine server stopped serving", exc_info=task.exception())
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead daemon, but never a live daemon's
-    socket nor a file that is not a socket."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise RuntimeError(f"another process is serving {path}; is a sidecar already running?")

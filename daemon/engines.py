@@ -31,7 +31,13 @@ from kvsidecar.daemon.holds import HoldBook, HoldOutcome
 from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.ipc.layout import Layout
-from kvsidecar.ipc.memory import RegionError, ShmRegion, allocate_for_layout, attach_refs
+from kvsidecar.ipc.memory import (
+    ENGINE_SHM_PREFIX,
+    RegionError,
+    ShmRegion,
+    allocate_for_layout,
+    attach_refs,
+)
 from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, Completions, RegionRef, RequestError
 from kvsidecar.metrics.registry import Metrics
 
@@ -61,6 +67,9 @@ class EngineRank:
     """When the engine last sent a request (its liveness lease runs from here)."""
     orphaned: bool = False
     """A kept registration whose process is dead: a new instance may take it over."""
+    #: The uid that registered this rank (None: unknown, e.g. a direct call in
+    #: a unit test); only that uid may use or deregister it.
+    uid: int | None = None
     completions: collections.deque[tuple[int, Completion]] = field(
         default_factory=collections.deque)
     holds: HoldBook = field(init=False)
@@ -97,11 +106,19 @@ class EngineRank:
 
 
 def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
-                shm_prefix: str = "kvs") -> tuple[list[ShmRegion], bool]:
+                shm_prefix: str = "kvs", owner_uid: int | None = None,
+                ) -> tuple[list[ShmRegion], bool]:
     """Map (attach) or create (allocate) the engine's regions; (regions, owned).
 
     Allocated segments are named ``<shm_prefix>-<engine id>-...``, so a
     restarted sidecar can find (and remove) exactly its own leftovers.
+
+    Attach mode maps only what the engine could have mapped itself: objects
+    named ``ENGINE_SHM_PREFIX...``, owned by the registering engine's uid
+    (``owner_uid``, from its socket credentials), each exactly one layout
+    region long. The sidecar may run as a more privileged user than its
+    engines; without these checks an engine could have it map, and expose to
+    peers, another tenant's memory.
     """
     need = layout.region_bytes
     if mode == "allocate":
@@ -117,14 +134,20 @@ def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef]
         raise RequestError(BAD_REQUEST, f"layout has {layout.num_regions} regions, "
                                         f"{len(refs)} region references were sent")
     for i, ref in enumerate(refs):
-        if ref.nbytes < need:
+        if not ref.name.startswith(ENGINE_SHM_PREFIX):
             raise RequestError(
                 BAD_REQUEST,
-                f"region {i} ({ref.name!r}) is {ref.nbytes} B; the layout needs "
+                f"region {i}: attach mode maps only shared memory named "
+                f"{ENGINE_SHM_PREFIX}..., got {ref.name[:80]!r}",
+            )
+        if ref.nbytes != need:
+            raise RequestError(
+                BAD_REQUEST,
+                f"region {i} ({ref.name[:80]!r}) is {ref.nbytes} B; the layout needs exactly "
                 f"{layout.num_blocks} pages x {layout.page_bytes} B = {need} B",
             )
     try:
-        return attach_refs(refs), False
+        return attach_refs(refs, owner_uid=owner_uid), False
     except (RegionError, OSError) as e:
         raise RequestError(BAD_REQUEST, f"cannot map the engine's regions: {e}") from None
 

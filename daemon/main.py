@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 
 from kvsidecar.daemon import settings as settings_mod
 
@@ -18,14 +19,24 @@ async def _serve(s: settings_mod.Settings) -> int:
     # announcing readiness, not inside the first engine's registration.
     import nixl._api  # noqa: F401
 
+    from kvsidecar.daemon.conn_guard import raise_fd_limit
+    from kvsidecar.daemon.engine_access import SocketInUse
     from kvsidecar.daemon.nixl_worker import transport_note
     from kvsidecar.daemon.service import Sidecar
     from kvsidecar.metrics.registry import Metrics
     from kvsidecar.metrics.server import MetricsServer
 
+    log.info("file descriptor limit: %d", raise_fd_limit())
     metrics = Metrics()
     sidecar = Sidecar(s, metrics)
-    await sidecar.start()
+    try:
+        await sidecar.start()
+    except SocketInUse as e:
+        print(f"kvsidecar: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (PermissionError, NotADirectoryError, FileExistsError) as e:
+        print(f"kvsidecar: cannot serve {s.socket}: {e}", file=sys.stderr, flush=True)
+        return 2
     http = MetricsServer(metrics, s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else None
     metrics_port = http.start() if http is not None else -1
     log.info("transport: %s", transport_note())

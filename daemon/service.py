@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from kvsidecar.daemon import notifications
+from kvsidecar.daemon.conn_guard import fd_budget
+from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines import (
     EngineRank,
@@ -99,7 +101,12 @@ class Sidecar:
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
             engines=lambda: list(self._engines),
         )
-        self._server = EngineServer(settings.socket, self)
+        self._server = EngineServer(
+            settings.socket, self,
+            access=AccessPolicy.of(settings.allow_uids, settings.allow_gids),
+            max_message_bytes=settings.max_message_bytes,
+            max_connections=fd_budget(settings.max_engine_connections, 0.25),
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         # engine id -> (the registration in progress, its reply), so that a
@@ -123,7 +130,11 @@ class Sidecar:
         bound = await self._hs_server.start()
         port = bound.rsplit(":", 1)[1]
         self.handshake_address = f"{self.settings.advertised}:{port}"
-        await self._server.start()
+        try:
+            await self._server.start()
+        except BaseException:
+            await self._hs_server.stop()  # e.g. SocketInUse: leave as if never started
+            raise
         # Only now: the engine server refuses to start while another live
         # sidecar serves this socket, so the prefix (a hash of the socket
         # path) can only name this sidecar's own leftovers.
@@ -208,15 +219,17 @@ class Sidecar:
         return Ok()
 
     async def _ping(self, req: Ping) -> Reply:
-        return Pong(version=PROTOCOL_VERSION, engines=sorted(self._engines))
+        return Pong(version=PROTOCOL_VERSION,
+                    engines=sorted(e for e, eng in self._engines.items() if _mine(eng)))
 
     def _engine(self, engine_id: str) -> EngineRank:
         """The engine a request names; any request renews its liveness lease."""
         eng = self._engines.get(engine_id)
-        if eng is None:
-            known = ", ".join(sorted(self._engines)) or "none"
+        if eng is None or not _mine(eng):
+            # Neither the other engines' names nor whether another user's engine
+            # of that name exists: both are other tenants' business.
             raise RequestError(UNKNOWN_ENGINE,
-                               f"engine {engine_id!r} is not registered here (registered: {known})")
+                               f"engine {engine_id[:200]!r} is not registered here")
         eng.last_seen = time.monotonic()
         return eng
 
@@ -258,8 +271,11 @@ class Sidecar:
                                             f"tp_size {layout.tp_size}")
         # Creating or mapping shared memory touches every page (about 1 s per GB):
         # off the loop, so other engines keep being served meanwhile.
+        peer = current_peer.get()
+        uid = peer.uid if peer is not None else None
         mapping = asyncio.get_running_loop().run_in_executor(
-            None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix)
+            None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix,
+            uid)
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -291,6 +307,7 @@ class Sidecar:
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
             metrics=self.metrics,
             instance=req.instance, pid_visible=self._pid_visible(req),
+            uid=uid,
         )
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
@@ -346,6 +363,8 @@ class Sidecar:
         process will reuse), its holds and undelivered completions are
         dropped: the new process knows nothing of them.
         """
+        if not _mine(old):
+            raise RequestError(DUPLICATE, f"engine id {req.engine_id[:200]!r} is taken")
         if _same_process(old, req) and _same_registration_of(old, req):
             old.last_seen = time.monotonic()
             log.info("engine %r rank %d registered again by the same process: same "
@@ -576,6 +595,13 @@ def _own_pid_namespace() -> str:
 def _release_late_mapping(f: asyncio.Future[tuple[list[ShmRegion], bool]]) -> None:
     if not f.cancelled() and f.exception() is None:
         release_regions(*f.result())
+
+
+def _mine(eng: EngineRank) -> bool:
+    """Whether the engine whose request is being answered may see ``eng``: the
+    uid that registered it (anything goes where either side is unknown)."""
+    peer = current_peer.get()
+    return peer is None or eng.uid is None or peer.uid == eng.uid
 
 
 def _alive(pid: int) -> bool:

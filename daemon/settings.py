@@ -29,6 +29,11 @@ class Settings:
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
+    allow_uids: tuple[int, ...] = ()
+    allow_gids: tuple[int, ...] = ()
+    max_message_bytes: int = 16 << 20
+    max_engine_connections: int = 256
+    max_peer_connections: int = 1024
 
     @property
     def advertised(self) -> str:
@@ -49,8 +54,36 @@ _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
 def default_socket(device: str) -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, "kvsidecar", f"{device.replace(':', '')}.sock")
+    """``$RUNTIME_DIRECTORY`` (systemd's ``RuntimeDirectory=``, owned by the
+    service's user), else ``$XDG_RUNTIME_DIR/kvsidecar``, else a per-uid
+    directory in /tmp (a shared name there could be taken by another user first)."""
+    name = f"{device.replace(':', '')}.sock"
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return os.path.join(runtime, name)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "kvsidecar", name)
+    return os.path.join("/tmp", f"kvsidecar-{os.geteuid()}", name)
+
+
+def _ids(text: str, what: str) -> tuple[int, ...]:
+    """``"1000,1001"`` -> (1000, 1001); names are resolved by the system's user/group db."""
+    import grp
+    import pwd
+
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item.isdigit():
+            out.append(int(item))
+            continue
+        try:
+            out.append(pwd.getpwnam(item).pw_uid if what == "uid" else grp.getgrnam(item).gr_gid)
+        except KeyError:
+            raise SystemExit(f"kvsidecar: --allow-{what}: no such {what} {item!r}") from None
+    return tuple(out)
 
 
 def _env(name: str, default: str) -> str:
@@ -92,6 +125,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the metrics endpoint binds (env KVSIDECAR_METRICS_HOST)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR (env KVSIDECAR_LOG_LEVEL)")
+    p.add_argument("--allow-uid", default=_env("ALLOW_UID", ""),
+                   help="comma-separated users (names or uids) besides the sidecar's own that "
+                        "may use the engine socket (env KVSIDECAR_ALLOW_UID)")
+    p.add_argument("--allow-gid", default=_env("ALLOW_GID", ""),
+                   help="comma-separated groups (names or gids) whose members may use the "
+                        "engine socket (env KVSIDECAR_ALLOW_GID)")
+    p.add_argument("--max-message-bytes", type=int,
+                   default=int(_env("MAX_MESSAGE_BYTES", str(16 << 20))),
+                   help="largest engine message; a larger one drops the connection "
+                        "(env KVSIDECAR_MAX_MESSAGE_BYTES)")
+    p.add_argument("--max-engine-connections", type=int,
+                   default=int(_env("MAX_ENGINE_CONNECTIONS", "256")),
+                   help="engine socket connections kept; more are shut "
+                        "(env KVSIDECAR_MAX_ENGINE_CONNECTIONS)")
+    p.add_argument("--max-peer-connections", type=int,
+                   default=int(_env("MAX_PEER_CONNECTIONS", "1024")),
+                   help="handshake port connections kept; more are shut "
+                        "(env KVSIDECAR_MAX_PEER_CONNECTIONS)")
 
 
 def from_args(ns: argparse.Namespace) -> Settings:
@@ -106,6 +157,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
         if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
             raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be a finite number "
                              f"of seconds in (0, {MAX_SECONDS:g}], got {value}")
+    for name in ("max_message_bytes", "max_engine_connections", "max_peer_connections"):
+        if getattr(ns, name) <= 0:
+            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be > 0")
     return Settings(
         socket=ns.socket or default_socket(ns.device),
         handshake_host=ns.handshake_host,
@@ -121,4 +175,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         log_level=ns.log_level.upper(),
+        allow_uids=_ids(ns.allow_uid, "uid"),
+        allow_gids=_ids(ns.allow_gid, "gid"),
+        max_message_bytes=ns.max_message_bytes,
+        max_engine_connections=ns.max_engine_connections,
+        max_peer_connections=ns.max_peer_connections,
     )

@@ -36,6 +36,7 @@ from .protocol import (
     BAD_MESSAGE,
     BAD_REQUEST,
     DUPLICATE,
+    FORBIDDEN,
     INCOMPATIBLE,
     INTERNAL,
     UNAVAILABLE,
@@ -119,6 +120,10 @@ class InternalError(SidecarError):
     """A bug in the daemon; the message carries the exception text."""
 
 
+class Forbidden(SidecarError):
+    """This process's uid/gid may not use the sidecar (its ``--allow-uid``/``--allow-gid``)."""
+
+
 class SidecarTimeout(SidecarError):
     """No reply in time: the daemon is not running, stuck, or the socket path is wrong."""
 
@@ -135,6 +140,7 @@ _ERRORS: dict[str, type[SidecarError]] = {
     INCOMPATIBLE: Incompatible,
     UNAVAILABLE: Unavailable,
     INTERNAL: InternalError,
+    FORBIDDEN: Forbidden,
 }
 
 

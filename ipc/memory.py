@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 _counter = itertools.count()
 _NAME_MAX = 200  # well under NAME_MAX (255); macOS allows only 31, keep prefixes short
+#: Regions an engine creates and registers in attach mode must be named with
+#: this prefix (``allocate_for_layout(layout, ENGINE_SHM_PREFIX + ...)``): the
+#: sidecar maps nothing else, so a request cannot point it at some other
+#: program's shared memory that happens to belong to the same user. The
+#: sidecar's own allocations are named ``kvs-...`` and can never match it.
+ENGINE_SHM_PREFIX = "kvsidecar-"
 
 
 class RegionError(MemoryError):
@@ -111,8 +117,11 @@ class ShmRegion:
         return cls(name, nbytes, 0, mm, 0, owner=True)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int, *, offset: int = 0) -> ShmRegion:
-        """Map an existing segment, checking it holds ``offset + nbytes`` bytes."""
+    def attach(cls, name: str, nbytes: int, *, offset: int = 0,
+               owner_uid: int | None = None) -> ShmRegion:
+        """Map an existing segment, checking it holds ``offset + nbytes`` bytes and,
+        with ``owner_uid``, that it belongs to that user (checked on the opened
+        object, so a symlink or a rename cannot swap it in between)."""
         _check_name(name)
         if nbytes < 1 or offset < 0:
             raise RegionError(
@@ -127,7 +136,13 @@ class ShmRegion:
                 "another IPC namespace: engine and sidecar must share /dev/shm)"
             ) from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if owner_uid is not None and st.st_uid != owner_uid:
+                raise RegionError(
+                    f"shared memory {name!r} belongs to uid {st.st_uid}, not to the "
+                    f"registering engine's uid {owner_uid}"
+                )
+            size = st.st_size
             if size < offset + nbytes:
                 raise RegionError(
                     f"shared memory {name!r} is {size} B, too small for {nbytes} B at offset "
@@ -233,14 +248,16 @@ def allocate_for_layout(layout: Layout, prefix: str = "kvs", *,
     return out
 
 
-def attach_refs(refs: Sequence[RegionRef]) -> list[ShmRegion]:
-    """Map regions another process created (all or none)."""
+def attach_refs(refs: Sequence[RegionRef], *, owner_uid: int | None = None) -> list[ShmRegion]:
+    """Map regions another process created (all or none); with ``owner_uid``
+    only objects that user owns."""
     out: list[ShmRegion] = []
     try:
         for ref in refs:
             if not isinstance(ref, ShmRef):
                 raise RegionError(f"cannot map a region of kind {type(ref).__name__} here")
-            out.append(ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset))
+            out.append(ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset,
+                                        owner_uid=owner_uid))
     except BaseException:
         _discard(out, unlink=False)
         raise

@@ -46,16 +46,23 @@ DUPLICATE: Final = "duplicate"
 INCOMPATIBLE: Final = "incompatible"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
+FORBIDDEN: Final = "forbidden"  # the sender's uid/gid may not use this sidecar
 ERROR_CODES: Final = (
     BAD_MESSAGE, VERSION, UNKNOWN_ENGINE, BAD_REQUEST, DUPLICATE, INCOMPATIBLE, UNAVAILABLE,
-    INTERNAL,
+    INTERNAL, FORBIDDEN,
 )
 
 NonNegative = Annotated[int, Meta(ge=0)]
 PID_MAX: Final = 1 << 22  # Linux's PID_MAX_LIMIT
 MAX_HOLD_S: Final = 3600.0
 """Longest hold anyone may ask for (vLLM pins blocks 480 s); also rules out inf and NaN."""
-EngineId = Annotated[str, Meta(min_length=1)]
+#: Ids are bounded so that nothing an engine sends (and nothing quoted back in
+#: an error) grows without limit; vLLM's ids are tens of characters.
+MAX_ID_CHARS: Final = 256
+EngineId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+RequestId = Annotated[str, Meta(max_length=4 * MAX_ID_CHARS)]
+#: A ``host:port`` (IPv6 in brackets) with room for long DNS names.
+Address = Annotated[str, Meta(min_length=1, max_length=300)]
 BlockIds = list[list[int]]
 """One list of block ids per KV-cache group, in the layout's group order.
 
@@ -108,7 +115,7 @@ class ShmRef(_RegionRefBase, tag="shm", frozen=True, forbid_unknown_fields=True)
     The region is ``nbytes`` bytes starting ``offset`` bytes into the object.
     """
 
-    name: Annotated[str, Meta(min_length=1)]
+    name: Annotated[str, Meta(min_length=1, max_length=200)]
     nbytes: Annotated[int, Meta(ge=1)]
     offset: NonNegative = 0
 
@@ -174,8 +181,8 @@ class RemoteEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the prefill engine's ranks can be reached: one ``host:port`` per rank."""
 
     engine_id: EngineId
-    tp_size: Annotated[int, Meta(ge=1)]
-    handshake: list[str]
+    tp_size: Annotated[int, Meta(ge=1, le=4096)]
+    handshake: Annotated[list[Address], Meta(max_length=4096)]
 
 
 class Read(_RequestBase, tag="read", frozen=True):
@@ -192,11 +199,11 @@ class Read(_RequestBase, tag="read", frozen=True):
     """
 
     engine_id: EngineId
-    request_id: str
+    request_id: RequestId
     local_block_ids: BlockIds
     remote: RemoteEngine
     remote_block_ids: BlockIds
-    remote_request_id: str | None = None
+    remote_request_id: RequestId | None = None
     skip_tokens: NonNegative | None = None
     num_tokens: NonNegative | None = None
 
@@ -210,7 +217,7 @@ class Hold(_RequestBase, tag="hold", frozen=True):
     """
 
     engine_id: EngineId
-    request_id: str
+    request_id: RequestId
     block_ids: BlockIds
     readers: Annotated[int, Meta(ge=1)] = 1
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_HOLD_S)] | None = None
@@ -220,7 +227,7 @@ class Release(_RequestBase, tag="release", frozen=True):
     """Abort a read or drop a hold early (``aborted`` completion follows)."""
 
     engine_id: EngineId
-    request_id: str
+    request_id: RequestId
 
 
 class Poll(_RequestBase, tag="poll", frozen=True):
@@ -234,7 +241,7 @@ class Poll(_RequestBase, tag="poll", frozen=True):
 
     engine_id: EngineId
     ack: NonNegative | None = None
-    epoch: str = ""
+    epoch: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Ping(_RequestBase, tag="ping", frozen=True):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvsidecar.ipc.client import Registration, SidecarClient
-from kvsidecar.ipc.memory import ShmRegion, allocate_for_layout
+from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, RemoteEngine
 from kvsidecar.sim.models import MakeLayout
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
@@ -148,7 +148,7 @@ class SimEngine:
         self._own: list[list[ShmRegion]] = []
         for rank, client in enumerate(self.clients):
             if attach:
-                mine = allocate_for_layout(self.layout, f"eng-{engine_id}-{rank}")
+                mine = allocate_for_layout(self.layout, f"{ENGINE_SHM_PREFIX}{engine_id}-{rank}")
                 self._own.append(mine)
                 self.registrations.append(client.register(engine_id, rank, self.layout,
                                                           regions=mine))

@@ -17,6 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvsidecar.daemon.engine_access import SocketInUse
 from kvsidecar.daemon.engine_server import EngineServer, RequestError
 from kvsidecar.ipc.client import (
     AsyncSidecarClient,
@@ -458,10 +459,24 @@ async def test_server_replaces_a_stale_socket(path: str, handler: HandlerDouble)
 
 async def test_server_refuses_a_live_socket(server: EngineServer, path: str,
                                             handler: HandlerDouble) -> None:
-    with pytest.raises(RuntimeError, match="already running"):
+    with pytest.raises(SocketInUse, match="another sidecar is serving"):
         await EngineServer(path, handler).start()
     async with AsyncSidecarClient(path, timeout_s=5.0) as c:
         assert isinstance(await c.ping(), Pong)  # the first server is untouched
+
+
+async def test_server_refuses_a_socket_another_process_serves(path: str,
+                                                              handler: HandlerDouble) -> None:
+    Path(path).parent.mkdir(parents=True, mode=0o700)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(path)
+    live.listen()  # not a sidecar (no lock), but it answers: never remove it
+    try:
+        with pytest.raises(SocketInUse, match="another process is serving"):
+            await EngineServer(path, handler).start()
+        assert Path(path).exists()
+    finally:
+        live.close()
 
 
 async def test_server_refuses_to_replace_a_regular_file(tmp_path: Path,

@@ -112,7 +112,7 @@ def test_reply_id_defaults_so_handlers_can_leave_it_to_the_server() -> None:
 
 def test_error_codes() -> None:
     assert set(ERROR_CODES) == {"bad_message", "version", "unknown_engine", "bad_request",
-                                "duplicate", "incompatible", "unavailable", "internal"}
+                                "duplicate", "incompatible", "unavailable", "internal", "forbidden"}
     e = RequestError("bad_request", "block 9 out of range")
     assert (e.code, e.message) == ("bad_request", "block 9 out of range")
 

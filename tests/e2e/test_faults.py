@@ -22,7 +22,7 @@ from kvsidecar.ipc.client import (
     UnknownEngine,
 )
 from kvsidecar.ipc.layout import attention_layout
-from kvsidecar.ipc.memory import ShmRegion, unique_name
+from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Error, RemoteEngine, decode_reply
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn, hybrid
@@ -157,10 +157,11 @@ def test_bad_requests_get_typed_errors(pool) -> None:
 def test_attach_with_wrong_region_size_is_refused(pool) -> None:
     layout = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8,
                               block_tokens=4, tp_size=1, num_blocks=8)
-    small = [ShmRegion.create(unique_name("t"), layout.region_bytes // 2) for _ in range(2)]
+    small = [ShmRegion.create(unique_name(ENGINE_SHM_PREFIX + "t"), layout.region_bytes // 2)
+             for _ in range(2)]
     try:
         with SidecarClient(pool.d[0].socket) as c:
-            with pytest.raises(BadRequest, match="the layout needs 8 pages"):
+            with pytest.raises(BadRequest, match="the layout needs exactly 8 pages"):
                 c.register(pool.uid("A"), 0, layout, regions=small)
             with pytest.raises(BadRequest, match="tp_rank 1 outside"):
                 c.register(pool.uid("A"), 1, layout, allocate=True)

@@ -1,0 +1,192 @@
+"""A cap on how many connections one listening ZMQ socket keeps.
+
+libzmq accepts every connection it is offered and has no connection limit,
+so a flood of idle TCP connections eats the daemon's file descriptors until
+nothing else (engines, NIXL, shared memory) can open one. The guard watches
+the socket's monitor events on its own thread and shuts down (``shutdown``,
+never ``close``: the fd stays libzmq's) every connection accepted beyond
+``limit``; libzmq then sees the connection end and frees its fd. Connections
+that were there first, such as registered engines and known peers, stay.
+
+Accounting follows ``ACCEPTED``/``DISCONNECTED`` events, which libzmq emits
+before it closes an fd, so a reused fd number always comes after its old
+connection's end. The receiving pipe is unbounded (``RCVHWM`` 0), so no event
+is dropped under a flood; a periodic sweep still forgets fds that are no
+longer this listener's connections, in case one ever was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import resource
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["ConnectionGuard", "fd_budget", "raise_fd_limit"]
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+_SWEEP_S = 5.0
+#: fds kept free for everything that is not a connection (NIXL/UCX, shared
+#: memory, ZMQ's own signalling, the metrics server, logs).
+FD_RESERVE = 256
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now in force.
+
+    systemd starts services with 1024 soft / 524288 hard: the soft limit is
+    for select()-based programs, and libzmq uses epoll.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def fd_budget(wanted: int, share: float) -> int:
+    """``wanted`` connections, or ``share`` of the fds left after the reserve if
+    that is less (at least 8, so a tiny limit still serves a few engines)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(8, min(wanted, int((soft - FD_RESERVE) * share)))
+
+
+class ConnectionGuard:
+    """Caps the connections ``sock`` (a bound ZMQ socket) keeps at ``limit``.
+
+    ``local`` is what the connections' local end looks like (the ipc:// path
+    or the TCP port), checked before anything is shut so a number that is no
+    longer one of this listener's connections is never touched.
+    ``refused`` counts connections shut; ``on_refuse`` (if given) is called
+    from the guard's thread for each, for metrics.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], name: str, limit: int, *,
+                 local: str | int, on_refuse: Callable[[], None] | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.name = name
+        self.limit = limit
+        self.local = local
+        self.refused = 0
+        self._on_refuse = on_refuse
+        self._open: set[int] = set()
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket[Any] = sock
+        addr = f"inproc://kvsidecar-guard-{name}-{os.getpid()}-{next(_ids)}"
+        sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)
+        mon: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.RCVHWM, 0)  # with the sender's HWM: an unbounded pipe
+        mon.connect(addr)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(mon,), daemon=True,
+                                        name=f"kvs-guard-{name}")
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def stop(self) -> None:
+        """Stop watching (call before closing the socket, from the socket's thread)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self, mon: zmq.Socket[bytes]) -> None:
+        last_sweep = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if mon.poll(200):
+                    try:
+                        ev = recv_monitor_message(mon)
+                    except zmq.ZMQError:
+                        return
+                    self._event(int(ev["event"]), int(ev["value"]))
+                if time.monotonic() - last_sweep > _SWEEP_S:
+                    last_sweep = time.monotonic()
+                    self._sweep()
+        finally:
+            mon.close(linger=0)
+
+    def _event(self, event: int, fd: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            with self._lock:
+                self._open.discard(fd)
+            return
+        if event != zmq.EVENT_ACCEPTED:
+            return
+        with self._lock:
+            if len(self._open) < self.limit:
+                self._open.add(fd)
+                return
+        if self._shut(fd):
+            self.refused += 1
+            if self._on_refuse is not None:
+                self._on_refuse()
+            if self.refused <= 10 or self.refused % 1000 == 0:
+                log.warning("%s socket: refused a connection, %d open is the limit "
+                            "(%d refused so far)", self.name, self.limit, self.refused)
+
+    def _mine(self, s: socket.socket) -> bool:
+        try:
+            here = s.getsockname()
+        except OSError:
+            return False
+        if isinstance(self.local, int):
+            return isinstance(here, tuple) and len(here) >= 2 and here[1] == self.local
+        return bool(here == self.local)
+
+    def _shut(self, fd: int) -> bool:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return False
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            if not self._mine(s):
+                return False
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            return True
+        finally:
+            s.detach()  # the fd is libzmq's: never close it here
+
+    def _sweep(self) -> None:
+        with self._lock:
+            fds = list(self._open)
+        gone = []
+        for fd in fds:
+            try:
+                ok = stat.S_ISSOCK(os.fstat(fd).st_mode)
+                if ok:
+                    s = socket.socket(fileno=fd)
+                    try:
+                        ok = self._mine(s)
+                    finally:
+                        s.detach()
+            except OSError:
+                ok = False
+            if not ok:
+                gone.append(fd)
+        if gone:
+            with self._lock:
+                self._open.difference_update(gone)

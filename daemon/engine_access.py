@@ -1,0 +1,199 @@
+"""Who may use the engine socket, and the socket file's home.
+
+The engine socket hands out the keys to KV memory (register, read, hold,
+deregister), so three layers guard it, none trusting the others:
+
+* its directory belongs to the sidecar's user and nobody else can write it
+  (nobody can swap the socket for their own),
+* the socket file is created ``0600`` (``0660`` when other users are
+  allowed in) whatever the umask,
+* every message is checked against the sender's kernel credentials
+  (``SO_PEERCRED``, which libzmq reports as the ``Peer-Address`` property
+  ``"...:uid:gid:pid"`` of each ipc:// message): root bypasses file modes, so
+  file modes alone are not enough.
+
+A second sidecar on the same socket is stopped by an ``flock`` on
+``<socket>.lock``, held for the daemon's lifetime, so a stale socket can be
+removed without any risk of removing a live one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import errno
+import fcntl
+import os
+import socket
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "AccessPolicy",
+    "PeerCred",
+    "SocketInUse",
+    "claim_socket",
+    "current_peer",
+    "parse_peer_address",
+    "prepare_socket_dir",
+    "restricted_umask",
+]
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """The kernel's word on who is at the other end of an ipc:// connection."""
+
+    uid: int
+    gid: int
+    pid: int
+
+
+#: The credentials of the engine whose request is being answered. The engine
+#: server sets it in each request's own task, so handlers read it without a
+#: parameter threaded through every call (None: not known, e.g. in unit tests
+#: that call a handler directly).
+current_peer: contextvars.ContextVar[PeerCred | None] = contextvars.ContextVar(
+    "kvsidecar_engine_peer", default=None)
+
+
+def parse_peer_address(value: str | None) -> PeerCred | None:
+    """``"localhost:1000:1000:4242"`` (libzmq's ipc:// Peer-Address) -> PeerCred.
+
+    None when the property is missing or not in that form (a platform without
+    SO_PEERCRED): the caller then refuses, it never guesses.
+    """
+    if not value:
+        return None
+    parts = value.rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        return PeerCred(int(parts[1]), int(parts[2]), int(parts[3]))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Engines whose uid is in ``uids`` or whose gid is in ``gids`` may connect."""
+
+    uids: frozenset[int]
+    gids: frozenset[int] = frozenset()
+
+    @classmethod
+    def own_uid(cls) -> AccessPolicy:
+        return cls(frozenset({os.geteuid()}))
+
+    @classmethod
+    def of(cls, uids: Iterable[int] = (), gids: Iterable[int] = ()) -> AccessPolicy:
+        """The sidecar's own uid is always allowed (its own tools, tests)."""
+        return cls(frozenset({os.geteuid(), *uids}), frozenset(gids))
+
+    def allows(self, cred: PeerCred | None) -> bool:
+        return cred is not None and (cred.uid in self.uids or cred.gid in self.gids)
+
+    @property
+    def group(self) -> int | None:
+        """The group the socket (and a directory the sidecar creates) is given, so
+        that members of an allowed group pass the file modes too."""
+        return min(self.gids) if self.gids else None
+
+    @property
+    def shared(self) -> bool:
+        """Whether users other than the sidecar's own must reach the socket file."""
+        return bool(self.gids) or self.uids != {os.geteuid()}
+
+    def describe(self) -> str:
+        gids = f", gids {sorted(self.gids)}" if self.gids else ""
+        return f"uids {sorted(self.uids)}{gids}"
+
+
+class SocketInUse(RuntimeError):
+    """Another sidecar serves this socket; the message is the one line to print."""
+
+
+def prepare_socket_dir(directory: str, *, shared: bool, group: int | None = None) -> None:
+    """Create the socket's directory (0700; 0750 and ``group`` when ``shared``) or
+    check that an existing one is the sidecar's: owned by its user (or root)
+    and writable by nobody else. Raises PermissionError with what is wrong."""
+    path = Path(directory)
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o700, exist_ok=True)  # the umask can only narrow it
+        os.chmod(path, 0o750 if shared else 0o700)
+        if group is not None:
+            os.chown(path, -1, group)
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"socket directory {directory} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise PermissionError(
+            f"socket directory {directory} belongs to uid {st.st_uid}, not to this sidecar "
+            f"(uid {os.geteuid()}); use a directory the sidecar owns (--socket, "
+            "$RUNTIME_DIRECTORY)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"socket directory {directory} is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}): anyone could replace the socket; "
+            "use a directory only the sidecar can write")
+
+
+@contextlib.contextmanager
+def restricted_umask(mask: int = 0o177) -> Iterator[None]:
+    """Create files (the socket) with no group/other bits whatever the inherited umask.
+
+    The umask is process-wide; this runs once at start-up, before any engine
+    thread exists, and the mode is set explicitly right after anyway.
+    """
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def claim_socket(path: str) -> int:
+    """Take ``<path>.lock`` for this daemon's lifetime and clear a stale socket.
+
+    Returns the lock's fd (closing it releases the claim). Raises
+    :class:`SocketInUse` when another process holds the lock or answers on the
+    socket, and FileExistsError when ``path`` is something other than a socket;
+    in both cases nothing is removed.
+    """
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise SocketInUse(f"another sidecar is serving {path} (it holds {path}.lock); "
+                              "not starting a second one") from None
+        raise
+    try:
+        _remove_stale_socket(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    finally:
+        probe.close()
+    # Someone answers without holding the lock: an older sidecar, or a stranger.
+    raise SocketInUse(f"another process is serving {path}; not starting a second sidecar on it")

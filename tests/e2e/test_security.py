@@ -1,0 +1,158 @@
+"""Attacks on a real sidecar by another local user.
+
+The daemon runs as root (as CI does) and lets the group ``nogroup`` use its
+engine socket, the multi-tenant set-up; the attacker is a separate process
+running as ``nobody:nogroup``. It must not see, use, replace or deregister
+the victim's engine, nor get the sidecar to map memory it does not own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvsidecar.ipc.client import SidecarClient, SidecarError
+from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
+from kvsidecar.ipc.protocol import Register, ShmRef, decode_reply, encode_request
+from kvsidecar.sim.cluster import SidecarProcess
+from kvsidecar.sim.models import attn
+
+pytestmark = pytest.mark.e2e
+
+NOBODY = 65534
+
+def _attack(sock_path: str, victim: str, root_region: str, unprefixed: str) -> dict[str, Any]:
+    """What a process of another user tries (run in a forked child as nobody)."""
+    layout = attn(2)(1, 16)
+    out: dict[str, Any] = {}
+    c = SidecarClient(sock_path, timeout_s=20)
+
+    def attempt(name: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+            out[name] = "accepted"
+        except SidecarError as e:
+            out[name] = f"{type(e).__name__}: {e.message}"
+
+    out["ping_engines"] = c.ping().engines
+    attempt("poll", lambda: c.poll(victim))
+    attempt("hold", lambda: c.hold(victim, "x", [[0]]))
+    attempt("deregister", lambda: c.deregister(victim))
+    attempt("register_same_id", lambda: c.register(victim, 0, layout, allocate=True))
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.connect("ipc://" + sock_path)
+    for i, name in enumerate([root_region, unprefixed]):
+        req = Register(id=100 + i, engine_id=f"thief{i}", tp_rank=0, layout=layout,
+                       mode="attach",
+                       regions=[ShmRef(name, layout.region_bytes)] * layout.num_regions)
+        d.send(encode_request(req))
+        assert d.poll(20000), "no reply"
+        r = decode_reply(d.recv())
+        out[f"attach_{i}"] = f"{type(r).__name__}: {getattr(r, 'message', '')}"
+    d.close(0)
+    return out
+
+
+def _as_nobody(fn: Callable[..., dict[str, Any]], *args: str) -> dict[str, Any]:
+    """Run ``fn`` in a forked child that became nobody:nogroup (no exec: the
+    interpreter may live where nobody cannot read it, e.g. under /root)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(w, json.dumps(fn(*args)).encode())
+            code = 0
+        except BaseException as e:
+            os.write(w, json.dumps({"error": repr(e)}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    out: dict[str, Any] = json.loads(data)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    return out
+
+
+@pytest.fixture
+def shared_sidecar() -> Iterator[SidecarProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the attacker runs as another user (nobody)")
+    # A parent directory nobody can traverse (pytest's own tmp dirs are 0700).
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-sec-", dir="/tmp"))
+    os.chmod(workdir, 0o755)
+    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY)])
+    side.socket = str(workdir / "run" / "shared.sock")  # a directory the sidecar creates
+    try:
+        side.start()
+        yield side
+    finally:
+        side.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_another_user_cannot_see_use_or_steal_an_engine(shared_sidecar: SidecarProcess) -> None:
+    layout = attn(2)(1, 16)
+    owner = SidecarClient(shared_sidecar.socket, timeout_s=30)
+    owner.register("victim", 0, layout, allocate=True)
+    # A region of the right name and size that root (not the attacker) owns.
+    root_region = ShmRegion.create(unique_name(ENGINE_SHM_PREFIX + "root"), layout.region_bytes)
+    try:
+        got = _as_nobody(_attack, shared_sidecar.socket, "victim", root_region.name,
+                         "not-prefixed-region")
+    finally:
+        root_region.close()
+        root_region.unlink()
+    assert got["ping_engines"] == []  # the victim's engine is not even listed
+    for op in ("poll", "hold", "deregister"):
+        assert got[op] == "UnknownEngine: engine 'victim' is not registered here", got[op]
+    assert got["register_same_id"].startswith("Duplicate: engine id 'victim' is taken")
+    assert got["attach_0"].startswith("Error: ") and "belongs to uid 0" in got["attach_0"]
+    assert f"named {ENGINE_SHM_PREFIX}" in got["attach_1"]
+    # The victim is untouched and still served.
+    assert owner.poll("victim") == []
+    assert owner.ping().engines == ["victim"]
+    owner.deregister("victim")
+    owner.close()
+
+
+def test_socket_mode_and_group_for_a_shared_sidecar(shared_sidecar: SidecarProcess) -> None:
+    st = os.stat(shared_sidecar.socket)
+    assert (st.st_mode & 0o777, st.st_gid) == (0o660, NOBODY)
+    st = os.stat(Path(shared_sidecar.socket).parent)
+    assert (st.st_mode & 0o777, st.st_gid) == (0o750, NOBODY)
+
+
+def test_a_second_sidecar_on_a_live_socket_exits_2_and_leaves_it(tmp_path: Path) -> None:
+    first = SidecarProcess(tmp_path, "one").start()
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "kvsidecar", "serve", "--socket", first.socket],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert second.returncode == 2
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith("kvsidecar: another sidecar is serving"), second.stderr
+        assert "Traceback" not in second.stderr
+        assert Path(first.socket).exists()
+        with SidecarClient(first.socket, timeout_s=30) as c:
+            assert c.ping().version == 1
+    finally:
+        assert first.stop() == 0
