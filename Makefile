@@ -7,6 +7,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.kvsidecar-installed
+# vLLM for the connector tests (tests/vllm): the wheel pins a CUDA torch, so it
+# goes in without dependencies, then the `vllm` extra adds what it imports.
+VLLM_SPEC ?= vllm==0.33.0
+VLLM_STAMP := $(VENV)/.vllm-installed
 
 .PHONY: test test-fast demo lint bench clean
 
@@ -17,10 +21,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test,dev]'
 	touch $@
 
-test: $(STAMP)
+$(VLLM_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps '$(VLLM_SPEC)'
+	$(PIP) install -q -e '.[test,dev,vllm]'
+	touch $@
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest -m 'not slow'
 
 demo: $(STAMP)

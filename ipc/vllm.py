@@ -1,0 +1,826 @@
+"""kvsidecar as a vLLM v1 KV connector: P/D through the sidecars with one config change.
+
+::
+
+    --kv-transfer-config '{"kv_connector": "KvSidecarConnector",
+                           "kv_connector_module_path": "kvsidecar.ipc.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {
+                               "sidecar_socket": "/run/kvsidecar/cpu{rank}.sock"}}'
+
+vLLM builds the connector twice: in the scheduler process (role SCHEDULER,
+pure bookkeeping, no I/O) and in every worker (role WORKER, one per tp rank,
+the only side that talks to a sidecar, through :class:`SidecarClient`).
+Nothing NIXL runs inside vLLM: the rank's sidecar owns the agent, the peer
+handshakes and the transfers.
+
+Request flow (pull, as vLLM's NixlConnector)::
+
+    P scheduler  request_finished        -> hold job + kv_transfer_params (sidecar addresses)
+    P worker     start_load_kv           -> hold(blocks, lease)
+                 get_transfer_results    <- poll: sent | expired | aborted  => finished_sending
+    D scheduler  get_num_new_matched_tokens / update_state_after_alloc -> read job
+    D worker     start_load_kv           -> read(local, remote, skip_tokens, num_tokens)
+                 get_transfer_results    <- poll: received => finished_recving
+                                                  failed   => finished_recving + failed_recving
+                                                              (+ invalid blocks, one group only)
+
+Errors take one route: a read the sidecar refuses at once (an exception from
+the client) is turned into the same failed completion a failed transfer gives,
+so the scheduler sees every failure as "finished receiving, failed".
+
+Memory (CPU): :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one
+KV allocation land in POSIX shared memory this connector creates, and
+``register_kv_caches`` registers its layer ranges with the sidecar in attach
+mode (the sidecar maps the same pages; no copy). A KV cache vLLM allocated
+elsewhere is refused at start-up. GPU memory needs the CUDA path of the sidecar
+(not built yet): on a GPU worker the connector refuses to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+
+from .client import SidecarClient, SidecarError
+from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
+from .protocol import Completion, RemoteEngine
+from .vllm_layout import (
+    AttentionGroupSpec,
+    GroupSpec,
+    Mamba2GroupSpec,
+    TensorPlacement,
+    UnsupportedConfig,
+    VllmLayout,
+    build_layout,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KvSidecarConnector", "KvSidecarHandshake", "KvSidecarMetadata", "UnsupportedConfig"]
+
+log = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+"""vLLM's null block: padding for skipped positions, never transferred or read into."""
+
+TESTED_VLLM = ("0.33.0",)
+
+
+# --------------------------------------------------------------------------
+# Settings and messages between the two sides
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` keys (all optional).
+
+    ``sidecar_socket``: the rank's sidecar socket; ``{rank}`` / ``{local_rank}``
+    are filled in (default: the sidecar's own default for the device).
+    ``sidecar_sockets``: one socket per tp rank instead.
+    ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
+    sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
+    ``kernel_block_size``: tokens per attention kernel block, when the backend
+    splits vLLM's blocks (default: the block size).
+    """
+
+    sidecar_socket: str | None = None
+    sidecar_sockets: tuple[str, ...] = ()
+    hold_timeout_s: float | None = None
+    client_timeout_s: float = 10.0
+    kernel_block_size: int | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> Settings:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise UnsupportedConfig(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        socks = extra.get("sidecar_sockets") or ()
+        hold = extra.get("hold_timeout_s")
+        kbs = extra.get("kernel_block_size")
+        return cls(extra.get("sidecar_socket"), tuple(str(s) for s in socks),
+                   None if hold is None else float(hold),
+                   float(extra.get("client_timeout_s", 10.0)),
+                   None if kbs is None else int(kbs))
+
+    def socket_for(self, rank: int, local_rank: int, device: str) -> str:
+        if self.sidecar_sockets:
+            if rank >= len(self.sidecar_sockets):
+                raise UnsupportedConfig(f"sidecar_sockets names {len(self.sidecar_sockets)} "
+                                        f"sockets, rank {rank} has none")
+            return self.sidecar_sockets[rank]
+        if self.sidecar_socket:
+            return self.sidecar_socket.format(rank=rank, local_rank=local_rank)
+        base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        return os.path.join(base, "kvsidecar", f"{device.replace(':', '')}.sock")
+
+
+@dataclass
+class KvSidecarHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler: where peers reach its sidecar."""
+
+    engine_id: str
+    tp_rank: int
+    address: str
+
+
+@dataclass
+class ReadJob:
+    """One D read, decided by the scheduler, run by every D worker."""
+
+    request_id: str
+    local_block_ids: list[list[int]]
+    remote_engine_id: str
+    remote_tp_size: int
+    remote_handshake: list[str]
+    remote_request_id: str
+    remote_block_ids: list[list[int]]
+    skip_tokens: int
+    num_tokens: int
+    awaited: bool  # the scheduler waits for it (False: a full prefix hit or an abort: notify only)
+
+
+@dataclass
+class HoldJob:
+    request_id: str
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KvSidecarMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    reads: list[ReadJob] = field(default_factory=list)
+    holds: list[HoldJob] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+
+
+def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
+          spec_blocks: Sequence[int]) -> list[list[int]]:
+    """The blocks a transfer names, per group.
+
+    Mamba groups: only the state-bearing slot (the last real block before the
+    speculative scratch slots), as vLLM's own connector sends. Attention
+    groups: the null block never appears in a full-attention list except as
+    leading padding, which holds no token of this request; it is dropped so it
+    is neither held, read into, nor taken for a duplicate.
+    """
+    out: list[list[int]] = []
+    for ids, kind, spec in zip(block_ids, kinds, spec_blocks):
+        real = [b for b in ids if b != NULL_BLOCK]
+        if kind == "mamba":
+            if spec and len(real) > 1:
+                real = real[: len(real) - min(spec, len(real) - 1)]
+            out.append(real[-1:])
+        else:
+            out.append(real)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Scheduler side
+# --------------------------------------------------------------------------
+
+
+class _SchedulerSide:
+    """Bookkeeping only: decides reads, holds and releases; no I/O."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        kt = vllm_config.kv_transfer_config
+        assert kt is not None and kt.engine_id is not None
+        self.engine_id: str = kt.engine_id
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.kv_cache_config = kv_cache_config
+        groups = kv_cache_config.transfer_groups
+        self.kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.spec_blocks = [getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0
+                            for g in groups]
+        self.has_mamba = "mamba" in self.kinds
+        self.addresses: list[str] = []
+        self._reads: dict[str, ReadJob] = {}
+        self._holds: dict[str, HoldJob] = {}
+        self._releases: set[str] = set()
+        self._reading: set[str] = set()  # awaited reads handed to the workers
+
+    # ------------------------------------------------------------ handshake
+
+    def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        addrs: dict[int, str] = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, KvSidecarHandshake):
+                raise UnsupportedConfig(f"rank {rank} sent {type(meta).__name__}, not the "
+                                        "kvsidecar handshake (mixed connectors?)")
+            addrs[rank] = meta.address
+        missing = sorted(set(range(self.tp_size)) - set(addrs))
+        if missing:
+            raise UnsupportedConfig(f"no sidecar address from tp ranks {missing}")
+        self.addresses = [addrs[r] for r in range(self.tp_size)]
+
+    # ------------------------------------------------------------ P side
+
+    def on_new_request(self, request: Request) -> None:
+        """Mamba: P computes the state of token N-1 only; D recomputes token N
+        from it (the rule of vLLM's NixlConnector). P drops the last prompt token."""
+        params = request.kv_transfer_params
+        if not (self.has_mamba and params and params.get("do_remote_decode")):
+            return
+        if params.get("_kvsidecar_truncated") or request.num_prompt_tokens <= 1:
+            return
+        if request.prompt_token_ids is None or request.get_skip_reading_prefix_cache():
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvsidecar_truncated"] = True
+
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # D: finished before its read was scheduled (abort): tell P with a
+            # notify-only read so its hold ends now rather than at the lease.
+            self._reads[rid] = self._read_job(rid, params, [[] for _ in self.kinds], 0, 0,
+                                              awaited=False)
+            params["do_remote_prefill"] = False
+            return False, None
+        if rid in self._reading:
+            # D: aborted while its read is in flight: release it; the worker
+            # reports it finished once the sidecar says no transfer writes any more.
+            self._releases.add(rid)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return False, None  # P aborted: nothing to hand over
+        blocks = _clip(self.kv_cache_config.select_transfer_block_ids(list(block_ids)),
+                       self.kinds, self.spec_blocks)
+        if not any(blocks):
+            return False, None
+        if not self.addresses:
+            raise UnsupportedConfig("no sidecar addresses: set_xfer_handshake_metadata was "
+                                    "never called")
+        self._holds[rid] = HoldJob(rid, blocks)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_block_ids": blocks,
+            "remote_handshake": list(self.addresses),
+            "tp_size": self.tp_size,
+            "remote_num_tokens": request.num_computed_tokens,
+            "transfer_mode": "kvsidecar",
+        }
+
+    # ------------------------------------------------------------ D side
+
+    def num_remote_tokens(self, request: Request) -> int:
+        """Prompt tokens P computed: all of them, or N-1 with Mamba state."""
+        n = int(request.num_prompt_tokens)
+        return n - 1 if self.has_mamba and n > 1 else n
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = self.num_remote_tokens(request) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        rid = request.request_id
+        ids = self.kv_cache_config.select_transfer_block_ids(
+            blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else None
+        local: list[list[int]]
+        if ids is None:
+            local = [[] for _ in self.kinds]  # a full local prefix hit: notify only
+            skip = num = 0
+        else:
+            local = _clip(ids, self.kinds, self.spec_blocks)
+            groups = self.kv_cache_config.select_transfer_block_ids(blocks.blocks)
+            skip = 0
+            for g, kind, bs in zip(groups, self.kinds, self.block_sizes):
+                if kind == "attention":
+                    skip = bs * sum(b.block_hash is not None and not b.is_null for b in g)
+                    break
+            num = skip + num_external_tokens
+        awaited = num_external_tokens > 0
+        self._reads[rid] = self._read_job(rid, params, local, skip, num, awaited=awaited)
+        if awaited:
+            self._reading.add(rid)
+        params["do_remote_prefill"] = False
+
+    def _read_job(self, rid: str, params: dict[str, Any], local: list[list[int]], skip: int,
+                  num: int, *, awaited: bool) -> ReadJob:
+        try:
+            return ReadJob(
+                rid, local, str(params["remote_engine_id"]), int(params["tp_size"]),
+                [str(a) for a in params["remote_handshake"]],
+                str(params["remote_request_id"]),
+                [list(map(int, g)) for g in params["remote_block_ids"]], skip, num, awaited,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"request {rid}: kv_transfer_params are not kvsidecar's "
+                             f"(missing or bad {e}); pass P's params to D verbatim") from None
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        for rid in finished_recving or ():
+            self._reading.discard(rid)
+
+    def build_meta(self) -> KvSidecarMetadata:
+        meta = KvSidecarMetadata(list(self._reads.values()), list(self._holds.values()),
+                                 sorted(self._releases))
+        self._reads.clear()
+        self._holds.clear()
+        self._releases.clear()
+        return meta
+
+
+def _group_kind(spec: object) -> str:
+    kind = _SPEC_KINDS.get(type(spec))
+    if kind is None:
+        raise UnsupportedConfig(
+            f"KV-cache group spec {type(spec).__name__} is not supported by kvsidecar "
+            f"(supported: {', '.join(t.__name__ for t in _SPEC_KINDS)})"
+        )
+    return kind
+
+
+_SPEC_KINDS: dict[type, str] = {FullAttentionSpec: "attention", MambaSpec: "mamba"}
+
+
+# --------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------
+
+
+class _ShmKVPool(TorchFunctionMode):
+    """vLLM's one KV allocation (``torch.zeros(n, dtype=int8)``) placed in new
+    POSIX shared memory, so the sidecar can map the same pages.
+
+    A TorchFunctionMode (the mechanism behind ``with torch.device(...)``)
+    sees every torch call in the ``with`` block and serves exactly the
+    expected-size int8 CPU allocation; everything else passes through.
+    """
+
+    def __init__(self, nbytes: int, prefix: str) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.prefix = prefix
+        self.region: ShmRegion | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and self.region is None and self._is_kv_buffer(args, kwargs):
+            self.region = ShmRegion.create(unique_name(self.prefix), self.nbytes)
+            return self.region.torch().view(torch.int8)  # fresh shm reads as zeros
+        return func(*args, **kwargs)
+
+    def _is_kv_buffer(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        size = args[0] if len(args) == 1 else (tuple(args) if args else kwargs.get("size"))
+        if isinstance(size, (tuple, list)) and len(size) == 1:
+            size = size[0]
+        device = kwargs.get("device")
+        return (size == self.nbytes and kwargs.get("dtype") == torch.int8
+                and (device is None or torch.device(device).type == "cpu"))
+
+
+class _WorkerSide:
+    """One tp rank: registers its KV cache with its sidecar and drives transfers."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: Settings) -> None:
+        kt = vllm_config.kv_transfer_config
+        assert kt is not None and kt.engine_id is not None
+        self.engine_id: str = kt.engine_id
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = _tp_rank(vllm_config)
+        device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
+        if device != "cpu":
+            raise UnsupportedConfig(
+                f"kvsidecar serves host memory only for now (device {device!r}); GPU KV caches "
+                "need the sidecar's CUDA memory path"
+            )
+        self.vl = layout_for(vllm_config, kv_cache_config, settings.kernel_block_size)
+        self.one_group = len(kv_cache_config.kv_cache_groups) == 1
+        self.socket = settings.socket_for(self.tp_rank, vllm_config.parallel_config.rank, device)
+        self.client = SidecarClient(self.socket, timeout_s=settings.client_timeout_s)
+        try:
+            self.client.ping()
+        except SidecarError as e:
+            self.client.close()
+            raise UnsupportedConfig(f"no kvsidecar answers at {self.socket} (tp rank "
+                                    f"{self.tp_rank}): {e}") from e
+        self._pool: _ShmKVPool | None = None
+        self.regions: list[ShmRegion] = []
+        self.handshake: KvSidecarHandshake | None = None
+        self._holding: set[str] = set()
+        self._reading: dict[str, tuple[ReadJob, float]] = {}
+        self._released: set[str] = set()
+        self._early: list[Completion] = []  # refusals of read(), reported like failures
+        self._invalid: set[int] = set()
+        self.stats = NixlKVConnectorStats()
+
+    # ------------------------------------------------------------ memory
+
+    def mem_pool_context(self) -> contextlib.AbstractContextManager[Any]:
+        sizes = {t.size for t in self.kv_cache_config.kv_cache_tensors}
+        if len(sizes) != 1:
+            raise UnsupportedConfig(f"expected one KV backing allocation, got sizes {sizes}")
+        self._pool = _ShmKVPool(sizes.pop(), f"{ENGINE_SHM_PREFIX}vllm{self.tp_rank}")
+        return self._pool
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        pool = self._pool
+        tensors = list(_tensors(kv_caches.values()))
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        if pool is None or pool.region is None or storages != {pool.region.address}:
+            raise UnsupportedConfig(
+                "vLLM's KV cache is not in kvsidecar shared memory: it must be allocated "
+                "inside KvSidecarConnector.get_mem_pool_context() (vLLM >= 0.33 does this "
+                f"for connectors; tested: {', '.join(TESTED_VLLM)})"
+            )
+        base = pool.region
+        self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
+                        for r in self.vl.regions]
+        reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
+                                   regions=self.regions)
+        self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
+                                            reg.handshake_address)
+        log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
+                 "(handshake %s)", self.engine_id, self.tp_rank, len(self.regions),
+                 self.vl.layout.region_bytes, self.socket, reg.handshake_address)
+
+    # ------------------------------------------------------------ transfers
+
+    def start(self, meta: KvSidecarMetadata) -> None:
+        for h in meta.holds:
+            self.client.hold(self.engine_id, h.request_id, h.block_ids,
+                             timeout_s=self.settings.hold_timeout_s)
+            self._holding.add(h.request_id)
+        for rid in meta.releases:
+            if rid in self._reading:
+                self._released.add(rid)
+                try:
+                    self.client.release(self.engine_id, rid)
+                except SidecarError as e:  # finished meanwhile: its completion says how
+                    log.debug("kvsidecar: release %s: %s", rid, e)
+        for job in meta.reads:
+            self._start_read(job)
+
+    def _start_read(self, job: ReadJob) -> None:
+        remote = RemoteEngine(job.remote_engine_id, job.remote_tp_size, job.remote_handshake)
+        t0 = time.perf_counter()
+        try:
+            self.client.read(self.engine_id, job.request_id, job.local_block_ids, remote,
+                             job.remote_block_ids, remote_request_id=job.remote_request_id,
+                             skip_tokens=job.skip_tokens,
+                             num_tokens=job.num_tokens if job.awaited else None)
+        except SidecarError as e:
+            # One route for errors: a refused read is a failed read.
+            log.warning("kvsidecar: read %s refused: %s", job.request_id, e)
+            self._early.append(Completion(job.request_id, "failed", str(e),
+                                          job.local_block_ids))
+        self._reading[job.request_id] = (job, t0)
+        self.stats.data["post_duration"].append(time.perf_counter() - t0)
+
+    def results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        early, self._early = self._early, []
+        for c in [*early, *self.client.poll(self.engine_id)]:
+            if c.request_id in self._holding:
+                self._sent(c, out)
+            elif c.request_id in self._reading:
+                self._received(c, out)
+            else:
+                log.debug("kvsidecar: completion for unknown request %s (%s)", c.request_id,
+                          c.kind)
+        return out
+
+    def _sent(self, c: Completion, out: KVConnectorTransferResults) -> None:
+        self._holding.discard(c.request_id)
+        if c.kind == "expired":
+            self.stats.record_kv_expired_req()
+        out.finished_sending.add(c.request_id)
+
+    def _received(self, c: Completion, out: KVConnectorTransferResults) -> None:
+        job, t0 = self._reading.pop(c.request_id)
+        released = c.request_id in self._released
+        self._released.discard(c.request_id)
+        if c.kind == "received":
+            if job.awaited:  # else notify-only: the scheduler awaits nothing
+                self.stats.data["transfer_duration"].append(time.perf_counter() - t0)
+                self.stats.data["bytes_transferred"].append(c.nbytes)
+                self.stats.data["num_descriptors"].append(0)  # not reported by the sidecar
+                out.finished_recving.add(c.request_id)
+            return
+        if c.kind == "aborted" and released:
+            out.finished_recving.add(c.request_id)  # the scheduler aborted it; blocks free
+            return
+        self.stats.record_failed_transfer()
+        if not job.awaited:
+            return  # a full hit's notification failed: the KV is local, nothing to redo
+        out.finished_recving.add(c.request_id)
+        out.failed_recving.add(c.request_id)
+        if self.one_group:
+            # vLLM 0.33 maps block-level errors to requests for one group only;
+            # hybrid configs take failed_recving (the whole request recomputes).
+            bad = c.invalid_block_ids or job.local_block_ids
+            self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
+        log.warning("kvsidecar: read %s %s: %s", c.request_id, c.kind, c.reason)
+
+    def load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_stats(self) -> NixlKVConnectorStats | None:
+        if self.stats.is_empty() and not self.stats.data["post_duration"]:
+            return None
+        out = self.stats.clone_and_reset()
+        if out.num_successful_transfers == 0:
+            out.data["post_duration"] = []
+        return out if not out.is_empty() else None
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(SidecarError):
+            self.client.deregister(self.engine_id)
+        self.client.close()
+        for r in self.regions:
+            r.close()
+        if self._pool is not None and self._pool.region is not None:
+            self._pool.region.unlink()
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        else:
+            yield from _tensors(v)
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except (AssertionError, AttributeError, RuntimeError):
+        # No distributed state (a unit test, or a single process): the
+        # parallel config's rank is this worker's.
+        pc = vllm_config.parallel_config
+        return int(pc.rank) % int(pc.tensor_parallel_size)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.uint8: "uint8"}
+
+
+def _hf_int(cfg: object, names: Sequence[str]) -> int | None:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+               kernel_block_size: int | None = None) -> VllmLayout:
+    """The kvsidecar layout of this rank, from vLLM's objects; refuses at start-up."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    model_config = vllm_config.model_config
+    assert model_config is not None
+    hf = model_config.hf_text_config
+    groups: list[GroupSpec] = []
+    for g in kv_cache_config.transfer_groups:
+        spec = g.kv_cache_spec
+        kind = _group_kind(spec)
+        layers = tuple(g.layer_names)
+        if kind == "attention":
+            if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None \
+                    or spec.state_content_bytes is not None:
+                raise UnsupportedConfig("quantised or packed attention KV pages are not "
+                                        "supported by kvsidecar")
+            groups.append(AttentionGroupSpec(
+                layers, spec.block_size, kernel_block_size or spec.block_size,
+                spec.num_kv_heads, model_config.get_total_num_kv_heads(), spec.head_size,
+                spec.head_size_v, spec.dtype.itemsize, spec.page_size_bytes))
+        else:
+            groups.append(_mamba_group(spec, layers, hf, tp))
+    tensors = [TensorPlacement(tuple(t.layers), t.offset, t.layer_stride, t.block_stride,
+                               t.host_resident) for t in kv_cache_config.kv_cache_tensors]
+    dtype = _DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype))
+    return build_layout(model=str(model_config.model), tp_size=tp,
+                        num_blocks=kv_cache_config.num_blocks, tensors=tensors, groups=groups,
+                        dtype=dtype)
+
+
+def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
+    from vllm import envs
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2:
+        raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
+                                "(Mamba2 is)")
+    if envs.VLLM_SSM_CONV_STATE_LAYOUT != "DS":
+        raise UnsupportedConfig("kvsidecar needs the DS conv-state layout: set "
+                                "VLLM_SSM_CONV_STATE_LAYOUT=DS on P and D")
+    if len(spec.shapes) != 2:
+        raise UnsupportedConfig(f"Mamba2 state with {len(spec.shapes)} arrays (expected conv "
+                                "and temporal)")
+    conv, temporal = (tuple(int(d) for d in s) for s in spec.shapes)
+    if len(conv) != 2 or len(temporal) != 3:
+        raise UnsupportedConfig(f"Mamba2 state shapes {spec.shapes} are not (conv_dim, rows), "
+                                "(heads, head_dim, d_state)")
+    heads, head_dim, d_state = temporal
+    n_groups = _hf_int(hf, ("n_groups", "mamba_n_groups"))
+    num_heads = _hf_int(hf, ("mamba_num_heads", "mamba_n_heads"))
+    if n_groups is None:
+        n_groups = (conv[0] - heads * head_dim) // (2 * d_state) * tp
+    if num_heads is None:
+        num_heads = heads * tp
+    return Mamba2GroupSpec(layers, (conv[0], conv[1]), (heads, head_dim, d_state),
+                           spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, n_groups,
+                           num_heads, spec.page_size_bytes)
+
+
+# --------------------------------------------------------------------------
+# The connector vLLM instantiates
+# --------------------------------------------------------------------------
+
+
+class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by the rank's kvsidecar (pull: D reads from P)."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return bool(self._kv_transfer_config.is_kv_producer)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kt = vllm_config.kv_transfer_config
+        assert kt is not None
+        if kt.engine_id is None:
+            raise UnsupportedConfig("kv_transfer_config.engine_id is unset")
+        self.settings = Settings.from_extra(dict(kt.kv_connector_extra_config or {}))
+        self.scheduler: _SchedulerSide | None = None
+        self.worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = _SchedulerSide(vllm_config, kv_cache_config)
+            # Refuse unsupported layouts in the scheduler process too: start-up, not
+            # the first request.
+            layout_for(vllm_config, kv_cache_config, self.settings.kernel_block_size)
+        else:
+            self.worker = _WorkerSide(vllm_config, kv_cache_config, self.settings)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBHNC"  # layer-outermost, heads before tokens (LAYOUT.md: HND)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False
+
+    # ------------------------------------------------------------ scheduler side
+
+    def _sched(self) -> _SchedulerSide:
+        if self.scheduler is None:
+            raise RuntimeError("scheduler-side method called on a worker connector")
+        return self.scheduler
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output.finished_recving)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        self._sched().set_handshakes(metadata)
+
+    # ------------------------------------------------------------ worker side
+
+    def _work(self) -> _WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("worker-side method called on a scheduler connector")
+        return self.worker
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._work().mem_pool_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._work().handshake
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvSidecarMetadata)
+        self._work().start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Reads complete between steps (asynchronous loads), never within a layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing to save: D pulls from P's blocks, which P holds."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save (pull)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self._work().results()
+        return r.finished_sending, r.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work().results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().load_errors()
+
+    def get_kv_connector_stats(self) -> NixlKVConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> NixlKVConnectorStats | None:
+        return NixlKVConnectorStats(data=data) if data is not None else NixlKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> Any:
+        return NixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

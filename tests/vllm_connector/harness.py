@@ -1,0 +1,268 @@
+"""vLLM engines for the connector tests: the REAL v1 Scheduler, our connector on
+both sides, KV memory allocated by vLLM's own ``allocate_kv_cache`` inside the
+connector's memory-pool context, real sidecar processes.
+
+What is not vLLM here is the model: a step "computes" by writing the LAYOUT.md
+oracle's logical state into the P pages the scheduler allocated, and samples a
+fixed token. Everything the connector sees (scheduler output, connector
+metadata, block ids, KVConnectorOutput aggregated by vLLM's KVOutputAggregator)
+is what a vLLM worker would hand it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvsidecar.ipc.vllm import KvSidecarConnector
+from kvsidecar.sim.oracle import POISON
+from kvsidecar.sim.oracle import Request as OracleRequest
+
+BLOCK = 16
+MAX_LEN = 2048
+EOS = 2
+init_none_hash(sha256)
+
+# Model shapes: 2 attention layers, 2 KV heads of 16 (bf16). Hybrid adds 2
+# Mamba2 layers: 4 heads x 8 dims, 2 groups, d_state 8, conv kernel 4.
+KV_HEADS, HEAD = 2, 16
+M_HEADS, M_HEAD_DIM, M_GROUPS, D_STATE, CONV_ROWS = 4, 8, 2, 8, 3
+
+
+def write_model(d: Path, hybrid: bool) -> str:
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": HEAD,
+    }
+    if hybrid:  # read by the connector for the model totals of the Mamba2 state
+        cfg.update(n_groups=M_GROUPS, mamba_num_heads=M_HEADS)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequence[str],
+                hybrid: bool, **extra: Any) -> VllmConfig:
+    mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=MAX_LEN,
+                         is_encoder_decoder=False, enable_chunked_prefill=True)
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    kt = KVTransferConfig(
+        kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.ipc.vllm",
+        kv_role=role, engine_id=engine_id, kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"sidecar_sockets": list(sockets), **extra},
+    )
+    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                      kv_transfer_config=kt, device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp))
+
+
+def kv_cache_config(tp: int, num_blocks: int, hybrid: bool) -> KVCacheConfig:
+    """What vLLM's engine core would hand a rank: one backing buffer, layer-outermost."""
+    heads = max(1, KV_HEADS // tp)
+    if not hybrid:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD,
+                                 dtype=torch.bfloat16)
+        page = spec.page_size_bytes
+        layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=2 * num_blocks * page, layers=layers,
+                                            layer_stride=num_blocks * page, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        )
+    mh, ng = M_HEADS // tp, max(1, M_GROUPS // tp)
+    conv = (mh * M_HEAD_DIM + 2 * ng * D_STATE, CONV_ROWS)
+    temporal = (mh, M_HEAD_DIM, D_STATE)
+    mamba_bytes = conv[0] * conv[1] * 2 + mh * M_HEAD_DIM * D_STATE * 4
+    kernel = heads * BLOCK * 2 * HEAD * 2
+    attn_block = BLOCK * -(-mamba_bytes // kernel)  # vLLM: attention page >= mamba page
+    attn = FullAttentionSpec(block_size=attn_block, num_kv_heads=heads, head_size=HEAD,
+                             dtype=torch.bfloat16)
+    page = attn.page_size_bytes
+    mamba = MambaSpec(block_size=MAX_LEN, shapes=(conv, temporal),
+                      dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
+                      mamba_type=MambaAttentionBackendEnum.MAMBA2)
+    attn_layers = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
+    mamba_layers = ["model.layers.1.mixer", "model.layers.3.mixer"]
+    place = {"size": 2 * num_blocks * page, "layer_stride": num_blocks * page,
+             "block_stride": page}
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(layers=attn_layers, **place),
+                          KVCacheTensor(layers=mamba_layers, **place)],
+        kv_cache_groups=[KVCacheGroupSpec(attn_layers, attn),
+                         KVCacheGroupSpec(mamba_layers, mamba)],
+    )
+
+
+@dataclass
+class Engine:
+    """One vLLM instance: a real Scheduler and one worker connector per tp rank."""
+
+    name: str
+    sched: Scheduler
+    workers: list[KvSidecarConnector]
+    kv_caches: list[dict[str, torch.Tensor]]
+    aggregator: KVOutputAggregator
+    fill: Callable[[Engine, Request], None] | None = None
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
+    dirty: set[int] = field(default_factory=set)  # pages earlier reads wrote
+
+    @property
+    def connector(self) -> KvSidecarConnector:
+        c = self.sched.connector
+        assert isinstance(c, KvSidecarConnector)
+        return c
+
+    def buffers(self, rank: int) -> list[np.ndarray]:
+        w = self.workers[rank].worker
+        assert w is not None
+        return [r.numpy() for r in w.regions]
+
+    @property
+    def layout(self) -> Any:
+        w = self.workers[0].worker
+        assert w is not None
+        return w.vl.layout
+
+    def layout_of(self, rank: int) -> Any:
+        w = self.workers[rank].worker
+        assert w is not None
+        return w.vl.layout
+
+    def block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return self.sched.kv_cache_manager.get_block_ids(rid)
+
+    def step(self) -> Any:
+        """One engine step, as vLLM's engine core and workers run it."""
+        so = self.sched.schedule()
+        outs: list[ModelRunnerOutput | None] = []
+        if self.fill is not None:
+            for new in so.scheduled_new_reqs:
+                self.fill(self, self.sched.requests[new.req_id])
+        req_ids = list(so.num_scheduled_tokens)
+        for w in self.workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            r = w.get_transfer_results(set(so.finished_req_ids))
+            kv_out = KVConnectorOutput(
+                finished_sending=r.finished_sending or None,
+                finished_recving=r.finished_recving or None,
+                failed_recving=r.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+            )
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[7] for _ in req_ids], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
+        agg = self.aggregator.aggregate(outs)
+        assert agg is not None
+        eco = self.sched.update_from_output(so, agg)
+        for client_outs in eco.values():
+            for o in client_outs.outputs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+        return so, agg
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+
+def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str],
+                num_blocks: int, hybrid: bool) -> Engine:
+    cfg = vllm_config(model, role, name, tp, sockets, hybrid)
+    workers, caches = [], []
+    for rank in range(tp):
+        wcfg = copy.deepcopy(cfg)
+        wcfg.parallel_config.rank = rank
+        kcc = kv_cache_config(tp, num_blocks, hybrid)
+        conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
+        kernel = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+        with conn.get_mem_pool_context():
+            kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel)
+        conn.register_kv_caches(kv)
+        workers.append(conn)
+        caches.append(kv)
+    kcc = kv_cache_config(tp, num_blocks, hybrid)
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
+                      structured_output_manager=StructuredOutputManager(cfg),
+                      block_size=BLOCK, log_stats=True)
+    meta = {}
+    for rank, w in enumerate(workers):
+        hs = w.get_handshake_metadata()
+        assert hs is not None
+        meta[rank] = hs
+    sched.connector.set_xfer_handshake_metadata(meta)  # what the engine core does
+    eng = Engine(name, sched, workers, caches, KVOutputAggregator(tp))
+    for rank in range(tp):
+        for b in eng.buffers(rank):
+            b[:] = POISON
+    return eng
+
+
+def request(rid: str, tokens: int, params: dict[str, Any] | None, max_tokens: int = 4,
+            seed: int = 1) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(request_id=rid, prompt_token_ids=[(seed * 31 + i) % 997 + 3
+                                                    for i in range(tokens)],
+                  sampling_params=sp, pooling_params=None, mm_features=None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))
+    req.kv_transfer_params = params
+    return req
+
+
+def oracle_fill(seed_of: Callable[[str], int]) -> Callable[[Engine, Request], None]:
+    """P's "model": write the oracle's state for every token P computes."""
+    from kvsidecar.sim.oracle import fill_shard
+
+    def fill(eng: Engine, req: Request) -> None:
+        ids = eng.block_ids(req.request_id)
+        logical = OracleRequest(seed_of(req.request_id), req.num_prompt_tokens)
+        for rank in range(len(eng.workers)):
+            fill_shard(eng.buffers(rank), eng.layout_of(rank), rank,
+                       [[b for b in g if b != 0] for g in ids], logical)
+
+    return fill
