@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from kvsidecar.daemon import settings as settings_mod
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag (and its env variable), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvsidecar", description=__doc__)
+    parser = _Parser(prog="kvsidecar", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser(
         "serve", help="run one sidecar (one per GPU)",
@@ -30,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve":
         from kvsidecar.daemon.main import serve
 
-        return serve(settings_mod.from_args(args))
+        try:
+            s = settings_mod.from_args(args)
+        except settings_mod.ConfigError as e:
+            p_serve.error(str(e))
+        return serve(s)
     from kvsidecar.sim.demo import run_demo
 
     return int(run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp,

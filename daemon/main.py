@@ -21,6 +21,7 @@ async def _serve(s: settings_mod.Settings) -> int:
 
     from kvsidecar.daemon.conn_guard import raise_fd_limit
     from kvsidecar.daemon.engine_access import SocketInUse
+    from kvsidecar.daemon.health import verdict
     from kvsidecar.daemon.nixl_worker import transport_note
     from kvsidecar.daemon.service import Sidecar
     from kvsidecar.metrics.registry import Metrics
@@ -37,7 +38,10 @@ async def _serve(s: settings_mod.Settings) -> int:
     except (PermissionError, NotADirectoryError, FileExistsError) as e:
         print(f"kvsidecar: cannot serve {s.socket}: {e}", file=sys.stderr, flush=True)
         return 2
-    http = MetricsServer(metrics, s.metrics_host, s.metrics_port) if s.metrics_port >= 0 else None
+    probes = {"/healthz": lambda: verdict(sidecar.liveness()),
+              "/readyz": lambda: verdict(sidecar.readiness())}
+    http = (MetricsServer(metrics, s.metrics_host, s.metrics_port, probes=probes)
+            if s.metrics_port >= 0 else None)
     metrics_port = http.start() if http is not None else -1
     log.info("transport: %s", transport_note())
     if s.device != "cpu":

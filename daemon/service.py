@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -47,11 +48,13 @@ from kvsidecar.daemon.handshake import (
     make_handshake_info,
     new_daemon_id,
 )
+from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
+from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (
@@ -118,6 +121,9 @@ class Sidecar:
         self._stopping = False
         #: monotonic time the event loop last ran the sampling timer (see _sample)
         self.loop_beat = time.monotonic()
+        self._hs_bound = ""
+        #: start-up transport self-check: None while it runs (or when off)
+        self.transport_check: CheckResult | None = None
         # One handler per request type (each takes exactly that type).
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
@@ -128,6 +134,7 @@ class Sidecar:
 
     async def start(self) -> None:
         bound = await self._hs_server.start()
+        self._hs_bound = bound
         port = bound.rsplit(":", 1)[1]
         self.handshake_address = f"{self.settings.advertised}:{port}"
         try:
@@ -145,6 +152,8 @@ class Sidecar:
                         "left in /dev/shm: %s", len(stale), ", ".join(stale))
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         self._tasks.append(asyncio.ensure_future(self._sample()))
+        if self.settings.transport_check != "off":
+            self._tasks.append(asyncio.ensure_future(self._check_transport()))
         log.info("kvsidecar %s serving engines on %s, handshakes on %s (peers dial %s)",
                  self.daemon_id, self.settings.socket, bound, self.handshake_address)
 
@@ -477,10 +486,68 @@ class Sidecar:
             except Exception:  # sampling must outlive any single bad entry
                 log.exception("metrics sampling failed; continuing")
 
-    def worker_lags(self) -> dict[str, float]:
-        """Seconds since each engine's NIXL worker thread last went round its loop."""
+    # ------------------------------------------------------------ health
+
+    async def _check_transport(self) -> None:
+        """Run the loopback self-check once, off the loop, and publish its result."""
+        try:
+            r = await run_check(self.settings.transport_check)
+        except Exception as e:  # a check that cannot run is a failed check, not a crash
+            r = CheckResult("error", (), 0.0, 0, False, f"{type(e).__name__}: {e}")
+        self.transport_check = r
+        self.metrics.transport_info.labels(path=r.path, passed=str(r.passed).lower()).set(1)
+        self.metrics.transport_bandwidth.set(r.bandwidth_bytes_s)
+        (log.info if r.passed else log.error)(
+            "transport self-check %s: path %s (%s), loopback READ %.2f GB/s; %s",
+            "passed" if r.passed else "FAILED", r.path, ",".join(r.transports) or "-",
+            r.bandwidth_bytes_s / 1e9, r.detail)
+
+    def liveness(self) -> list[Check]:
+        """Event loop and NIXL worker threads responsive (any thread may call this)."""
         now = time.monotonic()
-        return {e: now - eng.worker.heartbeat for e, eng in list(self._engines.items())}
+        bound = self.settings.health_timeout_s
+        checks = [heartbeat("event_loop", now - self.loop_beat, bound)]
+        for engine_id, eng in list(self._engines.items()):
+            checks.append(heartbeat(f"worker:{engine_id}", now - eng.worker.heartbeat, bound))
+        return checks
+
+    def readiness(self) -> list[Check]:
+        """Liveness plus agents up, listener bound, self-check passed, not draining."""
+        checks = self.liveness()
+        down = [e for e, eng in list(self._engines.items()) if not eng.worker.running]
+        checks.append(Check("nixl_agents", not down, f"agents down: {', '.join(down)}" if down
+                            else f"{len(self._engines)} engine agents running"))
+        checks.append(self._listener_check())
+        mode = self.settings.transport_check
+        r = self.transport_check
+        if mode == "off":
+            checks.append(Check("transport_selfcheck", True, "disabled (--transport-check off)"))
+        elif r is None:
+            checks.append(Check("transport_selfcheck", False, "still running"))
+        else:
+            checks.append(Check("transport_selfcheck", r.passed,
+                                f"path {r.path}, {r.bandwidth_bytes_s / 1e9:.2f} GB/s: {r.detail}"))
+        checks.append(Check("not_draining", not self._stopping,
+                            "draining: shutting down" if self._stopping else "serving"))
+        self.metrics.ready.set(all(c.ok for c in checks))
+        return checks
+
+    def _listener_check(self) -> Check:
+        """Connect to the handshake port: proves it is bound and accepting."""
+        if not self._hs_bound:
+            return Check("handshake_listener", False, "not started")
+        host, port = self._hs_bound.rsplit(":", 1)
+        host = host.strip("[]")
+        if host in ("0.0.0.0", "*", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                pass
+        except OSError as e:
+            return Check("handshake_listener", False, f"{self._hs_bound}: {e}")
+        return Check("handshake_listener", True, f"accepting on {self._hs_bound}")
 
     async def _housekeeping(self) -> None:
         """Expire holds, drop early notifications, notice engines that died."""

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,6 +35,10 @@ class Settings:
     max_message_bytes: int = 16 << 20
     max_engine_connections: int = 256
     max_peer_connections: int = 1024
+    #: start-up loopback READ: require-zero-copy, allow-tcp or off (see transport/check.py)
+    transport_check: str = "require-zero-copy"
+    #: /healthz fails when the event loop or a worker thread is silent this long
+    health_timeout_s: float = 10.0
 
     @property
     def advertised(self) -> str:
@@ -50,6 +55,9 @@ class Settings:
 MAX_SECONDS = 86400.0
 """Upper bound of every duration setting: a typo of extra zeros fails at start-up."""
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Same values as kvsidecar.daemon.transport.check.MODES (settings import nothing heavy).
+_CHECK_MODES = ("require-zero-copy", "allow-tcp", "off")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
@@ -82,12 +90,31 @@ def _ids(text: str, what: str) -> tuple[int, ...]:
         try:
             out.append(pwd.getpwnam(item).pw_uid if what == "uid" else grp.getgrnam(item).gr_gid)
         except KeyError:
-            raise SystemExit(f"kvsidecar: --allow-{what}: no such {what} {item!r}") from None
+            raise ConfigError(f"--allow-{what} (env KVSIDECAR_ALLOW_{what.upper()}): no such "
+                              f"{what} {item!r}") from None
     return tuple(out)
 
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"KVSIDECAR_{name}", default)
+
+
+class ConfigError(ValueError):
+    """A bad flag or KVSIDECAR_* value; the CLI prints it as one line and exits 2."""
+
+
+def _number(kind: type[int] | type[float], env: str) -> Callable[[str], int | float]:
+    """An argparse ``type`` that names the flag's environment variable when the
+    value (typed on the command line or taken from the environment) is bad."""
+    def parse(text: str) -> int | float:
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(
+                f"must be {what} (flag or env KVSIDECAR_{env}), got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,68 +125,96 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$XDG_RUNTIME_DIR or /tmp, then kvsidecar/<device>.sock)")
     p.add_argument("--handshake-host", default=_env("HANDSHAKE_HOST", "127.0.0.1"),
                    help="address the handshake server binds (env KVSIDECAR_HANDSHAKE_HOST)")
-    p.add_argument("--handshake-port", type=int, default=int(_env("HANDSHAKE_PORT", "0")),
+    p.add_argument("--handshake-port", type=_number(int, "HANDSHAKE_PORT"),
+                   default=_env("HANDSHAKE_PORT", "0"),
                    help="handshake TCP port, 0 = ephemeral (env KVSIDECAR_HANDSHAKE_PORT)")
     p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""),
                    help="host peers dial, when the bind host is a wildcard "
                         "(env KVSIDECAR_ADVERTISE_HOST)")
     p.add_argument("--backends", default=_env("BACKENDS", "UCX"),
                    help="comma-separated NIXL backends (env KVSIDECAR_BACKENDS)")
-    p.add_argument("--hold-timeout", type=float, default=float(_env("HOLD_TIMEOUT", "120")),
+    p.add_argument("--hold-timeout", type=_number(float, "HOLD_TIMEOUT"),
+                   default=_env("HOLD_TIMEOUT", "120"),
                    help="seconds an unread hold lives (env KVSIDECAR_HOLD_TIMEOUT)")
-    p.add_argument("--notif-grace", type=float, default=float(_env("NOTIF_GRACE", "30")),
+    p.add_argument("--notif-grace", type=_number(float, "NOTIF_GRACE"),
+                   default=_env("NOTIF_GRACE", "30"),
                    help="seconds a notification waits for its hold (env KVSIDECAR_NOTIF_GRACE)")
-    p.add_argument("--handshake-timeout", type=float,
-                   default=float(_env("HANDSHAKE_TIMEOUT", "5")),
+    p.add_argument("--handshake-timeout", type=_number(float, "HANDSHAKE_TIMEOUT"),
+                   default=_env("HANDSHAKE_TIMEOUT", "5"),
                    help="seconds to wait for a peer's handshake (env KVSIDECAR_HANDSHAKE_TIMEOUT)")
-    p.add_argument("--read-timeout", type=float, default=float(_env("READ_TIMEOUT", "60")),
+    p.add_argument("--read-timeout", type=_number(float, "READ_TIMEOUT"),
+                   default=_env("READ_TIMEOUT", "60"),
                    help="seconds a posted read may take before it is cancelled and fails "
                         "(env KVSIDECAR_READ_TIMEOUT)")
-    p.add_argument("--engine-lease", type=float, default=float(_env("ENGINE_LEASE", "30")),
+    p.add_argument("--engine-lease", type=_number(float, "ENGINE_LEASE"),
+                   default=_env("ENGINE_LEASE", "30"),
                    help="an engine that sends no request (a poll is enough) for this many "
                         "seconds is taken for dead and released (env KVSIDECAR_ENGINE_LEASE)")
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
+    p.add_argument("--metrics-port", type=_number(int, "METRICS_PORT"),
+                   default=_env("METRICS_PORT", "-1"),
                    help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
                         "(env KVSIDECAR_METRICS_PORT)")
     p.add_argument("--metrics-host", default=_env("METRICS_HOST", "127.0.0.1"),
                    help="address the metrics endpoint binds (env KVSIDECAR_METRICS_HOST)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR (env KVSIDECAR_LOG_LEVEL)")
+    p.add_argument("--transport-check", default=_env("TRANSPORT_CHECK", "require-zero-copy"),
+                   help="start-up loopback READ that proves the data path: "
+                        "require-zero-copy (tcp fails /readyz), allow-tcp, off "
+                        "(env KVSIDECAR_TRANSPORT_CHECK)")
+    p.add_argument("--health-timeout", type=_number(float, "HEALTH_TIMEOUT"),
+                   default=_env("HEALTH_TIMEOUT", "10"),
+                   help="seconds the event loop or a NIXL worker thread may be silent before "
+                        "/healthz fails (env KVSIDECAR_HEALTH_TIMEOUT)")
     p.add_argument("--allow-uid", default=_env("ALLOW_UID", ""),
                    help="comma-separated users (names or uids) besides the sidecar's own that "
                         "may use the engine socket (env KVSIDECAR_ALLOW_UID)")
     p.add_argument("--allow-gid", default=_env("ALLOW_GID", ""),
                    help="comma-separated groups (names or gids) whose members may use the "
                         "engine socket (env KVSIDECAR_ALLOW_GID)")
-    p.add_argument("--max-message-bytes", type=int,
-                   default=int(_env("MAX_MESSAGE_BYTES", str(16 << 20))),
+    p.add_argument("--max-message-bytes", type=_number(int, "MAX_MESSAGE_BYTES"),
+                   default=_env("MAX_MESSAGE_BYTES", str(16 << 20)),
                    help="largest engine message; a larger one drops the connection "
                         "(env KVSIDECAR_MAX_MESSAGE_BYTES)")
-    p.add_argument("--max-engine-connections", type=int,
-                   default=int(_env("MAX_ENGINE_CONNECTIONS", "256")),
+    p.add_argument("--max-engine-connections", type=_number(int, "MAX_ENGINE_CONNECTIONS"),
+                   default=_env("MAX_ENGINE_CONNECTIONS", "256"),
                    help="engine socket connections kept; more are shut "
                         "(env KVSIDECAR_MAX_ENGINE_CONNECTIONS)")
-    p.add_argument("--max-peer-connections", type=int,
-                   default=int(_env("MAX_PEER_CONNECTIONS", "1024")),
+    p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
+                   default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
                         "(env KVSIDECAR_MAX_PEER_CONNECTIONS)")
 
 
 def from_args(ns: argparse.Namespace) -> Settings:
     if not _DEVICE.match(ns.device):
-        raise SystemExit(f"kvsidecar: --device must be cpu or cuda:N, got {ns.device!r}")
+        raise ConfigError(f"--device (env KVSIDECAR_DEVICE) must be cpu or cuda:N, "
+                          f"got {ns.device!r}")
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not backends:
-        raise SystemExit("kvsidecar: --backends names no backend")
+        raise ConfigError("--backends (env KVSIDECAR_BACKENDS) names no backend; e.g. UCX")
     for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout",
-                 "engine_lease"):
+                 "engine_lease", "health_timeout"):
         value = getattr(ns, name)
         if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
-            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be a finite number "
-                             f"of seconds in (0, {MAX_SECONDS:g}], got {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
+                              f"be a finite number of seconds in (0, {MAX_SECONDS:g}], "
+                              f"got {value}")
     for name in ("max_message_bytes", "max_engine_connections", "max_peer_connections"):
         if getattr(ns, name) <= 0:
-            raise SystemExit(f"kvsidecar: --{name.replace('_', '-')} must be > 0")
+            raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
+                              f"be > 0, got {getattr(ns, name)}")
+    for flag, port in (("handshake-port", ns.handshake_port), ("metrics-port", ns.metrics_port)):
+        if not -1 <= port <= 65535 or (flag == "handshake-port" and port < 0):
+            env = "KVSIDECAR_" + flag.upper().replace("-", "_")
+            raise ConfigError(f"--{flag} (env {env}) must be a port 0..65535"
+                              f"{' or -1 (off)' if flag == 'metrics-port' else ''}, got {port}")
+    if ns.log_level.upper() not in _LOG_LEVELS:
+        raise ConfigError(f"--log-level (env KVSIDECAR_LOG_LEVEL) must be one of "
+                          f"{', '.join(_LOG_LEVELS)}, got {ns.log_level!r}")
+    if ns.transport_check not in _CHECK_MODES:
+        raise ConfigError(f"--transport-check (env KVSIDECAR_TRANSPORT_CHECK) must be one of "
+                          f"{', '.join(_CHECK_MODES)}, got {ns.transport_check!r}")
     return Settings(
         socket=ns.socket or default_socket(ns.device),
         handshake_host=ns.handshake_host,
@@ -180,4 +235,6 @@ def from_args(ns: argparse.Namespace) -> Settings:
         max_message_bytes=ns.max_message_bytes,
         max_engine_connections=ns.max_engine_connections,
         max_peer_connections=ns.max_peer_connections,
+        transport_check=ns.transport_check,
+        health_timeout_s=ns.health_timeout,
     )

@@ -1,4 +1,5 @@
-"""The daemon's HTTP endpoint: ``/metrics`` of its own registry.
+"""The daemon's HTTP endpoint: ``/metrics`` of its own registry, plus JSON
+probes (``/healthz``, ``/readyz``) the daemon plugs in.
 
 A plain ``ThreadingHTTPServer`` on a daemon thread (scrapes must work even
 when the event loop is busy or wedged); one server per daemon, stopped with it.
@@ -7,6 +8,7 @@ when the event loop is busy or wedged); one server per daemon, stopped with it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -15,8 +17,12 @@ from kvsidecar.metrics.registry import Metrics
 
 
 class MetricsServer:
-    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+    def __init__(self, metrics: Metrics, host: str, port: int, *,
+                 probes: Mapping[str, Callable[[], tuple[int, bytes]]] | None = None) -> None:
+        """``probes`` maps a path to a function returning (HTTP status, JSON body);
+        it runs on the server's thread, so it must not wait for the event loop."""
         self._metrics = metrics
+        self._probes = dict(probes or {})
         self._host = host
         self._port = port
         self._httpd: ThreadingHTTPServer | None = None
@@ -25,14 +31,22 @@ class MetricsServer:
     def start(self) -> int:
         """Bind and serve on a daemon thread; returns the bound port."""
         metrics = self._metrics
+        probes = self._probes
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
-                if path != "/metrics":
-                    self._send(404, b"not found: try /metrics\n", "text/plain")
-                    return
-                self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
+                if path == "/metrics":
+                    self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
+                elif path in probes:
+                    try:
+                        code, body = probes[path]()
+                    except Exception as e:  # a probe that breaks is a failing probe
+                        code, body = 503, f'{{"status": "fail", "error": {str(e)!r}}}\n'.encode()
+                    self._send(code, body, "application/json")
+                else:
+                    known = ", ".join(["/metrics", *probes])
+                    self._send(404, f"not found; try {known}\n".encode(), "text/plain")
 
             def _send(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)

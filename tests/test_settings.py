@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -46,7 +48,7 @@ def test_allowed_users_and_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSIDECAR_ALLOW_UID", "1000, root")
     s = parse(["--allow-gid", "0"])
     assert (s.allow_uids, s.allow_gids) == ((1000, 0), (0,))
-    with pytest.raises(SystemExit, match="no such gid"):
+    with pytest.raises(settings.ConfigError, match="no such gid"):
         parse(["--allow-gid", "no-such-group-kvs"])
 
 
@@ -56,13 +58,27 @@ def test_wildcard_bind_advertises_a_dialable_host() -> None:
                  ).advertised == "10.1.2.3"
 
 
-@pytest.mark.parametrize(("argv", "msg"), [
-    (["--device", "gpu0"], "must be cpu or cuda:N"),
-    (["--backends", " , "], "names no backend"),
-    (["--hold-timeout", "0"], "--hold-timeout must be a finite number"),
-    (["--engine-lease", "inf"], "--engine-lease must be a finite number"),
-    (["--read-timeout", "nan"], "--read-timeout must be a finite number"),
+@pytest.mark.parametrize(("argv", "env", "msg"), [
+    (["--device", "gpu0"], {}, "--device (env KVSIDECAR_DEVICE) must be cpu or cuda:N"),
+    (["--backends", " , "], {}, "names no backend"),
+    (["--hold-timeout", "0"], {}, "--hold-timeout (env KVSIDECAR_HOLD_TIMEOUT) must be a finite"),
+    (["--engine-lease", "inf"], {}, "--engine-lease (env KVSIDECAR_ENGINE_LEASE) must be a finite"),
+    (["--read-timeout", "nan"], {}, "--read-timeout (env KVSIDECAR_READ_TIMEOUT) must be a finite"),
+    (["--allow-uid", "no-such-user-x"], {}, "--allow-uid (env KVSIDECAR_ALLOW_UID): no such uid"),
+    ([], {"KVSIDECAR_HANDSHAKE_PORT": "abc"},
+     "--handshake-port: must be an integer (flag or env KVSIDECAR_HANDSHAKE_PORT), got 'abc'"),
+    ([], {"KVSIDECAR_READ_TIMEOUT": "soon"}, "env KVSIDECAR_READ_TIMEOUT), got 'soon'"),
+    (["--metrics-port", "70000"], {}, "--metrics-port (env KVSIDECAR_METRICS_PORT) must be"),
+    ([], {"KVSIDECAR_LOG_LEVEL": "loud"}, "must be one of DEBUG, INFO, WARNING, ERROR"),
+    (["--transport-check", "maybe"], {}, "must be one of require-zero-copy, allow-tcp, off"),
 ])
-def test_bad_settings_exit_with_a_message(argv: list[str], msg: str) -> None:
-    with pytest.raises(SystemExit, match=msg):
-        parse(argv)
+def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str],
+                                              msg: str) -> None:
+    """The real command line: one line on stderr naming flag and variable, exit code 2."""
+    out = subprocess.run([sys.executable, "-m", "kvsidecar", "serve", *argv],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("kvsidecar serve: error: ") and msg in lines[0], lines[0]
