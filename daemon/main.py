@@ -8,8 +8,13 @@ import json
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from kvsidecar.daemon import settings as settings_mod
+
+if TYPE_CHECKING:
+    from kvsidecar.daemon.sdnotify import Notifier
+    from kvsidecar.daemon.service import Sidecar
 
 log = logging.getLogger("kvsidecar")
 
@@ -18,6 +23,11 @@ async def _serve(s: settings_mod.Settings) -> int:
     # Importing NIXL (and the torch it loads) takes seconds; pay it before
     # announcing readiness, not inside the first engine's registration.
     import nixl._api  # noqa: F401
+
+    from kvsidecar.daemon import logs
+    from kvsidecar.daemon.sdnotify import Notifier, watchdog_interval
+
+    logs.quiet_libraries(s.log_level)  # NIXL configured its stdout handler on import
 
     from kvsidecar.daemon.conn_guard import raise_fd_limit
     from kvsidecar.daemon.engine_access import SocketInUse
@@ -56,17 +66,43 @@ async def _serve(s: settings_mod.Settings) -> int:
         "socket": s.socket, "handshake": sidecar.handshake_address,
         "metrics_port": metrics_port, "daemon_id": sidecar.daemon_id,
     }), flush=True)
+    notifier = Notifier()
+    notifier.send(ready=1, status=f"listening: engines on {s.socket}, handshakes on "
+                                  f"{sidecar.handshake_address}, metrics port {metrics_port}")
+    interval = watchdog_interval()
+    dog = (asyncio.ensure_future(_watchdog(notifier, sidecar, interval))
+           if notifier.enabled and interval else None)
     await stop.wait()
     log.info("signal received: shutting down")
+    notifier.send(stopping=1, status="draining: refusing new work, finishing posted reads")
     await sidecar.stop()
+    if dog is not None:
+        dog.cancel()
     if http is not None:
         http.stop()
+    notifier.close()
     return 0
 
 
+async def _watchdog(notifier: Notifier, sidecar: Sidecar, interval: float) -> None:
+    """``WATCHDOG=1`` from the event loop, only while the loop and every NIXL worker
+    thread are live: a wedged loop (or worker) stops the pings and systemd
+    restarts the unit after ``WatchdogSec``."""
+    while True:
+        await asyncio.sleep(interval)
+        failed = [c.name for c in sidecar.liveness() if not c.ok]
+        if failed:
+            log.error("not live (%s): withholding the systemd watchdog ping", ", ".join(failed))
+            notifier.send(status=f"not live: {', '.join(failed)}")
+            continue
+        engines = len(sidecar.engine_ids())
+        notifier.send(watchdog=1, status=f"serving {engines} engine rank(s)")
+
+
 def serve(s: settings_mod.Settings) -> int:
-    logging.basicConfig(level=getattr(logging, s.log_level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvsidecar.daemon import logs
+
+    logs.setup(s.log_level, s.log_format)
     try:
         import uvloop
 

@@ -189,6 +189,12 @@ def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
             m.read_bytes.labels(*labels).inc(r.bytes)
 
 
+def _event(eng: EngineRank, req: Read, outcome: str, reason: str) -> dict[str, object]:
+    """The identifiers a log line of this read carries (JSON log fields)."""
+    return {"request_id": req.request_id, "engine": eng.engine_id, "rank": eng.tp_rank,
+            "peer": req.remote.engine_id, "outcome": outcome, "reason": reason}
+
+
 def failed(req: Read, reason: str) -> Completion:
     return Completion(req.request_id, "failed", reason,
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
@@ -300,20 +306,24 @@ class ReadTable:
                 stale = self._forget_peers(eng, job)
                 if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
                     raise
-                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e)
+                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,
+                         extra=_event(eng, req, "retry", str(e)))
                 job.posted = False
                 out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
             reason = f"{type(e).__name__}: {e}"
-            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason)
+            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason,
+                        extra=_event(eng, req, "failed", reason))
             c = failed(req, reason)
         else:
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes)
+                log.debug("read %r of engine %r received %d bytes", req.request_id,
+                          eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(
                     time.perf_counter() - t0)
         self._finish(eng, job, c)

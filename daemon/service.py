@@ -502,6 +502,9 @@ class Sidecar:
             "passed" if r.passed else "FAILED", r.path, ",".join(r.transports) or "-",
             r.bandwidth_bytes_s / 1e9, r.detail)
 
+    def engine_ids(self) -> list[str]:
+        return list(self._engines)
+
     def liveness(self) -> list[Check]:
         """Event loop and NIXL worker threads responsive (any thread may call this)."""
         now = time.monotonic()

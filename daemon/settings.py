@@ -39,6 +39,7 @@ class Settings:
     transport_check: str = "require-zero-copy"
     #: /healthz fails when the event loop or a worker thread is silent this long
     health_timeout_s: float = 10.0
+    log_format: str = "text"
 
     @property
     def advertised(self) -> str:
@@ -158,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the metrics endpoint binds (env KVSIDECAR_METRICS_HOST)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING, ERROR (env KVSIDECAR_LOG_LEVEL)")
+    p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"),
+                   help="text, or json: one object per line with request_id/engine/peer/rank "
+                        "fields (env KVSIDECAR_LOG_FORMAT)")
     p.add_argument("--transport-check", default=_env("TRANSPORT_CHECK", "require-zero-copy"),
                    help="start-up loopback READ that proves the data path: "
                         "require-zero-copy (tcp fails /readyz), allow-tcp, off "
@@ -212,6 +216,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if ns.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"--log-level (env KVSIDECAR_LOG_LEVEL) must be one of "
                           f"{', '.join(_LOG_LEVELS)}, got {ns.log_level!r}")
+    if ns.log_format not in ("text", "json"):
+        raise ConfigError(f"--log-format (env KVSIDECAR_LOG_FORMAT) must be text or json, "
+                          f"got {ns.log_format!r}")
     if ns.transport_check not in _CHECK_MODES:
         raise ConfigError(f"--transport-check (env KVSIDECAR_TRANSPORT_CHECK) must be one of "
                           f"{', '.join(_CHECK_MODES)}, got {ns.transport_check!r}")
@@ -237,4 +244,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         max_peer_connections=ns.max_peer_connections,
         transport_check=ns.transport_check,
         health_timeout_s=ns.health_timeout,
+        log_format=ns.log_format,
     )
