@@ -1,21 +1,38 @@
-"""P side: blocks held for readers, counted down by their notifications.
+"""P side: blocks held for readers, with leases the readers know.
 
-A hold for ``readers`` engines completes (``sent``) once that many distinct
-reading engines have each delivered every notification the sharding rule
-makes them send to this rank (``D_tp / P_tp`` when D is wider, else 1), or
-expires after its timeout. Notifications may arrive before the engine calls
-``hold`` (asynchronous scheduling); they wait in a grace buffer and complete
-the hold the moment it is placed. Notifications nobody claims are counted and
-logged, never fatal.
+A hold for ``readers`` engines ends once that many distinct reading engines
+have each reported from every rank the sharding rule makes them report to
+this rank (``D_tp / P_tp`` when D is wider, else 1), or when its deadline
+passes. A rank reports by its NIXL completion notification (it read) or by
+an *abandon* over the peer channel (its read failed or was aborted: nothing
+of it is in flight any more). A reading engine with any abandoning rank
+counts as finished but failed. The hold ends ``sent`` when every reader read,
+``aborted`` (reason names the failures) when every reader finished and some
+gave up, ``expired`` at its deadline.
+
+Leases (no clock sync): a reader claims the hold before it posts and renews
+while its read is pending; each claim or renewal moves the deadline to at
+least ``receipt + lease_s`` on this clock. The reader noted its own send time
+``t0`` and treats the lease as valid until ``t0 + lease_s`` on its clock,
+which is never later than this deadline. So P frees blocks only after every
+lease a reader may still rely on has run out.
+
+Asynchronous scheduling: notifications, claims and abandons may arrive
+before the engine calls ``hold``; they wait ``grace_s`` seconds in a bounded
+buffer and apply the moment the hold is placed. A claim for a request whose
+hold already ended (sent, expired, released) is refused: its blocks may be
+reused. Everything input can grow is bounded (early entries, reports per
+entry, remembered ends), with counters for what was dropped.
 
 Pure bookkeeping driven by the caller's clock, so it is tested without
-sockets or timers: the daemon feeds it notifications and calls
+sockets or timers: the daemon feeds it events and calls
 :meth:`HoldBook.expire` periodically.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +44,24 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (engine_id, request_id)
 
+MAX_REPORTS_PER_ENTRY = 1024
+"""Reader ranks one early entry remembers (a D engine has at most a few hundred)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """One reading rank is done with this rank's blocks: read (``failure`` empty)
+    or gave up (``failure`` says why)."""
+
+    reader_engine: str
+    reader_rank: int
+    reader_tp: int
+    failure: str = ""
+
+    @classmethod
+    def of(cls, note: ReadDone) -> Report:
+        return cls(note.reader_engine, note.reader_rank, note.reader_tp)
+
 
 @dataclass
 class _Hold:
@@ -35,15 +70,17 @@ class _Hold:
     p_tp: int
     readers: int
     deadline: float
-    # reading engine -> set of its ranks that have notified
+    # reading engine -> its ranks that have reported
     seen: dict[str, set[int]] = field(default_factory=dict)
     done_engines: set[str] = field(default_factory=set)
+    failures: dict[str, str] = field(default_factory=dict)  # reading engine -> first failure
 
 
 @dataclass
 class _Early:
     arrived: float
-    notes: list[ReadDone]
+    reports: list[Report] = field(default_factory=list)
+    lease_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,24 +91,51 @@ class HoldOutcome:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Lease:
+    """The answer to a claim: granted for ``lease_s`` seconds from its receipt, or refused."""
+
+    granted: bool
+    lease_s: float = 0.0
+    reason: str = ""
+
+
 class HoldBook:
-    """All holds of one sidecar, keyed by (engine id, request id)."""
+    """All holds of one engine rank, keyed by (engine id, request id)."""
 
     def __init__(self, *, default_timeout_s: float, grace_s: float,
-                 on_done: Callable[[HoldOutcome], None]) -> None:
+                 on_done: Callable[[HoldOutcome], None], lease_s: float = 10.0,
+                 max_early: int = 4096, max_ended: int = 65536) -> None:
         self.default_timeout_s = default_timeout_s
         self.grace_s = grace_s
+        self.lease_s = lease_s
+        self.max_early = max_early
+        self.max_ended = max_ended
         self._on_done = on_done
         self._holds: dict[Key, _Hold] = {}
         self._early: dict[Key, _Early] = {}
+        self._ended: OrderedDict[Key, str] = OrderedDict()  # why each recent hold ended
         self.unclaimed = 0
         self.duplicates = 0
+        self.early_dropped = 0
+        self.max_overrun = 0.0
+        """Longest time past its deadline that a hold was found alive (housekeeping lag)."""
 
     def __len__(self) -> int:
         return len(self._holds)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._holds
+
+    @property
+    def early(self) -> int:
+        return len(self._early)
+
+    def deadline(self, engine_id: str, request_id: str) -> float | None:
+        h = self._holds.get((engine_id, request_id))
+        return None if h is None else h.deadline
+
+    # ------------------------------------------------------------ the engine's side
 
     def add(self, engine_id: str, request_id: str, p_tp: int, readers: int,
             timeout_s: float | None, now: float) -> None:
@@ -80,18 +144,20 @@ class HoldBook:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
         h = _Hold(engine_id, request_id, p_tp, readers,
                   now + (timeout_s if timeout_s is not None else self.default_timeout_s))
+        self._ended.pop(key, None)  # the engine holds this id again: a new hold
         self._holds[key] = h
         early = self._early.pop(key, None)
         if early:
-            for note in early.notes:
-                self._count(h, note)
+            h.deadline = max(h.deadline, early.lease_until)
+            for r in early.reports:
+                self._count(h, r)
             self._maybe_done(key, h)
 
     def release(self, engine_id: str, request_id: str) -> bool:
         h = self._holds.pop((engine_id, request_id), None)
         if h is None:
             return False
-        self._on_done(HoldOutcome(engine_id, request_id, "aborted", "released by the engine"))
+        self._end(h, HoldOutcome(engine_id, request_id, "aborted", "released by the engine"))
         return True
 
     def drop_engine(self, engine_id: str) -> int:
@@ -99,53 +165,122 @@ class HoldBook:
         keys = [k for k in self._holds if k[0] == engine_id]
         for k in keys:
             del self._holds[k]
+            self._remember_end(k, "the engine went away")
         for k in [k for k in self._early if k[0] == engine_id]:
             del self._early[k]
         return len(keys)
 
+    # ------------------------------------------------------------ the readers' side
+
+    def claim(self, engine_id: str, request_id: str, now: float) -> Lease:
+        """A reader claims (or renews) its lease before (while) it reads.
+
+        Granted while the hold lives (or before it is placed: early); refused
+        once the hold has ended, since its blocks may then be reused.
+        """
+        key = (engine_id, request_id)
+        h = self._holds.get(key)
+        if h is not None:
+            h.deadline = max(h.deadline, now + self.lease_s)
+            return Lease(True, self.lease_s)
+        ended = self._ended.get(key)
+        if ended is not None:
+            return Lease(False, reason=f"the hold of {request_id!r} has ended ({ended})")
+        early = self._early_entry(key, now)
+        if early is None:
+            return Lease(False, reason=f"too many requests ({self.max_early}) wait for their "
+                                       f"hold on engine {engine_id!r}")
+        early.lease_until = max(early.lease_until, now + self.lease_s)
+        return Lease(True, self.lease_s)
+
     def notify(self, note: ReadDone, now: float) -> None:
-        key = (note.target_engine, note.request_id)
+        """A reading rank's completion notification (it read this rank's blocks)."""
+        self.report(note.target_engine, note.request_id, Report.of(note), now)
+
+    def report(self, engine_id: str, request_id: str, r: Report, now: float) -> None:
+        """A reading rank is done: read, or gave up (``r.failure``)."""
+        key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is None:
-            early = self._early.setdefault(key, _Early(now, []))
-            early.notes.append(note)
+            if key in self._ended:
+                return  # late news of a hold that already ended: nothing to free
+            early = self._early_entry(key, now)
+            if early is None or len(early.reports) >= MAX_REPORTS_PER_ENTRY:
+                self.early_dropped += 1
+                log.warning("dropping an early report for request %r of engine %r: too many "
+                            "waiting for their hold", request_id, engine_id)
+                return
+            early.reports.append(r)
             return
-        self._count(h, note)
+        self._count(h, r)
         self._maybe_done(key, h)
+
+    # ------------------------------------------------------------ time
 
     def expire(self, now: float) -> None:
         for key, h in list(self._holds.items()):
             if now >= h.deadline:
                 del self._holds[key]
+                self.max_overrun = max(self.max_overrun, now - h.deadline)
                 got = {e: len(r) for e, r in h.seen.items()}
-                self._on_done(HoldOutcome(
+                self._end(h, HoldOutcome(
                     h.engine_id, h.request_id, "expired",
                     f"{len(h.done_engines)} of {h.readers} reading engines finished before the "
-                    f"timeout (notifications per engine: {got or 'none'})",
+                    f"deadline (reports per engine: {got or 'none'})",
                 ))
         for key, e in list(self._early.items()):
-            if now - e.arrived >= self.grace_s:
+            if now - e.arrived >= self.grace_s and now >= e.lease_until:
                 del self._early[key]
-                self.unclaimed += len(e.notes)
-                log.warning("%d notification(s) for request %r of engine %r were never claimed "
-                            "by a hold", len(e.notes), key[1], key[0])
+                self.unclaimed += len(e.reports)
+                if e.reports:
+                    log.warning("%d notification(s) for request %r of engine %r were never "
+                                "claimed by a hold", len(e.reports), key[1], key[0])
 
-    def _count(self, h: _Hold, note: ReadDone) -> None:
-        ranks = h.seen.setdefault(note.reader_engine, set())
-        if note.reader_rank in ranks:
+    # ------------------------------------------------------------ internals
+
+    def _early_entry(self, key: Key, now: float) -> _Early | None:
+        early = self._early.get(key)
+        if early is None:
+            if len(self._early) >= self.max_early:
+                return None
+            early = self._early[key] = _Early(now)
+        return early
+
+    def _count(self, h: _Hold, r: Report) -> None:
+        ranks = h.seen.setdefault(r.reader_engine, set())
+        if r.reader_rank in ranks:
             self.duplicates += 1
-            log.warning("duplicate notification for %r from %r rank %d", h.request_id,
-                        note.reader_engine, note.reader_rank)
+            if not r.failure:  # an abandon after the notification is expected; not news
+                log.warning("duplicate notification for %r from %r rank %d", h.request_id,
+                            r.reader_engine, r.reader_rank)
             return
-        ranks.add(note.reader_rank)
+        ranks.add(r.reader_rank)
+        if r.failure:
+            h.failures.setdefault(r.reader_engine, f"rank {r.reader_rank}: {r.failure}")
         try:
-            want = expected_notifications(h.p_tp, note.reader_tp)
+            want = expected_notifications(h.p_tp, r.reader_tp)
         except ValueError:
             want = 1
         if len(ranks) >= want:
-            h.done_engines.add(note.reader_engine)
+            h.done_engines.add(r.reader_engine)
 
     def _maybe_done(self, key: Key, h: _Hold) -> None:
-        if len(h.done_engines) >= h.readers:
-            del self._holds[key]
-            self._on_done(HoldOutcome(h.engine_id, h.request_id, "sent"))
+        if len(h.done_engines) < h.readers:
+            return
+        del self._holds[key]
+        if h.failures:
+            why = "; ".join(f"{e} {f}" for e, f in sorted(h.failures.items()))
+            self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
+                                     f"every reader finished, {len(h.failures)} gave up: {why}"))
+        else:
+            self._end(h, HoldOutcome(h.engine_id, h.request_id, "sent"))
+
+    def _end(self, h: _Hold, outcome: HoldOutcome) -> None:
+        self._remember_end((h.engine_id, h.request_id), outcome.kind)
+        self._on_done(outcome)
+
+    def _remember_end(self, key: Key, why: str) -> None:
+        self._ended[key] = why
+        self._ended.move_to_end(key)
+        while len(self._ended) > self.max_ended:
+            self._ended.popitem(last=False)

@@ -227,6 +227,11 @@ class ReadTable:
         self._timeout_s = read_timeout_s
         self._deliver = deliver
         self._jobs: dict[tuple[str, str], ReadJob] = {}
+        self._per_engine: dict[str, int] = {}
+
+    def count(self, engine_id: str) -> int:
+        """Reads of ``engine_id`` accepted and not yet completed."""
+        return self._per_engine.get(engine_id, 0)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -258,6 +263,7 @@ class ReadTable:
             raise RequestError(BAD_REQUEST, str(e)) from None
         job = ReadJob(req)
         self._jobs[key] = job
+        self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
         job.task = asyncio.ensure_future(self._run(eng, job))
         # A task cancelled before its first step never runs its body; the
         # callback still reports it and frees the request id.
@@ -289,6 +295,11 @@ class ReadTable:
         key = (eng.engine_id, job.req.request_id)
         if self._jobs.get(key) is job:
             del self._jobs[key]
+            left = self._per_engine[key[0]] - 1
+            if left:
+                self._per_engine[key[0]] = left
+            else:
+                del self._per_engine[key[0]]
         self._deliver(eng, c)
 
     async def _run(self, eng: EngineRank, job: ReadJob) -> None:

@@ -213,8 +213,28 @@ class Sidecar:
             self.metrics.requests.labels(op=kind.__name__.lower(), error=error).inc()
 
     async def _read(self, req: Read) -> Reply:
-        self._reads.accept(self._engine(req.engine_id), req)
+        eng = self._engine(req.engine_id)
+        self._admit(eng, "reads", self._reads.count(eng.engine_id),
+                    self.settings.max_reads_per_engine, "reads in flight")
+        self._reads.accept(eng, req)
         return Ok()
+
+    def _admit(self, eng: EngineRank, limit: str, used: int, bound: int, what: str) -> None:
+        """Refuse new work that would pass a per-engine bound, and work whose
+        completion could not be queued (every accepted read or hold ends in
+        exactly one completion, so bounding reads + holds + unpolled
+        completions bounds the queue without ever dropping a completion)."""
+        queued = len(eng.completions) + self._reads.count(eng.engine_id) + len(eng.holds)
+        cap = self.settings.max_completions_per_engine
+        if queued >= cap:
+            limit, used, bound = "completions", queued, cap
+            what = "reads, holds and unpolled completions"
+        elif used < bound:
+            return
+        self.metrics.limit_refusals.labels(eng.engine_id, limit).inc()
+        raise RequestError(UNAVAILABLE, f"engine {eng.engine_id!r} has {used} {what}, the "
+                                        f"limit is {bound} (--max-{limit}-per-engine); poll "
+                                        "completions or retry later")
 
     async def _poll(self, req: Poll) -> Reply:
         return self._engine(req.engine_id).poll(req.ack, req.epoch)
@@ -314,6 +334,8 @@ class Sidecar:
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
+            hold_lease_s=self.settings.hold_lease_s,
+            max_early_notifications=self.settings.max_early_notifications,
             metrics=self.metrics,
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid,
@@ -419,6 +441,8 @@ class Sidecar:
 
     async def _hold(self, req: Hold) -> Reply:
         eng = self._engine(req.engine_id)
+        self._admit(eng, "holds", len(eng.holds), self.settings.max_holds_per_engine,
+                    "holds open")
         try:
             validate_block_ids(eng.layout, req.block_ids, "held")
         except PlanError as e:
@@ -456,7 +480,10 @@ class Sidecar:
                         note.target_engine, note.request_id, agent)
             return
         self.metrics.notifications_received.labels(outcome="ok").inc()
+        dropped = eng.holds.early_dropped
         eng.holds.notify(note, time.monotonic())
+        if eng.holds.early_dropped != dropped:
+            self.metrics.limit_refusals.labels(eng.engine_id, "early_notifications").inc()
 
     # ------------------------------------------------------------ housekeeping
 

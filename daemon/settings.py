@@ -27,6 +27,11 @@ class Settings:
     handshake_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     engine_lease_s: float = 30.0
+    hold_lease_s: float = 10.0
+    max_reads_per_engine: int = 4096
+    max_holds_per_engine: int = 65536
+    max_completions_per_engine: int = 65536
+    max_early_notifications: int = 4096
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -151,6 +156,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("ENGINE_LEASE", "30"),
                    help="an engine that sends no request (a poll is enough) for this many "
                         "seconds is taken for dead and released (env KVSIDECAR_ENGINE_LEASE)")
+    p.add_argument("--hold-lease", type=_number(float, "HOLD_LEASE"),
+                   default=_env("HOLD_LEASE", "10"),
+                   help="seconds each claim or renewal by a reader keeps a hold alive; readers "
+                        "renew every third of it while they read (env KVSIDECAR_HOLD_LEASE)")
+    p.add_argument("--max-reads-per-engine", type=_number(int, "MAX_READS_PER_ENGINE"),
+                   default=_env("MAX_READS_PER_ENGINE", "4096"),
+                   help="reads one engine rank may have in flight (env "
+                        "KVSIDECAR_MAX_READS_PER_ENGINE)")
+    p.add_argument("--max-holds-per-engine", type=_number(int, "MAX_HOLDS_PER_ENGINE"),
+                   default=_env("MAX_HOLDS_PER_ENGINE", "65536"),
+                   help="holds one engine rank may have open (env KVSIDECAR_MAX_HOLDS_PER_ENGINE)")
+    p.add_argument("--max-completions-per-engine", type=_number(int, "MAX_COMPLETIONS_PER_ENGINE"),
+                   default=_env("MAX_COMPLETIONS_PER_ENGINE", "65536"),
+                   help="reads + holds + unpolled completions of one engine rank (env "
+                        "KVSIDECAR_MAX_COMPLETIONS_PER_ENGINE)")
+    p.add_argument("--max-early-notifications", type=_number(int, "MAX_EARLY_NOTIFICATIONS"),
+                   default=_env("MAX_EARLY_NOTIFICATIONS", "4096"),
+                   help="requests of one engine rank with notifications waiting for their "
+                        "hold (env KVSIDECAR_MAX_EARLY_NOTIFICATIONS)")
     p.add_argument("--metrics-port", type=_number(int, "METRICS_PORT"),
                    default=_env("METRICS_PORT", "-1"),
                    help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
@@ -198,7 +222,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not backends:
         raise ConfigError("--backends (env KVSIDECAR_BACKENDS) names no backend; e.g. UCX")
     for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout",
-                 "engine_lease", "health_timeout"):
+                 "engine_lease", "health_timeout", "hold_lease"):
         value = getattr(ns, name)
         if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
@@ -222,6 +246,11 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if ns.transport_check not in _CHECK_MODES:
         raise ConfigError(f"--transport-check (env KVSIDECAR_TRANSPORT_CHECK) must be one of "
                           f"{', '.join(_CHECK_MODES)}, got {ns.transport_check!r}")
+    for name in ("max_reads_per_engine", "max_holds_per_engine", "max_completions_per_engine",
+                 "max_early_notifications"):
+        if getattr(ns, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
+                              f"be >= 1, got {getattr(ns, name)}")
     return Settings(
         socket=ns.socket or default_socket(ns.device),
         handshake_host=ns.handshake_host,
@@ -234,6 +263,11 @@ def from_args(ns: argparse.Namespace) -> Settings:
         handshake_timeout_s=ns.handshake_timeout,
         read_timeout_s=ns.read_timeout,
         engine_lease_s=ns.engine_lease,
+        hold_lease_s=ns.hold_lease,
+        max_reads_per_engine=ns.max_reads_per_engine,
+        max_holds_per_engine=ns.max_holds_per_engine,
+        max_completions_per_engine=ns.max_completions_per_engine,
+        max_early_notifications=ns.max_early_notifications,
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         log_level=ns.log_level.upper(),

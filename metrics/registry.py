@@ -127,6 +127,9 @@ class Metrics:
                             ("version", "python", "nixl"))
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
+        self.limit_refusals = c(
+            "kvsidecar_limit_refusals_total", "Requests refused (or early notifications "
+            "dropped) because a per-engine bound was reached", (*ENGINE, "limit"))
         self.cleanup_failures = c(
             "kvsidecar_cleanup_failures_total",
             "Failures while releasing an engine (logged, never fatal)", ("what",))

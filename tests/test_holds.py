@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsidecar.daemon import notifications
-from kvsidecar.daemon.holds import HoldBook, HoldOutcome
+from kvsidecar.daemon.holds import HoldBook, HoldOutcome, Lease, Report
 
 
 def note(req: str, engine: str, rank: int, tp: int, target: str = "P") -> notifications.ReadDone:
@@ -82,3 +82,101 @@ def test_bad_notifications_are_rejected_by_name() -> None:
         notifications.decode(b"\x00garbage")
     with pytest.raises(notifications.BadNotification, match="outside tp"):
         notifications.decode(notifications.encode("P", "r", "D", 4, 2))
+
+
+# --------------------------------------------------------------------------
+# Leases, abandons and bounds
+# --------------------------------------------------------------------------
+
+
+def leased(lease_s: float = 3.0, **kw: int) -> tuple[HoldBook, list[HoldOutcome]]:
+    done: list[HoldOutcome] = []
+    return HoldBook(default_timeout_s=10, grace_s=5, on_done=done.append, lease_s=lease_s,
+                    **kw), done
+
+
+def test_claims_and_renewals_keep_a_hold_alive_past_its_timeout() -> None:
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=2, now=0)
+    assert b.claim("P", "r", now=1) == Lease(True, 3.0)
+    assert b.deadline("P", "r") == 4  # receipt + lease: never before the reader's bound
+    b.expire(now=3.9)
+    assert done == []
+    assert b.claim("P", "r", now=3.5).granted  # a renewal
+    b.expire(now=6.4)
+    assert done == []
+    b.expire(now=6.5)  # no renewal within the lease: expired at receipt + lease
+    assert [d.kind for d in done] == ["expired"]
+
+
+def test_a_claim_for_an_ended_hold_is_refused() -> None:
+    b, _ = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=1, now=0)
+    b.expire(now=1)
+    lease = b.claim("P", "r", now=2)
+    assert not lease.granted and "has ended (expired)" in lease.reason
+    b.add("P", "s", p_tp=1, readers=1, timeout_s=None, now=0)
+    b.notify(note("s", "D", 0, 1), now=1)
+    assert not b.claim("P", "s", now=2).granted  # sent: its blocks may be reused
+    b.add("P", "t", p_tp=1, readers=1, timeout_s=None, now=0)
+    b.release("P", "t")
+    assert "aborted" in b.claim("P", "t", now=1).reason
+
+
+def test_an_early_claim_holds_the_later_hold_until_its_lease_ends() -> None:
+    b, done = leased(lease_s=30)
+    assert b.claim("P", "r", now=0).granted
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=1, now=1)
+    assert b.deadline("P", "r") == 30
+    b.expire(now=29.9)
+    assert done == []
+
+
+def test_an_abandoning_reader_ends_the_hold_at_once_as_aborted() -> None:
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
+    b.report("P", "r", Report("D", 0, 1, "NixlError: boom"), now=1)
+    assert [(d.kind, "gave up" in d.reason and "boom" in d.reason) for d in done] == [
+        ("aborted", True)]
+
+
+def test_partial_readers_a_wide_reader_counts_once_every_rank_reported() -> None:
+    """D tp 2 reading P tp 1: rank 0 read (notified), rank 1 failed (abandoned).
+    The reading engine is finished, failed; the hold ends only then."""
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
+    b.notify(note("r", "D", 0, 2), now=1)
+    assert done == []
+    b.report("P", "r", Report("D", 1, 2, "lease lost"), now=1)
+    assert [d.kind for d in done] == ["aborted"] and "rank 1: lease lost" in done[0].reason
+
+
+def test_an_abandon_after_the_notification_changes_nothing() -> None:
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=2, timeout_s=None, now=0)
+    b.notify(note("r", "D1", 0, 1), now=1)
+    b.report("P", "r", Report("D1", 0, 1, "late abandon"), now=1)
+    assert done == []
+    b.notify(note("r", "D2", 0, 1), now=1)
+    assert [d.kind for d in done] == ["sent"]
+
+
+def test_early_entries_are_bounded() -> None:
+    b, done = leased(max_early=2)
+    b.notify(note("a", "D", 0, 1), now=0)
+    assert b.claim("P", "b", now=0).granted
+    b.notify(note("c", "D", 0, 1), now=0)  # a third request: dropped and counted
+    assert b.early == 2 and b.early_dropped == 1
+    refused = b.claim("P", "d", now=0)
+    assert not refused.granted and "too many" in refused.reason
+    b.add("P", "a", p_tp=1, readers=1, timeout_s=None, now=1)
+    assert [d.kind for d in done] == ["sent"]  # the kept early notification still counts
+
+
+def test_ended_holds_are_remembered_within_a_bound() -> None:
+    b, _ = leased(max_ended=2)
+    for rid in ("a", "b", "c"):
+        b.add("P", rid, p_tp=1, readers=1, timeout_s=None, now=0)
+        b.release("P", rid)
+    assert not b.claim("P", "c", now=1).granted
+    assert b.claim("P", "a", now=1).granted  # forgotten: taken for an early claim

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,21 @@ import pytest
 import zmq
 
 from kvsidecar.daemon.engines import shm_prefix_for
-from kvsidecar.ipc.client import AsyncSidecarClient, SidecarClient, process_instance
+from kvsidecar.ipc.client import (
+    AsyncSidecarClient,
+    SidecarClient,
+    Unavailable,
+    process_instance,
+)
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.memory import ShmRegion
-from kvsidecar.ipc.protocol import Register, Registered, decode_reply, encode_request
+from kvsidecar.ipc.protocol import (
+    Register,
+    Registered,
+    RemoteEngine,
+    decode_reply,
+    encode_request,
+)
 from kvsidecar.sim.cluster import SidecarProcess
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +58,10 @@ def stale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
 @pytest.fixture(scope="module")
 def sidecar(stale: tuple[Path, list[str]]) -> Iterator[SidecarProcess]:
     workdir, _ = stale
-    s = SidecarProcess(workdir, "lease", args=["--engine-lease", str(LEASE_S)]).start()
+    s = SidecarProcess(workdir, "lease", args=[
+        "--engine-lease", str(LEASE_S), "--max-reads-per-engine", "3",
+        "--max-holds-per-engine", "4", "--max-completions-per-engine", "6",
+        "--handshake-timeout", "60"]).start()
     yield s
     assert s.stop() == 0
 
@@ -151,3 +166,44 @@ def test_another_process_with_the_same_engine_id_is_refused(sidecar) -> None:
             for r in reg.regions:
                 r.close()
             c.deregister("taken")
+
+
+def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
+    """Reads in flight, open holds and unpolled completions are bounded per engine;
+    at a bound new work is refused with the limit's name; what was accepted
+    still completes; the engine is served again once it polls."""
+    # A peer that accepts TCP but never answers keeps reads in their handshake.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    remote = RemoteEngine("P-silent", 1, [f"127.0.0.1:{silent.getsockname()[1]}"])
+    with SidecarClient(sidecar.socket) as c:
+        reg = c.register("bounded", 0, LAYOUT, allocate=True)
+        try:
+            for i in range(3):
+                c.read("bounded", f"r{i}", [[i]], remote, [[i]])
+            with pytest.raises(Unavailable, match=r"3 reads in flight, the limit is 3 "
+                                                  r"\(--max-reads-per-engine\)"):
+                c.read("bounded", "r3", [[3]], remote, [[3]])
+            c.hold("bounded", "h0", [[0]], timeout_s=1000)
+            c.hold("bounded", "h1", [[1]], timeout_s=1000)
+            # reads + holds + completions: 3 + 2 = 5 of 6
+            c.hold("bounded", "h2", [[2]], timeout_s=1000)
+            with pytest.raises(Unavailable, match="--max-completions-per-engine"):
+                c.hold("bounded", "h3", [[3]], timeout_s=1000)
+            for i in range(3):
+                c.release("bounded", f"r{i}")  # aborted reads: completions wait to be polled
+            with pytest.raises(Unavailable, match="poll completions"):
+                c.hold("bounded", "h3", [[3]], timeout_s=1000)
+            got = c.poll("bounded")
+            assert sorted((x.request_id, x.kind) for x in got) == [
+                ("r0", "aborted"), ("r1", "aborted"), ("r2", "aborted")]
+            assert c.poll("bounded") == []  # acknowledges them: only now are they gone
+            c.hold("bounded", "h3", [[3]], timeout_s=1000)
+            with pytest.raises(Unavailable, match=r"4 holds open, the limit is 4"):
+                c.hold("bounded", "h4", [[3]], timeout_s=1000)
+        finally:
+            for r in reg.regions:
+                r.close()
+            c.deregister("bounded")
+            silent.close()
