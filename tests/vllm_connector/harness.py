@@ -34,7 +34,11 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -83,7 +87,8 @@ def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequenc
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=MAX_LEN,
                          is_encoder_decoder=False, enable_chunked_prefill=True)
-    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    # Mamba without cache mode "align" has no prefix caching (vLLM refuses it).
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=not hybrid)
     kt = KVTransferConfig(
         kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.ipc.vllm",
         kv_role=role, engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -117,7 +122,7 @@ def kv_cache_config(tp: int, num_blocks: int, hybrid: bool) -> KVCacheConfig:
     attn = FullAttentionSpec(block_size=attn_block, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch.bfloat16)
     page = attn.page_size_bytes
-    mamba = MambaSpec(block_size=MAX_LEN, shapes=(conv, temporal),
+    mamba = MambaSpec(block_size=attn_block, shapes=(conv, temporal),
                       dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
                       mamba_type=MambaAttentionBackendEnum.MAMBA2)
     attn_layers = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
@@ -142,6 +147,7 @@ class Engine:
     workers: list[KvSidecarConnector]
     kv_caches: list[dict[str, torch.Tensor]]
     aggregator: KVOutputAggregator
+    hash_block: int
     fill: Callable[[Engine, Request], None] | None = None
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # pages earlier reads wrote
@@ -226,30 +232,31 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
         caches.append(kv)
     kcc = kv_cache_config(tp, num_blocks, hybrid)
     cfg.cache_config.num_gpu_blocks = num_blocks
+    block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)  # as vLLM's engine core
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                       structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=BLOCK, log_stats=True)
+                      block_size=block, hash_block_size=hash_block, log_stats=True)
     meta = {}
     for rank, w in enumerate(workers):
         hs = w.get_handshake_metadata()
         assert hs is not None
         meta[rank] = hs
     sched.connector.set_xfer_handshake_metadata(meta)  # what the engine core does
-    eng = Engine(name, sched, workers, caches, KVOutputAggregator(tp))
+    eng = Engine(name, sched, workers, caches, KVOutputAggregator(tp), hash_block)
     for rank in range(tp):
         for b in eng.buffers(rank):
             b[:] = POISON
     return eng
 
 
-def request(rid: str, tokens: int, params: dict[str, Any] | None, max_tokens: int = 4,
-            seed: int = 1) -> Request:
+def request(eng: Engine, rid: str, tokens: int, params: dict[str, Any] | None,
+            max_tokens: int = 4, seed: int = 1) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.update_from_generation_config({}, EOS)
     req = Request(request_id=rid, prompt_token_ids=[(seed * 31 + i) % 997 + 3
                                                     for i in range(tokens)],
                   sampling_params=sp, pooling_params=None, mm_features=None,
-                  block_hasher=get_request_block_hasher(BLOCK, sha256))
+                  block_hasher=get_request_block_hasher(eng.hash_block, sha256))
     req.kv_transfer_params = params
     return req
 
@@ -259,10 +266,14 @@ def oracle_fill(seed_of: Callable[[str], int]) -> Callable[[Engine, Request], No
     from kvsidecar.sim.oracle import fill_shard
 
     def fill(eng: Engine, req: Request) -> None:
-        ids = eng.block_ids(req.request_id)
+        # The model writes a Mamba layer's new state into the group's last slot
+        # (the one before it held the previous state and is nulled afterwards).
+        kinds = [g.kv_cache_spec.__class__.__name__ for g in eng.sched.kv_cache_config
+                 .kv_cache_groups]
+        ids = [[b for b in g if b != 0] for g in eng.block_ids(req.request_id)]
+        ids = [g[-1:] if k == "MambaSpec" else g for g, k in zip(ids, kinds)]
         logical = OracleRequest(seed_of(req.request_id), req.num_prompt_tokens)
         for rank in range(len(eng.workers)):
-            fill_shard(eng.buffers(rank), eng.layout_of(rank), rank,
-                       [[b for b in g if b != 0] for g in ids], logical)
+            fill_shard(eng.buffers(rank), eng.layout_of(rank), rank, ids, logical)
 
     return fill

@@ -74,7 +74,7 @@ def pair(sidecars: Sidecars, models: dict[bool, str], p_tp: int, d_tp: int, hybr
 
 def prefill(P: Engine, rid: str, tokens: int, seed: int) -> dict[str, Any]:
     """Run P until the request finishes; return the kv_transfer_params it hands D."""
-    P.sched.add_request(request(rid, tokens, {"do_remote_decode": True}, max_tokens=1,
+    P.sched.add_request(request(P, rid, tokens, {"do_remote_decode": True}, max_tokens=1,
                                 seed=seed))
     for _ in range(10):
         P.step()
@@ -96,7 +96,9 @@ def run_until(eng: Engine, done: Any, steps: int = 400) -> None:
 
 def verify(D: Engine, rid: str, tokens_read: int, seed: int, skip: int = 0) -> None:
     """The oracle on every D rank; pages earlier reads wrote (D.dirty) may differ."""
+    kinds = [g.kv_cache_spec.__class__.__name__ for g in D.sched.kv_cache_config.kv_cache_groups]
     ids = [[b for b in g if b != 0] for g in D.block_ids(rid)]
+    ids = [g[-1:] if k == "MambaSpec" else g for g, k in zip(ids, kinds)]
     others = D.dirty | {b for r in D.sched.requests if r != rid for g in D.block_ids(r)
                         for b in g}
     for rank in range(len(D.workers)):
@@ -107,11 +109,7 @@ def verify(D: Engine, rid: str, tokens_read: int, seed: int, skip: int = 0) -> N
     D.dirty.update(b for g in ids for b in g)
 
 
-def d_request(rid: str, tokens: int, params: dict[str, Any], seed: int) -> Any:
-    return request(rid, tokens, params, seed=seed)
-
-
-CASES = [(1, 1, False), (1, 2, False), (2, 1, False)]
+CASES = [(1, 1, False), (1, 2, False), (2, 1, False), (1, 2, True)]
 
 
 @pytest.mark.parametrize("p_tp,d_tp,hybrid", CASES,
@@ -129,7 +127,7 @@ def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, s
             computed = tokens - 1 if hybrid else tokens
             assert params["remote_num_tokens"] == computed
             assert len(params["remote_handshake"]) == p_tp
-            D.sched.add_request(d_request(rid, tokens, params, seeds[rid]))
+            D.sched.add_request(request(D, rid, tokens, params, seed=seeds[rid]))
             D.step()  # schedules the read: the request waits for remote KV
             assert D.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
             run_until(D, lambda rid=rid: rid in D.sched.finished_recving_kv_req_ids
