@@ -174,6 +174,10 @@ def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
     and counters. Bare notifications (nothing read from that rank) count as
     notifications, not transfers."""
     labels = (engine, peer)
+    # Failure series exist (at 0) from the first transfer on, so dashboards and
+    # alerts see "no failures" rather than "no data".
+    m.transfer_failures.labels(*labels)
+    m.notifications_sent.labels(engine, "failed")
     for post, r in zip(posts, results):
         if not post.length.size:
             m.notifications_sent.labels(engine, "failed" if isinstance(r, BaseException)

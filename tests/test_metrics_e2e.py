@@ -1,15 +1,27 @@
-"""Metrics over real HTTP from real daemons that moved real transfers.
+"""Metrics over real HTTP from real daemons that moved real transfers, and the
+Grafana dashboard evaluated by a real Prometheus scraping them.
 
 One P sidecar and two D sidecars (P tp1 -> D tp2, hybrid attention + Mamba);
 every counter and histogram is read back through ``/metrics`` with the
 Prometheus text parser and compared with what the test did, and the bytes are
 checked with the LAYOUT.md oracle first (metrics of a wrong transfer prove
-nothing).
+nothing). When ``prometheus`` is installed (``make test`` installs it as root;
+otherwise the dashboard test is skipped with the reason), it scrapes the three
+sidecars every second from before the first transfer, and every PromQL
+expression of dashboards/kvsidecar.json and dashboards/alerts.yml must parse
+and return data through Prometheus's HTTP API.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +37,66 @@ from kvsidecar.sim.oracle import Request
 pytestmark = pytest.mark.e2e
 
 N_READS = 3
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS = shutil.which("prometheus")
+#: Grafana variables as an "All" selection and the rate window Prometheus evaluates.
+VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$engine": ".*", "$peer": ".*"}
+
+
+class Prometheus:
+    """A real Prometheus scraping the sidecars every second."""
+
+    def __init__(self, work: Path, ports: list[int]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cfg = work / "prometheus.yml"
+        targets = ", ".join(f'"127.0.0.1:{p}"' for p in ports)
+        cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                       "scrape_configs:\n  - job_name: kvsidecar\n"
+                       f"    static_configs:\n      - targets: [{targets}]\n")
+        self.log = open(work / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
+        assert PROMETHEUS is not None
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.targets = len(ports)
+
+    def query(self, expr: str) -> list[dict[str, object]]:
+        url = (f"http://127.0.0.1:{self.port}/api/v1/query?"
+               + urllib.parse.urlencode({"query": expr}))
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = json.loads(e.read())
+        assert body.get("status") == "success", f"{expr}: {body.get('error')}"
+        result = body["data"]["result"]
+        assert isinstance(result, list)
+        return result
+
+    def wait_scraped(self, expr: str, want: int, timeout_s: float = 180) -> None:
+        """Until ``expr`` returns ``want`` series (the server and its scrapes are up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if len(self.query(expr)) >= want:
+                    return
+            except (OSError, AssertionError):
+                pass
+            assert self.proc.poll() is None, "prometheus exited"
+            assert time.monotonic() < deadline, f"prometheus never saw {expr}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -51,7 +123,10 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
     for s in p + d:
         s.start()
     ids = itertools.count()
+    prom = Prometheus(work, [s.metrics_port for s in p + d]) if PROMETHEUS else None
     try:
+        if prom is not None:  # scraping before anything moves, so rates see the change
+            prom.wait_scraped('kvsidecar_build_info', 3)
         with engines(p, d, lambda pre: f"{pre}{next(ids)}", hybrid, 1, 2) as (P, (D,)):
             rids = [f"m{i}" for i in range(N_READS)]
             for i, rid in enumerate(rids):
@@ -68,9 +143,19 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
                         sent.block_ids, sent.req)
             D.start_read(dead)
             assert {c.kind for c in D.wait_for(["gone"])["gone"].values()} == {"failed"}
-            yield {"P": P, "D": D, "p": p, "d": d,
+            # A hold nobody reads expires; a request for an unknown engine is refused.
+            P.prefill("expire", Request(seed=8, prompt_tokens=20), timeout_s=1.0)
+            assert {c.kind for c in P.wait_for(["expire"])["expire"].values()} == {"expired"}
+            with pytest.raises(Exception, match="not registered"):
+                D.clients[0].poll("nobody-here")
+            if prom is not None:  # two more scrapes after the last change
+                prom.wait_scraped('kvsidecar_completions_total{outcome="expired"}', 1)
+                time.sleep(3)
+            yield {"P": P, "D": D, "p": p, "d": d, "prom": prom,
                    "scrapes": [scrape(s.metrics_port) for s in p + d]}
     finally:
+        if prom is not None:
+            prom.stop()
         for s in p + d:
             assert s.stop() == 0, s.read_log()
 
@@ -95,6 +180,8 @@ def test_decode_side_transfer_metrics(moved: dict[str, object]) -> None:
         assert value(m, "kvsidecar_read_queue_seconds_count", **eng) == N_READS
         assert value(m, "kvsidecar_read_seconds_count", **eng) == N_READS
         assert value(m, "kvsidecar_engine_requests_total", op="read", error="") == N_READS + 1
+        assert value(m, "kvsidecar_engine_requests_total", op="poll",
+                     error="unknown_engine") == (1 if m is scrapes[1] else 0)
         assert value(m, "kvsidecar_handshakes_total", side="client", result="ok") == 1
         assert value(m, "kvsidecar_handshakes_total", side="client", result="failed") == 1
         assert value(m, "kvsidecar_transfer_failures_total") == 0
@@ -112,5 +199,70 @@ def test_prefill_side_metrics(moved: dict[str, object]) -> None:
                  outcome="sent") == N_READS
     # Two D ranks each notify the one P rank once per read.
     assert value(m, "kvsidecar_notifications_received_total", outcome="ok") == 2 * N_READS
-    assert value(m, "kvsidecar_engine_requests_total", op="hold", error="") == N_READS
+    assert value(m, "kvsidecar_engine_requests_total", op="hold", error="") == N_READS + 1
+    assert value(m, "kvsidecar_completions_total", outcome="expired") == 1
     assert value(m, "kvsidecar_holds_in_flight") == 0
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dash = json.loads((ROOT / "dashboards" / "kvsidecar.json").read_text())
+    out = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
+           for p in dash["panels"] for t in p["targets"]]
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["definition"])
+            assert m, v["definition"]
+            out.append((f"variable {v['name']}", m.group(1)))
+    return out
+
+
+def substitute(expr: str) -> str:
+    for k, v in VARIABLES.items():
+        expr = expr.replace(k, v)
+    assert "$" not in expr, expr
+    return expr
+
+
+def test_dashboard_is_importable_grafana_json() -> None:
+    dash = json.loads((ROOT / "dashboards" / "kvsidecar.json").read_text())
+    names = {v["name"]: v for v in dash["templating"]["list"]}
+    assert names["datasource"]["type"] == "datasource"
+    assert names["datasource"]["query"] == "prometheus"
+    assert {"engine", "peer", "instance"} <= set(names)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["targets"], p["title"]
+
+
+def test_every_dashboard_query_returns_data_from_real_prometheus(
+        moved: dict[str, object]) -> None:
+    prom = moved["prom"]
+    if prom is None:
+        pytest.skip("prometheus is not installed (make test installs it when run as root: "
+                    "scripts/system-deps.sh)")
+    assert isinstance(prom, Prometheus)
+    empty = []
+    for where, expr in dashboard_exprs():
+        if not prom.query(substitute(expr)):
+            empty.append(where)
+    assert not empty, f"queries without data: {empty}"
+
+
+def test_alert_rules_check_and_evaluate(moved: dict[str, object]) -> None:
+    prom = moved["prom"]
+    promtool = shutil.which("promtool")
+    if prom is None or promtool is None:
+        pytest.skip("prometheus/promtool are not installed (make test installs them as root)")
+    assert isinstance(prom, Prometheus)
+    rules = ROOT / "dashboards" / "alerts.yml"
+    out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Every rule expression parses in the server; the recording rules have data.
+    exprs = re.findall(r"^\s+expr: (?!\|)(.+)$", rules.read_text(), re.M)
+    for expr in exprs:
+        prom.query(expr)
+    assert prom.query('sum by (instance, engine, peer) '
+                      '(rate(kvsidecar_read_bytes_total[1m]))')
