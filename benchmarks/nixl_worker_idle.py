@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from kvsidecar.daemon.nixl_worker import NixlWorker, transport_note
+from kvsidecar.daemon.transport.worker import NixlWorker, transport_note
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -28,8 +28,8 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon.handshake import HandshakeInfo
 from kvsidecar.daemon.holds import HoldBook, HoldOutcome
-from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
+from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.memory import (
     ENGINE_SHM_PREFIX,

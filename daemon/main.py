@@ -32,8 +32,8 @@ async def _serve(s: settings_mod.Settings) -> int:
     from kvsidecar.daemon.conn_guard import raise_fd_limit
     from kvsidecar.daemon.engine_access import SocketInUse
     from kvsidecar.daemon.health import verdict
-    from kvsidecar.daemon.nixl_worker import transport_note
     from kvsidecar.daemon.service import Sidecar
+    from kvsidecar.daemon.transport.worker import transport_note
     from kvsidecar.metrics.registry import Metrics
     from kvsidecar.metrics.server import MetricsServer
 

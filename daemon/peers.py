@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvsidecar.daemon.handshake import HandshakeClient, HandshakeFailed, HandshakeInfo, check_peer
-from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout, LayoutError, validate
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)

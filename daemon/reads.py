@@ -30,7 +30,6 @@ from numpy.typing import NDArray
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.handshake import HandshakeClient
-from kvsidecar.daemon.nixl_worker import NixlError, NixlTimeout, TransferStats
 from kvsidecar.daemon.peers import Peer
 from kvsidecar.daemon.planner import (
     PlanError,
@@ -39,6 +38,7 @@ from kvsidecar.daemon.planner import (
     plan_read,
     validate_block_ids,
 )
+from kvsidecar.daemon.transport.worker import NixlError, NixlTimeout, TransferStats
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
 from kvsidecar.metrics.registry import Metrics

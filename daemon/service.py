@@ -49,12 +49,12 @@ from kvsidecar.daemon.handshake import (
     new_daemon_id,
 )
 from kvsidecar.daemon.health import Check, heartbeat
-from kvsidecar.daemon.nixl_worker import NixlWorker
 from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.transport.check import CheckResult, run_check
+from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (

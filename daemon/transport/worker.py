@@ -51,15 +51,11 @@ released.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import importlib
 import itertools
 import logging
-import os
 import queue
-import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -69,9 +65,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvsidecar.daemon.transport.errors import NixlError, NixlTimeout, wrap
+from kvsidecar.daemon.transport.metadata import peek_agent_name
+from kvsidecar.daemon.transport.probe import transport_note
+
 log = logging.getLogger(__name__)
 
-__all__ = ["NixlError", "NixlWorker", "TransferStats", "transport_note"]
+__all__ = ["NixlError", "NixlTimeout", "NixlWorker", "TransferStats", "transport_note"]
 
 _MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
 _STOP_WAIT_S = 5.0  # how long stop() lets in-flight transfers finish
@@ -93,132 +93,6 @@ class TransferStats:
     post_us: float
     xfer_us: float
     telemetry: bool = False
-
-
-class NixlError(Exception):
-    """A NIXL call failed; the message names the operation and the remote agent."""
-
-    def __init__(self, message: str, *, remote: str | None = None) -> None:
-        super().__init__(message)
-        self.remote = remote
-
-
-class NixlTimeout(NixlError):
-    """A read was cancelled at its deadline: the peer is stalled or unreachable."""
-
-
-# -- transport detection -------------------------------------------------------------------------
-
-_SM_ALIASES = {"cma", "sm", "shm", "all"}
-
-
-def _ucx_tls_allows_cma(tls: str | None) -> bool:
-    """Mirror UCX_TLS semantics closely enough to say whether cma can be picked."""
-    if not tls:
-        return True
-    if tls.startswith("^"):
-        excluded = {t.strip() for t in tls[1:].split(",")}
-        return not excluded & {"cma", "sm", "shm"}
-    included = {t.strip() for t in tls.split(",")}
-    return bool(included & _SM_ALIASES)
-
-
-def _cma_blocker() -> str | None:
-    """Why UCX would disable CMA here, or None if it would enable it.
-
-    Follows UCX's own check (``uct_cma_query_md_resources``): a
-    ``process_vm_writev`` self-test (fails under a seccomp filter) plus Yama's
-    ptrace_scope (0: fine, 1: UCX calls ``PR_SET_PTRACER_ANY`` itself, 2: needs
-    CAP_SYS_PTRACE, 3: never). We probe with ``process_vm_readv`` on ourselves,
-    which a seccomp filter blocks the same way and which writes nothing.
-    """
-    if not sys.platform.startswith("linux"):
-        return "not Linux"
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # the running process, libc included
-
-        class _IoVec(ctypes.Structure):
-            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-        src = ctypes.c_uint64(0x5EED)
-        dst = ctypes.c_uint64(0)
-        local = _IoVec(ctypes.cast(ctypes.byref(dst), ctypes.c_void_p), 8)
-        remote = _IoVec(ctypes.cast(ctypes.byref(src), ctypes.c_void_p), 8)
-        fn = libc.process_vm_readv
-        fn.restype = ctypes.c_ssize_t
-        got = fn(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got != 8 or dst.value != src.value:
-            return f"process_vm_readv self-test failed: {os.strerror(ctypes.get_errno())}"
-    except (OSError, AttributeError) as exc:
-        return f"process_vm_readv unavailable: {exc}"
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = f.read().strip()
-    except OSError:
-        return None  # no Yama: ptrace access within one uid is allowed
-    if scope in ("0", "1"):
-        return None
-    if scope == "2" and _has_cap_sys_ptrace():
-        return None
-    return f"yama ptrace_scope={scope} without CAP_SYS_PTRACE"
-
-
-def _has_cap_sys_ptrace() -> bool:
-    cap_sys_ptrace = 19
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> cap_sys_ptrace & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def transport_note() -> str:
-    """One line saying which UCX transports host-memory reads will use here.
-
-    This is a prediction from UCX_TLS and the same probes UCX runs; to see
-    UCX's actual choice, run with ``UCX_PROTO_INFO=y`` (it prints its protocol
-    tables: ``remote memory read by ucp_get* ... cma/memory`` when CMA is used).
-    """
-    tls = os.environ.get("UCX_TLS")
-    shown = f"UCX_TLS={tls}" if tls else "UCX_TLS unset (UCX picks)"
-    if not _ucx_tls_allows_cma(tls):
-        data = "host-memory reads over tcp or another listed transport (cma excluded by UCX_TLS)"
-    else:
-        blocker = _cma_blocker()
-        if blocker is None:
-            data = "host-memory reads over cma (process_vm_readv, one copy)"
-        else:
-            data = f"host-memory reads fall back to tcp, about 5x slower than cma ({blocker})"
-    return f"{shown}; {data}; wire-up and notifications over UCX active messages (tcp)"
-
-
-# -- metadata ------------------------------------------------------------------------------------
-
-_MD_PREFIX = b"nixlSerDes|Agent"
-
-
-def _peek_agent_name(metadata: bytes) -> str | None:
-    """Read the agent name from NIXL's serialized metadata without loading it.
-
-    Loading metadata for a known agent merges the new regions into the old
-    ones, so the name must be known *before* the load to remove the stale entry
-    first. The format is NIXL's serdes (tag, little-endian u64 length, value);
-    if it ever changes this returns None and :meth:`NixlWorker.add_remote`
-    falls back to loading first.
-    """
-    start = len(_MD_PREFIX) + 8
-    if not metadata.startswith(_MD_PREFIX) or len(metadata) < start:
-        return None
-    (n,) = struct.unpack_from("<Q", metadata, len(_MD_PREFIX))
-    if n == 0 or n > 4096 or start + n > len(metadata):
-        return None
-    try:
-        return metadata[start : start + n].decode()
-    except UnicodeDecodeError:
-        return None
 
 
 # -- the worker ----------------------------------------------------------------------------------
@@ -382,7 +256,7 @@ class NixlWorker:
         """
         if not metadata:
             raise ValueError("empty metadata")
-        peek = _peek_agent_name(metadata)
+        peek = peek_agent_name(metadata)
         what = f"add remote agent {peek!r}" if peek else "add remote agent"
         name: str = await self._submit(
             what, functools.partial(self._do_add_remote, bytes(metadata)), remote=peek
@@ -545,7 +419,7 @@ class NixlWorker:
         except (NixlError, ValueError, TypeError) as exc:
             self._fail(job.fut, exc)
         except Exception as exc:
-            self._fail(job.fut, _wrap(job.what, exc, job.remote))
+            self._fail(job.fut, wrap(job.what, exc, job.remote))
         else:
             if result is not _DEFERRED:
                 self._out_futs.append((job.fut, result, None))
@@ -568,7 +442,7 @@ class NixlWorker:
             try:
                 state = self._agent.check_xfer_state(r.handle)
             except Exception as exc:
-                self._finish_read(r, None, _wrap(f"read from remote agent {r.remote!r}", exc,
+                self._finish_read(r, None, wrap(f"read from remote agent {r.remote!r}", exc,
                                                  r.remote))
                 continue
             if state == "PROC":
@@ -719,7 +593,7 @@ class NixlWorker:
         return bytes(self._agent.get_agent_metadata())
 
     def _do_add_remote(self, metadata: bytes, _fut: _Fut) -> str:
-        name = _peek_agent_name(metadata)
+        name = peek_agent_name(metadata)
         if name is not None:
             known = self._remotes.get(name)
             if known == metadata:
@@ -796,7 +670,7 @@ class NixlWorker:
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote,
                                                  notif or b"")
         except Exception as exc:
-            raise _wrap(f"read of {n} descriptors from remote agent {remote!r}: "
+            raise wrap(f"read of {n} descriptors from remote agent {remote!r}: "
                         "initialize_xfer", exc, remote) from exc
         r = _Inflight(handle, fut, remote, int(lens.sum()), n, t0, t0,
                       None if timeout_s is None else t0 + timeout_s)
@@ -804,7 +678,7 @@ class NixlWorker:
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
-            self._finish_read(r, None, _wrap(f"read from remote agent {remote!r}", exc, remote))
+            self._finish_read(r, None, wrap(f"read from remote agent {remote!r}", exc, remote))
             return _DEFERRED
         r.t_post = time.perf_counter()
         if state == "DONE":
@@ -850,21 +724,3 @@ class NixlWorker:
                 cb(agent, msg)
             except Exception:
                 log.exception("on_notif callback failed for a message from %r", agent)
-
-
-_HINTS = {
-    "nixlNotFoundError": "unknown agent, or an address range outside every region registered "
-                         "by this agent or the remote",
-    "nixlInvalidParamError": "descriptor lists differ in count or in a length",
-    "nixlRemoteDisconnectError": "the remote agent disconnected (process gone?)",
-    "nixlMismatchError": "metadata could not be parsed",
-}
-
-
-def _wrap(what: str, exc: BaseException, remote: str | None) -> NixlError:
-    kind = type(exc).__name__
-    hint = _HINTS.get(kind)
-    detail = f"{kind}: {exc}" + (f" ({hint})" if hint else "")
-    err = NixlError(f"{what} failed: {detail}", remote=remote)
-    err.__cause__ = exc
-    return err

@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvsidecar.daemon.nixl_worker import NixlError, NixlWorker, TransferStats, transport_note
+from kvsidecar.daemon.transport.worker import NixlError, NixlWorker, TransferStats, transport_note
 
 MiB = 1 << 20
 
 _PEER_SRC = r"""
 import asyncio, ctypes, mmap, os, sys, time
 from multiprocessing.connection import Connection
-from kvsidecar.daemon.nixl_worker import NixlWorker
+from kvsidecar.daemon.transport.worker import NixlWorker
 
 def mapfile(path):
     fd = os.open(path, os.O_RDWR)

@@ -1,0 +1,40 @@
+"""Errors of the NIXL transport, and the one place NIXL's exceptions become them.
+
+NIXL raises its own exception types with terse messages; :func:`wrap` turns
+them into a :class:`NixlError` naming the operation, the remote agent and a hint
+at the likely cause, so a failed read says what to look at.
+"""
+
+from __future__ import annotations
+
+__all__ = ["NixlError", "NixlTimeout", "wrap"]
+
+
+class NixlError(Exception):
+    """A NIXL call failed; the message names the operation and the remote agent."""
+
+    def __init__(self, message: str, *, remote: str | None = None) -> None:
+        super().__init__(message)
+        self.remote = remote
+
+
+class NixlTimeout(NixlError):
+    """A read was cancelled at its deadline: the peer is stalled or unreachable."""
+
+
+_HINTS = {
+    "nixlNotFoundError": "unknown agent, or an address range outside every region registered "
+                         "by this agent or the remote",
+    "nixlInvalidParamError": "descriptor lists differ in count or in a length",
+    "nixlRemoteDisconnectError": "the remote agent disconnected (process gone?)",
+    "nixlMismatchError": "metadata could not be parsed",
+}
+
+
+def wrap(what: str, exc: BaseException, remote: str | None) -> NixlError:
+    kind = type(exc).__name__
+    hint = _HINTS.get(kind)
+    detail = f"{kind}: {exc}" + (f" ({hint})" if hint else "")
+    err = NixlError(f"{what} failed: {detail}", remote=remote)
+    err.__cause__ = exc
+    return err
