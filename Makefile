@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvsidecar-installed
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: test test-fast demo lint bench clean
+.PHONY: test test-fast system-deps demo lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,16 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test,dev,vllm]'
 	touch $@
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) system-deps
 	$(VENV)/bin/python -m pytest
 
+# Unit and in-process tests only: no sidecar processes, no slow cases.
 test-fast: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/python -m pytest -m 'not slow'
+	$(VENV)/bin/python -m pytest -m 'not slow and not e2e'
+
+# prometheus/promtool and systemd-analyze for the ops tests (installed when root).
+system-deps:
+	./scripts/system-deps.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/kvsidecar demo

@@ -193,7 +193,11 @@ class ShmRegion:
 
     def torch(self) -> _torch.Tensor:
         """A uint8 CPU tensor view of the region (no copy); imports torch on first use."""
-        import torch
+        try:
+            import torch
+        except ImportError:
+            raise ImportError("Region.torch() needs torch: pip install 'kvsidecar[torch]' "
+                              "(or use Region.numpy())") from None
 
         # torch.frombuffer keeps a reference to the object but not a buffer
         # export; a memoryview holds the export, so close() cannot unmap
