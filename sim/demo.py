@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -204,6 +205,7 @@ def run_demo(*, requests: int = 12, layers: int = 4, p_tp: int = 1, d_tp: int = 
                 p.kill()
         for s in ps + ds:
             s.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # sockets, logs: nothing left in /tmp
 
 
 def _raw_baseline(nbytes: int, descriptors: int = 1) -> float | None:

@@ -24,6 +24,9 @@ from kvsidecar.ipc.memory import ShmRegion, unique_name
 def bare_agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from kvsidecar.daemon.logs import quiet_libraries
+
+    quiet_libraries()  # NIXL's INFO lines on stdout would break the demo's table
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
