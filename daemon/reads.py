@@ -153,7 +153,8 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
             ops.append(eng.worker.notify(agents[post.rank], note))
     results = await asyncio.gather(*ops, return_exceptions=True)
     if metrics is not None:
-        count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results)
+        count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results,
+                        request_id=req.request_id)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors and len(errors) < len(results):
         # Some ranks were read and notified: their holds may be released already,
@@ -169,11 +170,14 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
 
 
 def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
-                    results: list[TransferStats | BaseException | None]) -> None:
+                    results: list[TransferStats | BaseException | None], *,
+                    request_id: str = "") -> None:
     """Per transfer (one remote rank of one read): the vLLM-compatible histograms
     and counters. Bare notifications (nothing read from that rank) count as
-    notifications, not transfers."""
+    notifications, not transfers. The request id rides along as an exemplar on
+    the latency histogram (OpenMetrics), never as a label."""
     labels = (engine, peer)
+    exemplar = {"request_id": request_id[:64]} if request_id else None
     # Failure series exist (at 0) from the first transfer on, so dashboards and
     # alerts see "no failures" rather than "no data".
     m.transfer_failures.labels(*labels)
@@ -185,7 +189,7 @@ def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
         elif isinstance(r, BaseException):
             m.transfer_failures.labels(*labels).inc()
         elif isinstance(r, TransferStats):
-            m.transfer_seconds.labels(*labels).observe(r.xfer_us / 1e6)
+            m.transfer_seconds.labels(*labels).observe(r.xfer_us / 1e6, exemplar)
             m.transfer_post_seconds.labels(*labels).observe(r.post_us / 1e6)
             m.transfer_bytes.labels(*labels).observe(r.bytes)
             m.transfer_descriptors.labels(*labels).observe(r.descriptors)
@@ -340,7 +344,7 @@ class ReadTable:
                 log.debug("read %r of engine %r received %d bytes", req.request_id,
                           eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, {"request_id": req.request_id[:64]})
         self._finish(eng, job, c)
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:

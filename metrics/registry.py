@@ -25,6 +25,7 @@ import platform
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 # Bucket layouts of vLLM's NixlPromMetrics (same bounds, so quantiles compare).
 #: vllm:nixl_post_time_seconds
@@ -156,8 +157,12 @@ class Metrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(engine_id)
 
-    def render(self) -> bytes:
-        """The text exposition format of this daemon's metrics."""
+    def render(self, openmetrics: bool = False) -> bytes:
+        """This daemon's metrics in Prometheus text format, or OpenMetrics (which
+        carries the request-id exemplars of the latency histograms)."""
+        if openmetrics:
+            text: bytes = openmetrics_latest(self.registry)  # type: ignore[no-untyped-call]
+            return text
         return generate_latest(self.registry)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
 from kvsidecar.metrics.registry import Metrics
 
@@ -37,7 +38,10 @@ class MetricsServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, metrics.render(), CONTENT_TYPE_LATEST)
+                    # Prometheus asks for OpenMetrics (exemplars) in its Accept header.
+                    om = "application/openmetrics-text" in self.headers.get("Accept", "")
+                    self._send(200, metrics.render(om),
+                               OPENMETRICS_TYPE if om else CONTENT_TYPE_LATEST)
                 elif path in probes:
                     try:
                         code, body = probes[path]()

@@ -266,3 +266,20 @@ def test_alert_rules_check_and_evaluate(moved: dict[str, object]) -> None:
         prom.query(expr)
     assert prom.query('sum by (instance, engine, peer) '
                       '(rate(kvsidecar_read_bytes_total[1m]))')
+
+
+def test_latency_histograms_carry_request_id_exemplars(moved: dict[str, object]) -> None:
+    """OpenMetrics (what Prometheus asks for) shows a request id on the latency
+    buckets; the plain text format has none, and no request id is a label."""
+    d = moved["d"]
+    assert isinstance(d, list)
+    url = f"http://127.0.0.1:{d[0].metrics_port}/metrics"
+    req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = r.read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("kvsidecar_transfer_seconds_bucket")
+             and " # {" in ln]
+    assert lines and all('request_id="m' in ln for ln in lines), lines
+    plain = urllib.request.urlopen(url, timeout=30).read().decode()
+    assert "request_id" not in plain
