@@ -9,6 +9,8 @@ LAYOUT.md oracle.
 from __future__ import annotations
 
 import itertools
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from vllm.v1.request import RequestStatus
 
 from kvsidecar.sim.cluster import SidecarProcess
 from kvsidecar.sim.oracle import Request as OracleRequest
-from kvsidecar.sim.oracle import check_received
+from kvsidecar.sim.oracle import POISON, check_received
 
 from .harness import Engine, make_engine, oracle_fill, request, write_model
 
@@ -142,3 +144,131 @@ def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, s
     finally:
         P.shutdown()
         D.shutdown()
+
+
+def test_prefix_hit_reads_only_the_tail(sidecars: Sidecars, models: dict[bool, str]) -> None:
+    """D holds the first 64 tokens (its prefix cache); it reads only the rest."""
+    seeds = {"a": 21, "b": 21}  # the same logical state: b repeats a's prompt
+    P, D = pair(sidecars, models, 1, 1, False, seeds)
+    try:
+        params = prefill(P, "a", 65, 21)
+        D.sched.add_request(request(D, "a", 65, params, seed=21))
+        run_until(D, lambda: "a" in D.sched.finished_recving_kv_req_ids
+                  or D.sched.requests["a"].status == RequestStatus.RUNNING)
+        verify(D, "a", 65, 21)
+        run_until(D, lambda: "a" in D.outputs and D.outputs["a"][-1].finished)
+        D.dirty.clear()  # "a" finished; its first 4 blocks stay in D's prefix cache
+        params = prefill(P, "b", 65, 21)
+        D.sched.add_request(request(D, "b", 65, params, seed=21))
+        so, _ = D.step()
+        (job,) = so.kv_connector_metadata.reads
+        assert job.skip_tokens == 64 and job.num_tokens == 65
+        assert [len(g) for g in job.local_block_ids] == [1]
+        run_until(D, lambda: "b" in D.sched.finished_recving_kv_req_ids
+                  or D.sched.requests["b"].status == RequestStatus.RUNNING)
+        full = D.block_ids("b")[0]
+        cached, read = full[:4], full[4:]
+        assert read == job.local_block_ids[0]
+        problems = check_received(D.buffers(0), D.layout, 0, [read], OracleRequest(21, 65), 64,
+                                  ignore_blocks=set(cached) | set(range(D.layout.num_blocks)))
+        assert not problems, problems
+        run_until(P, lambda: not P.sched.requests)  # both holds released by D's notifications
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def test_d_abort_before_its_read_releases_p_hold(sidecars: Sidecars,
+                                                 models: dict[bool, str]) -> None:
+    """An abort before D scheduled the read still notifies P, which frees its blocks
+    at once (not when its lease expires)."""
+    P, D = pair(sidecars, models, 1, 1, False, {"x": 5})
+    try:
+        params = prefill(P, "x", 40, 5)
+        free_before = D.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        D.sched.add_request(request(D, "x", 40, params, seed=5))
+        D.sched.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+        so, _ = D.step()
+        (job,) = so.kv_connector_metadata.reads
+        assert job.local_block_ids == [[]] and not job.awaited  # notify only
+        expired: list[int] = []
+
+        def released() -> bool:
+            _, agg = P.step()
+            stats = agg.kv_connector_output and agg.kv_connector_output.kv_connector_stats
+            if stats is not None:
+                expired.extend(stats.data["num_kv_expired_reqs"])
+            return "x" not in P.sched.requests
+
+        for _ in range(400):
+            if released():
+                break
+        assert "x" not in P.sched.requests
+        assert not expired, "P's hold expired instead of being released by D's notification"
+        assert D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+        assert all((b == POISON).all() for b in D.buffers(0))  # nothing was read
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def test_d_abort_while_reading_frees_its_blocks(sidecars: Sidecars,
+                                               models: dict[bool, str]) -> None:
+    P, D = pair(sidecars, models, 1, 1, False, {"y": 6})
+    try:
+        params = prefill(P, "y", 50, 6)
+        free_before = D.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        D.sched.add_request(request(D, "y", 50, params, seed=6))
+        D.step()
+        assert D.sched.requests["y"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        D.sched.finish_requests("y", RequestStatus.FINISHED_ABORTED)
+        # The blocks come back only once the worker reported the read finished
+        # (aborted, or completed before the release arrived).
+        run_until(D, lambda: "y" not in D.sched.requests)
+        assert D.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
+                                    models: dict[bool, str]) -> None:
+    """P's sidecar is stopped, then killed, while D reads: D's read fails, the
+    request is reported finished with its blocks invalid in the same step, vLLM
+    recomputes it, and nothing is written into D's pages afterwards."""
+    own = SidecarProcess(tmp_path, "vp-doomed", args=["--hold-timeout", "60"]).start()
+    n = next(_ids)
+    P = make_engine(f"P{n}", models[False], "kv_producer", 1, [own.socket], 32, False)
+    P.fill = oracle_fill(lambda rid: 9)
+    D = make_engine(f"D{n}", models[False], "kv_consumer", 1, [sidecars.d[0].socket], 32,
+                    False)
+    try:
+        params = prefill(P, "z", 60, 9)
+        own.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]  # a silent peer
+        D.sched.add_request(request(D, "z", 60, params, seed=9))
+        so, _ = D.step()
+        (job,) = so.kv_connector_metadata.reads
+        own.kill()  # dies (SIGKILL) while D's handshake/read waits on it
+        failed_step = None
+        deadline = time.monotonic() + 120  # a bound on waiting, not an assertion on time
+        while time.monotonic() < deadline:
+            so, agg = D.step()
+            out = agg.kv_connector_output
+            if out is not None and "z" in (out.failed_recving or ()):
+                failed_step = out
+                break
+        assert failed_step is not None, "D never reported the failed read"
+        assert "z" in (failed_step.finished_recving or ())
+        assert failed_step.invalid_block_ids == set(job.local_block_ids[0])
+        snapshot = [b.copy() for b in D.buffers(0)]
+        # vLLM recomputes the whole prompt locally (kv_load_failure_policy=recompute).
+        so, _ = D.step()
+        assert so.num_scheduled_tokens.get("z") == 60
+        for _ in range(20):
+            D.step()
+        assert all((a == b).all() for a, b in zip(snapshot, D.buffers(0))), "late write"
+        assert all((b == POISON).all() for b in D.buffers(0))
+    finally:
+        P.shutdown()
+        D.shutdown()
+        own.kill()
