@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -587,6 +588,8 @@ class _WorkerSide:
         return out if not out.is_empty() else None
 
     def shutdown(self) -> None:
+        # A dead sidecar must not stall exit.
+        self.client.timeout_s = min(self.client.timeout_s, 2.0)
         with contextlib.suppress(SidecarError):
             self.client.deregister(self.engine_id)
         self.client.close()

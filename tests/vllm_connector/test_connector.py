@@ -12,6 +12,7 @@ import itertools
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 from vllm.v1.request import RequestStatus
 
 from kvsidecar.sim.cluster import SidecarProcess
-from kvsidecar.sim.oracle import Request as OracleRequest
 from kvsidecar.sim.oracle import POISON, check_received
+from kvsidecar.sim.oracle import Request as OracleRequest
 
 from .harness import Engine, make_engine, oracle_fill, request, write_model
 
@@ -32,11 +33,23 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 _ids = itertools.count()
 
 
+# The transport self-check is covered by the daemon's own tests; here it would
+# only add a loopback transfer per sidecar to a loaded 2-core machine.
+FAST = ["--transport-check", "off"]
+
+
+def start_all(procs: list[SidecarProcess]) -> None:
+    """Start sidecars side by side (each spends seconds importing NIXL and torch)."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        for f in [pool.submit(p.start) for p in procs]:
+            f.result()
+
+
 class Sidecars:
     def __init__(self, workdir: Path) -> None:
-        self.p = [SidecarProcess(workdir, f"vp{i}", args=["--hold-timeout", "60"])
+        self.p = [SidecarProcess(workdir, f"vp{i}", args=["--hold-timeout", "60", *FAST])
                   for i in range(2)]
-        self.d = [SidecarProcess(workdir, f"vd{i}", args=["--read-timeout", "20"])
+        self.d = [SidecarProcess(workdir, f"vd{i}", args=["--read-timeout", "20", *FAST])
                   for i in range(2)]
         self.workdir = workdir
 
@@ -49,8 +62,7 @@ class Sidecars:
 def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecars]:
     s = Sidecars(tmp_path_factory.mktemp("vllm-sidecars"))
     try:
-        for sc in s.all:
-            sc.start()
+        start_all(s.all)
         yield s
     finally:
         for sc in s.all:
@@ -236,7 +248,7 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
     """P's sidecar is stopped, then killed, while D reads: D's read fails, the
     request is reported finished with its blocks invalid in the same step, vLLM
     recomputes it, and nothing is written into D's pages afterwards."""
-    own = SidecarProcess(tmp_path, "vp-doomed", args=["--hold-timeout", "60"]).start()
+    own = SidecarProcess(tmp_path, "vp-doomed", args=["--hold-timeout", "60", *FAST]).start()
     n = next(_ids)
     P = make_engine(f"P{n}", models[False], "kv_producer", 1, [own.socket], 32, False)
     P.fill = oracle_fill(lambda rid: 9)
