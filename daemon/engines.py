@@ -21,6 +21,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,6 +79,8 @@ class EngineRank:
     epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     #: counts every completion by outcome (None: not counted, e.g. in unit tests)
     metrics: Metrics | None = None
+    #: told of every completion (tracing ends the request's span), when set
+    on_complete: Callable[[str, Completion], None] | None = None
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -88,6 +91,8 @@ class EngineRank:
     def complete(self, c: Completion) -> None:
         if self.metrics is not None:
             self.metrics.completions.labels(self.engine_id, c.kind).inc()
+        if self.on_complete is not None:
+            self.on_complete(self.engine_id, c)
         self._seq += 1
         self.completions.append((self._seq, c))
 

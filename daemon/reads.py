@@ -16,10 +16,11 @@ only reuse its blocks once nothing writes into them any more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from kvsidecar.daemon.planner import (
     plan_read,
     validate_block_ids,
 )
+from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.worker import NixlError, NixlTimeout, TransferStats
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
@@ -60,6 +62,14 @@ class ReadJob:
     abort_reason: str | None = None
     peers: list[Peer] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    #: the request's kvsidecar.read span and its tracer (None when tracing is off)
+    span: Any = None
+    tracing: Tracing | None = None
+
+    @property
+    def trace_id(self) -> str:
+        """The id both P and D know (the prefill request id): it names the trace."""
+        return self.req.remote_request_id or self.req.request_id
 
     def abort(self, reason: str) -> None:
         """Abort now if nothing is posted yet; else report ``aborted`` once transfers end."""
@@ -119,9 +129,11 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     req = job.req
     remote = req.remote
     cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
-    peers: list[Peer] = await asyncio.gather(
-        *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p) for p in cands)
-    )
+    tr = job.tracing
+    with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _nothing():
+        peers: list[Peer] = await asyncio.gather(
+            *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p)
+              for p in cands))
     job.peers = peers
     layout = peers[0].info.layout
     for p, peer in zip(cands[1:], peers[1:]):
@@ -131,10 +143,11 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                 "layouts (cache sizes differ between ranks)"
             )
     loop = asyncio.get_running_loop()
-    plan, posts = await loop.run_in_executor(
-        planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
-        {p: peer.bases for p, peer in zip(cands, peers)},
-    )
+    with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
+        plan, posts = await loop.run_in_executor(
+            planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
+            {p: peer.bases for p, peer in zip(cands, peers)},
+        )
     if job.abort_reason is not None:
         raise asyncio.CancelledError
     job.posted = True
@@ -155,6 +168,13 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     if metrics is not None:
         count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results,
                         request_id=req.request_id)
+    if tr is not None:
+        for post, r in zip(posts, results):
+            if isinstance(r, TransferStats) and post.length.size:
+                tr.interval("kvsidecar.transfer", job.trace_id, job.span,
+                            (r.post_us + r.xfer_us) / 1e6, remote_rank=post.rank, bytes=r.bytes,
+                            descriptors=r.descriptors, post_s=r.post_us / 1e6,
+                            wire_s=r.xfer_us / 1e6)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors and len(errors) < len(results):
         # Some ranks were read and notified: their holds may be released already,
@@ -203,6 +223,11 @@ def _event(eng: EngineRank, req: Read, outcome: str, reason: str) -> dict[str, o
             "peer": req.remote.engine_id, "outcome": outcome, "reason": reason}
 
 
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
 def failed(req: Read, reason: str) -> Completion:
     return Completion(req.request_id, "failed", reason,
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
@@ -231,6 +256,8 @@ class ReadTable:
                  metrics: Metrics) -> None:
         self._planner = planner
         self._metrics = metrics
+        #: set by the Sidecar when tracing is configured
+        self.tracing: Tracing | None = None
         self._handshakes = handshakes
         self._timeout_s = read_timeout_s
         self._deliver = deliver
@@ -300,6 +327,8 @@ class ReadTable:
             self._finish(eng, job, _aborted_before_posting(job))
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        if job.tracing is not None:
+            job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
         key = (eng.engine_id, job.req.request_id)
         if self._jobs.get(key) is job:
             del self._jobs[key]
@@ -313,6 +342,11 @@ class ReadTable:
     async def _run(self, eng: EngineRank, job: ReadJob) -> None:
         req = job.req
         t0 = time.perf_counter()
+        if self.tracing is not None and self.tracing.enabled:
+            job.tracing = self.tracing
+            job.span = self.tracing.start("kvsidecar.read", job.trace_id, engine=eng.engine_id,
+                                          rank=eng.tp_rank, peer=req.remote.engine_id,
+                                          decode_request_id=req.request_id)
         try:
             try:
                 out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)

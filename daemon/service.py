@@ -53,6 +53,7 @@ from kvsidecar.daemon.peers import PeerLinks
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
+from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import LayoutError, validate
@@ -90,16 +91,21 @@ _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, H
 
 
 class Sidecar:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.settings = settings
         #: This daemon's metrics; nothing is shared with another Sidecar in the process.
         self.metrics = metrics if metrics is not None else Metrics()
+        #: OpenTelemetry spans when --otlp-endpoint is set (or a test passes an exporter)
+        self.tracing = tracing if tracing is not None else Tracing(settings.otlp_endpoint)
+        self._hold_spans: dict[tuple[str, str], Any] = {}
         self.daemon_id = new_daemon_id()
         self._engines: dict[str, EngineRank] = {}
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
         self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
                                 self._deliver, self.metrics)
+        self._reads.tracing = self.tracing
         self._hs_server = HandshakeServer(
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
             engines=lambda: list(self._engines),
@@ -187,6 +193,7 @@ class Sidecar:
         await self._hs_server.stop()
         await self._hs_client.close()
         self._planner.shutdown(wait=False, cancel_futures=True)
+        self.tracing.shutdown()
         log.info("kvsidecar %s stopped", self.daemon_id)
 
     # ------------------------------------------------------------ requests
@@ -337,6 +344,7 @@ class Sidecar:
             hold_lease_s=self.settings.hold_lease_s,
             max_early_notifications=self.settings.max_early_notifications,
             metrics=self.metrics,
+            on_complete=self._traced_completion if self.tracing.enabled else None,
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid,
         )
@@ -453,13 +461,23 @@ class Sidecar:
         except KeyError as e:
             raise RequestError(DUPLICATE, str(e.args[0])) from None
         eng.worker.set_hot(len(eng.holds) > 0)
+        if self.tracing.enabled:
+            self._hold_spans[(req.engine_id, req.request_id)] = self.tracing.start(
+                "kvsidecar.hold", req.request_id, engine=req.engine_id, rank=eng.tp_rank,
+                readers=req.readers)
         return Ok()
+
+    def _traced_completion(self, engine_id: str, c: Completion) -> None:
+        span = self._hold_spans.pop((engine_id, c.request_id), None)
+        self.tracing.end(span, outcome=c.kind)
 
     async def _release(self, req: Release) -> Reply:
         eng = self._engine(req.engine_id)
         if self._reads.abort(req.engine_id, req.request_id, "released by the engine"):
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id):
+            self.tracing.end(self._hold_spans.pop((req.engine_id, req.request_id), None),
+                             outcome="released")
             return Ok()
         raise RequestError(BAD_REQUEST, f"no read or hold {req.request_id!r} in progress for "
                                         f"engine {req.engine_id!r}")
@@ -480,6 +498,11 @@ class Sidecar:
                         note.target_engine, note.request_id, agent)
             return
         self.metrics.notifications_received.labels(outcome="ok").inc()
+        if self.tracing.enabled:
+            self.tracing.end(self.tracing.start(
+                "kvsidecar.notification", note.request_id,
+                self._hold_spans.get((note.target_engine, note.request_id)),
+                engine=note.target_engine, peer=note.reader_engine, rank=note.reader_rank))
         dropped = eng.holds.early_dropped
         eng.holds.notify(note, time.monotonic())
         if eng.holds.early_dropped != dropped:

@@ -45,6 +45,8 @@ class Settings:
     #: /healthz fails when the event loop or a worker thread is silent this long
     health_timeout_s: float = 10.0
     log_format: str = "text"
+    #: OTLP/HTTP traces endpoint (needs the otel extra); empty = no tracing at all
+    otlp_endpoint: str = ""
 
     @property
     def advertised(self) -> str:
@@ -186,6 +188,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"),
                    help="text, or json: one object per line with request_id/engine/peer/rank "
                         "fields (env KVSIDECAR_LOG_FORMAT)")
+    p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", ""),
+                   help="send OpenTelemetry traces over OTLP/HTTP to this URL, e.g. "
+                        "http://collector:4318/v1/traces (needs kvsidecar[otel]; "
+                        "env KVSIDECAR_OTLP_ENDPOINT)")
     p.add_argument("--transport-check", default=_env("TRANSPORT_CHECK", "require-zero-copy"),
                    help="start-up loopback READ that proves the data path: "
                         "require-zero-copy (tcp fails /readyz), allow-tcp, off "
@@ -279,4 +285,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         transport_check=ns.transport_check,
         health_timeout_s=ns.health_timeout,
         log_format=ns.log_format,
+        otlp_endpoint=ns.otlp_endpoint,
     )
