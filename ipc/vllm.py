@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
