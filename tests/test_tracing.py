@@ -52,8 +52,10 @@ async def test_p_and_d_spans_join_in_one_trace(tmp_path: Path) -> None:
                       [[1], [2]], remote_request_id="req-7", num_tokens=tokens)
         kinds: dict[str, str] = {}
         for _ in range(6000):
-            kinds.update({"D": c.kind for c in await cd.poll("D0")})
-            kinds.update({"P": c.kind for c in await cp.poll("P0")})
+            for c in await cd.poll("D0"):
+                kinds["D"] = c.kind
+            for c in await cp.poll("P0"):
+                kinds["P"] = c.kind
             if len(kinds) == 2:
                 break
             await asyncio.sleep(0.01)
