@@ -110,6 +110,9 @@ class Sidecar:
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
             engines=lambda: list(self._engines),
         )
+        self.metrics.counter_from(
+            "kvsidecar_handshake_requests", "Handshake requests this sidecar's server received, "
+            "good or bad", lambda: self._hs_server.requests_received)
         self._server = EngineServer(
             settings.socket, self,
             access=AccessPolicy.of(settings.allow_uids, settings.allow_gids),

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.registry import Collector
 
 # Bucket layouts of vLLM's NixlPromMetrics (same bounds, so quantiles compare).
 #: vllm:nixl_post_time_seconds
@@ -150,6 +152,11 @@ class Metrics:
                    buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
+    def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A counter whose value a component already keeps as a plain number
+        (read at scrape time, from the HTTP thread: reading an int is safe)."""
+        self.registry.register(_ReadCounter(name, doc, read))
+
     def forget_engine(self, engine_id: str) -> None:
         """Drop the gauges of an engine that left (its counters stay: they are history)."""
         for gauge in (self.reads_in_flight, self.holds_in_flight, self.registered_bytes,
@@ -164,6 +171,17 @@ class Metrics:
             text: bytes = openmetrics_latest(self.registry)  # type: ignore[no-untyped-call]
             return text
         return generate_latest(self.registry)
+
+
+class _ReadCounter(Collector):
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self._name, self._doc, self._read = name, doc, read
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(self._name, self._doc, value=self._read())
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self._name, self._doc)]
 
 
 def _version(dist: str) -> str:

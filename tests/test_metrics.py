@@ -49,3 +49,11 @@ def test_http_endpoint_serves_its_own_registry() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_counter_from_reads_the_owners_number_at_scrape_time() -> None:
+    m = Metrics()
+    box = {"n": 0}
+    m.counter_from("kvsidecar_things", "things seen", lambda: box["n"])
+    box["n"] = 4
+    assert m.registry.get_sample_value("kvsidecar_things_total") == 4

@@ -202,6 +202,8 @@ def test_prefill_side_metrics(moved: dict[str, object]) -> None:
     assert value(m, "kvsidecar_engine_requests_total", op="hold", error="") == N_READS + 1
     assert value(m, "kvsidecar_completions_total", outcome="expired") == 1
     assert value(m, "kvsidecar_holds_in_flight") == 0
+    # Each D rank handshook the P rank at least once (server side, read at scrape time).
+    assert value(m, "kvsidecar_handshake_requests_total") >= 2
 
 
 def dashboard_exprs() -> list[tuple[str, str]]:
