@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from kvsidecar.daemon.handshake import HandshakeInfo
 from kvsidecar.daemon.holds import HoldBook, HoldOutcome
-from kvsidecar.daemon.peers import PeerLinks
+from kvsidecar.daemon.peers.links import PeerLinks
+from kvsidecar.daemon.peers.messages import HandshakeInfo
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.memory import (

@@ -30,8 +30,8 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.handshake import HandshakeClient
-from kvsidecar.daemon.peers import Peer
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import (
     PlanError,
     ReadPlan,

@@ -41,15 +41,11 @@ from kvsidecar.daemon.engines import (
     remove_stale_segments,
     shm_prefix_for,
 )
-from kvsidecar.daemon.handshake import (
-    HandshakeClient,
-    HandshakeInfo,
-    HandshakeServer,
-    make_handshake_info,
-    new_daemon_id,
-)
 from kvsidecar.daemon.health import Check, heartbeat
-from kvsidecar.daemon.peers import PeerLinks
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.links import PeerLinks
+from kvsidecar.daemon.peers.messages import HandshakeInfo, make_handshake_info, new_daemon_id
+from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings

@@ -14,20 +14,20 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvsidecar.daemon.handshake import (
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
-    HandshakeClient,
     HandshakeError,
     HandshakeFailed,
     HandshakeInfo,
     HandshakeReply,
     HandshakeRequest,
-    HandshakeServer,
-    _RawReply,
+    RawReply,
     check_peer,
     make_handshake_info,
     new_daemon_id,
 )
+from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.ipc.layout import (
     IncompatibleLayout,
     Layout,
@@ -268,7 +268,7 @@ async def test_malformed_requests_get_errors_and_server_survives(
 def test_raw_reply_encodes_like_the_public_reply() -> None:
     info = info_for("p", 0)
     public = msgspec.msgpack.encode(HandshakeReply(info, req_id=4))
-    spliced = msgspec.msgpack.encode(_RawReply(msgspec.Raw(msgspec.msgpack.encode(info)), 4))
+    spliced = msgspec.msgpack.encode(RawReply(msgspec.Raw(msgspec.msgpack.encode(info)), 4))
     assert public == spliced
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from kvsidecar.daemon.handshake import HandshakeClient, HandshakeFailed, HandshakeInfo, check_peer
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, check_peer
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout, LayoutError, validate
 

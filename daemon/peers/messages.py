@@ -1,0 +1,245 @@
+"""The sidecar-to-sidecar handshake: who a peer rank is and what its KV memory looks like.
+
+A D sidecar must learn a P rank's NIXL agent metadata, layout and region base
+addresses before it can read from it. That exchange is one small request/reply
+over ZMQ TCP, kept separate from the transfer path so that a slow or dead peer
+costs a bounded wait (the client's timeout) and nothing else.
+
+Wire protocol (msgpack via msgspec, one frame each way)::
+
+    DEALER -> ROUTER   HandshakeRequest{engine_id, tp_rank, v, req_id}
+    ROUTER -> DEALER   {"type": "reply", info, req_id, v}          (HandshakeReply)
+                     | {"type": "error", code, message, req_id, v}  (HandshakeError)
+
+``req_id`` lets one DEALER per peer address carry many concurrent requests;
+``v`` is checked before anything else so that a version skew is reported as
+such instead of as an undecodable message.
+
+This module holds the messages and the checks on them; ``server.py`` answers
+requests, ``client.py`` sends them, ``links.py`` turns answers into NIXL peers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Literal
+
+import msgspec
+
+from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
+
+HANDSHAKE_VERSION = 1
+
+ErrorCode = Literal["unknown_engine", "bad_message", "version", "internal"]
+
+__all__ = [
+    "HANDSHAKE_VERSION",
+    "ErrorCode",
+    "HandshakeError",
+    "HandshakeFailed",
+    "HandshakeInfo",
+    "HandshakeReply",
+    "HandshakeRequest",
+    "IncompatibleLayout",
+    "RawReply",
+    "check_peer",
+    "decode_info",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "make_handshake_info",
+    "new_daemon_id",
+    "salvage",
+]
+
+
+class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a peer needs to read this rank's KV memory with NIXL.
+
+    Keyword-only so the field order can follow meaning rather than defaults.
+    ``bases[r]`` is the base address of region ``r``; ``fingerprint`` is
+    ``fingerprint(layout)``, sent so a peer can compare models without
+    rebuilding the fields. ``daemon_id`` changes on every daemon start, which is
+    how a client notices that the addresses it cached are stale.
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: Layout
+    bases: list[int]
+    mem_type: str = "DRAM"
+    dev_id: int = 0
+    fingerprint: str
+    protocol: int = HANDSHAKE_VERSION
+    daemon_id: str
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True):
+    """Ask a sidecar for one rank's :class:`HandshakeInfo`."""
+
+    engine_id: str
+    tp_rank: int
+    v: int = HANDSHAKE_VERSION
+    req_id: int = 0
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, tag="reply"):
+    """The success branch of the reply union."""
+
+    info: HandshakeInfo
+    req_id: int = 0
+    v: int = HANDSHAKE_VERSION
+
+
+class HandshakeError(msgspec.Struct, frozen=True, tag="error"):
+    """The failure branch of the reply union; ``message`` is meant for humans."""
+
+    code: ErrorCode
+    message: str
+    req_id: int = 0
+    v: int = HANDSHAKE_VERSION
+
+
+class RawReply(msgspec.Struct, frozen=True, tag="reply"):
+    """:class:`HandshakeReply` with ``info`` left encoded.
+
+    Same tag and fields, hence the same bytes: the server splices in its cached
+    encoding of the info, and the client checks ``v`` and ``req_id`` before
+    trusting the info's schema.
+    """
+
+    info: msgspec.Raw
+    req_id: int = 0
+    v: int = HANDSHAKE_VERSION
+
+
+class _Envelope(msgspec.Struct):
+    """Whatever can be salvaged from a message that failed to decode, to route the error."""
+
+    req_id: int = 0
+    v: int = -1
+
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+decode_request = _request_decoder.decode
+_reply_decoder = msgspec.msgpack.Decoder(RawReply | HandshakeError)
+decode_reply = _reply_decoder.decode
+_info_decoder = msgspec.msgpack.Decoder(HandshakeInfo)
+decode_info = _info_decoder.decode
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def salvage(frame: bytes) -> _Envelope:
+    try:
+        return _envelope_decoder.decode(frame)
+    except msgspec.DecodeError:
+        return _Envelope()
+
+
+def new_daemon_id() -> str:
+    """A fresh random id for one daemon start."""
+    return secrets.token_hex(8)
+
+
+def make_handshake_info(
+    *,
+    engine_id: str,
+    tp_rank: int,
+    agent_name: str,
+    agent_metadata: bytes,
+    layout: Layout,
+    bases: list[int],
+    daemon_id: str,
+    mem_type: str = "DRAM",
+    dev_id: int = 0,
+) -> HandshakeInfo:
+    """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
+    from ``layout``, so they cannot drift from the layout actually sent."""
+    return HandshakeInfo(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=layout.tp_size,
+        agent_name=agent_name,
+        agent_metadata=agent_metadata,
+        layout=layout,
+        bases=list(bases),
+        mem_type=mem_type,
+        dev_id=dev_id,
+        fingerprint=fingerprint(layout),
+        daemon_id=daemon_id,
+    )
+
+
+
+
+class HandshakeFailed(RuntimeError):
+    """A handshake could not produce a usable peer; ``reason`` says why.
+
+    ``field`` names the mismatching field when the peer answered but does not
+    fit (engine_id, tp_size, bases...), so callers can report it precisely.
+    """
+
+    def __init__(self, address: str, reason: str, *, field: str | None = None) -> None:
+        where = f"handshake with {address} failed" if address else "handshake failed"
+        super().__init__(f"{where}: {reason}")
+        self.address = address
+        self.reason = reason
+        self.field = field
+
+
+def check_peer(
+    info: HandshakeInfo,
+    expected_engine_id: str,
+    expected_tp_size: int,
+    local_layout: Layout,
+    *,
+    address: str = "",
+) -> None:
+    """Refuse a peer that is not the engine we were told about, or holds another model.
+
+    Called once per peer rank, before any NIXL setup, because a mismatch found
+    later shows up as silently wrong KV bytes rather than an error.
+    """
+
+    def fail(fld: str, reason: str) -> HandshakeFailed:
+        return HandshakeFailed(address, f"{fld} mismatch: {reason}", field=fld)
+
+    if info.protocol != HANDSHAKE_VERSION:
+        raise fail("protocol", f"peer speaks v{info.protocol}, we speak v{HANDSHAKE_VERSION}")
+    if info.engine_id != expected_engine_id:
+        raise fail("engine_id", f"expected {expected_engine_id!r}, peer is {info.engine_id!r}")
+    if info.tp_size != expected_tp_size:
+        raise fail(
+            "tp_size",
+            f"engine {expected_engine_id!r} was announced with tp_size {expected_tp_size}, "
+            f"the peer reports tp_size {info.tp_size}",
+        )
+    if info.layout.tp_size != info.tp_size:
+        raise fail(
+            "tp_size",
+            f"peer reports tp_size {info.tp_size} but its layout says {info.layout.tp_size}",
+        )
+    if not 0 <= info.tp_rank < info.tp_size:
+        raise fail("tp_rank", f"rank {info.tp_rank} outside tp_size {info.tp_size}")
+    remote_fp = fingerprint(info.layout)
+    if info.fingerprint != remote_fp:
+        raise fail(
+            "fingerprint",
+            f"peer sent fingerprint {info.fingerprint} but its layout hashes to {remote_fp}",
+        )
+    # check_compatible names the field; it also checks tp divisibility, which
+    # the fingerprint deliberately leaves out, so it runs even on a match.
+    check_compatible(local_layout, info.layout)
+    local_fp = fingerprint(local_layout)
+    if local_fp != remote_fp:  # pragma: no cover - only if the two functions disagree
+        raise IncompatibleLayout("fingerprint", local_fp, remote_fp)
+    if len(info.bases) != info.layout.num_regions:
+        raise fail(
+            "bases",
+            f"{len(info.bases)} base addresses for {info.layout.num_regions} regions",
+        )

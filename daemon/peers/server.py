@@ -1,0 +1,193 @@
+"""P side of the handshake: answer "what does rank r of engine E look like" from a cache.
+
+Replies are built from a per-rank cache of encoded info because decode
+instances handshake on every (re)connect and the info (agent metadata
+especially) is the expensive part to encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
+from kvsidecar.daemon.peers.messages import (
+    HANDSHAKE_VERSION,
+    ErrorCode,
+    HandshakeError,
+    HandshakeInfo,
+    RawReply,
+    decode_request,
+    encode,
+    salvage,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HandshakeServer"]
+
+
+
+
+class HandshakeServer:
+    """Answers handshake requests for the engine ranks this sidecar serves.
+
+    ``lookup(engine_id, tp_rank)`` returns the rank's info or None; ``engines``
+    (optional) lists the registered engine ids so an unknown-engine error can
+    say what does exist. Replies are built from a per-rank cache of encoded
+    info because decode instances handshake on every (re)connect and the info
+    (agent metadata especially) is the expensive part to encode.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        lookup: Callable[[str, int], HandshakeInfo | None],
+        *,
+        engines: Callable[[], Iterable[str]] | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._host, self._port = split_address(bind)
+        self._lookup = lookup
+        self._engines = engines
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._cache: dict[tuple[str, int], bytes] = {}
+        self.address: str | None = None
+        #: Messages received, good or bad; lets tests and metrics see cache effects.
+        self.requests_received = 0
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the bound ``host:port`` (port 0 picks one)."""
+        if self._sock is not None:
+            raise RuntimeError("handshake server already started")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if ipv6(self._host):
+            sock.setsockopt(zmq.IPV6, 1)
+        port = "*" if self._port in ("0", "*") else self._port
+        try:
+            sock.bind(f"tcp://{self._host}:{port}")
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise OSError(f"handshake server cannot bind {self._host}:{self._port}: {e}") from e
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.address = normalise(endpoint.decode())
+        self._sock = sock
+        self._task = asyncio.create_task(self._serve(sock), name=f"handshake-server-{self.address}")
+        log.info("handshake server listening on %s", self.address)
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop serving and release the port; safe to call twice."""
+        task, sock = self._task, self._sock
+        self._task = self._sock = None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if sock is not None:
+            sock.close(linger=0)
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    def invalidate(self, engine_id: str | None = None) -> None:
+        """Drop cached replies of ``engine_id`` (all engines when None), e.g. after
+        it re-registered memory: the next request calls ``lookup`` again."""
+        if engine_id is None:
+            self._cache.clear()
+            return
+        for key in [k for k in self._cache if k[0] == engine_id]:
+            del self._cache[key]
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError as e:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                log.warning("handshake server receive failed: %s", e)
+                continue
+            self.requests_received += 1
+            try:
+                out = self._handle(frames)
+            except Exception:  # one bad request must not take the server down
+                log.exception("handshake server failed to handle a request")
+                continue
+            if out is None:
+                continue
+            try:
+                await sock.send_multipart(out)
+            except zmq.ZMQError as e:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                log.warning("handshake server reply failed: %s", e)
+
+    def _handle(self, frames: list[bytes]) -> list[bytes] | None:
+        # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter
+        # we must echo. Everything after that is the payload.
+        if len(frames) < 2:
+            return None
+        envelope, body = frames[:1], frames[1:]
+        if len(body) > 1 and body[0] == b"":
+            envelope.append(b"")
+            body = body[1:]
+        if len(body) != 1:
+            return [*envelope, self._error(0, "bad_message", f"expected 1 frame, got {len(body)}")]
+        return [*envelope, self._answer(body[0])]
+
+    def _answer(self, frame: bytes) -> bytes:
+        try:
+            req = decode_request(frame)
+        except msgspec.DecodeError as e:
+            env = salvage(frame)
+            if env.v not in (-1, HANDSHAKE_VERSION):
+                return self._version_error(env.req_id, env.v)
+            return self._error(env.req_id, "bad_message", f"undecodable handshake request: {e}")
+        if req.v != HANDSHAKE_VERSION:
+            return self._version_error(req.req_id, req.v)
+        key = (req.engine_id, req.tp_rank)
+        cached = self._cache.get(key)
+        if cached is None:
+            try:
+                info = self._lookup(req.engine_id, req.tp_rank)
+            except Exception as e:
+                log.exception("handshake lookup of %r rank %d failed", *key)
+                return self._error(req.req_id, "internal", f"lookup failed: {e!r}")
+            if info is None:
+                return self._error(req.req_id, "unknown_engine", self._unknown(*key))
+            cached = self._cache[key] = encode(info)
+        return encode(RawReply(msgspec.Raw(cached), req.req_id))
+
+    def _unknown(self, engine_id: str, tp_rank: int) -> str:
+        if self._engines is not None:
+            try:
+                known = sorted(set(self._engines()))
+            except Exception as e:
+                known_s = f"(engine list unavailable: {e!r})"
+            else:
+                if engine_id in known:
+                    return f"engine {engine_id!r} has no rank {tp_rank} registered here"
+                known_s = str(known)
+        else:
+            known_s = f"{sorted({e for e, _ in self._cache})} (served so far)"
+        return f"no engine {engine_id!r} (rank {tp_rank}) registered here; engines: {known_s}"
+
+    @staticmethod
+    def _error(req_id: int, code: ErrorCode, message: str) -> bytes:
+        return encode(HandshakeError(code, message, req_id))
+
+    def _version_error(self, req_id: int, v: int) -> bytes:
+        return self._error(
+            req_id, "version", f"client speaks handshake v{v}, this server v{HANDSHAKE_VERSION}"
+        )
