@@ -119,7 +119,7 @@ class Metrics:
                           "periodic timer fired, last sample")
         self.worker_lag = g("kvsidecar_worker_poll_lag_seconds", "Time since the NIXL worker "
                             "thread last went round its poll loop", ENGINE)
-        self.ready = g("kvsidecar_ready", "1 when /readyz passes")
+        self.ready = g("kvsidecar_ready", "1 when /readyz last passed (set on each probe)")
         self.transport_bandwidth = g(
             "kvsidecar_selfcheck_bandwidth_bytes_per_second", "Loopback NIXL READ bandwidth "
             "measured by the start-up transport self-check")

@@ -51,6 +51,9 @@ class SidecarProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, **(self.env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Many sidecars start at once in tests: skip the start-up loopback READ
+        # (a child process importing NIXL each) unless a test asks for it.
+        env.setdefault("KVSIDECAR_TRANSPORT_CHECK", "off")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
              "--handshake-host", "127.0.0.1", "--handshake-port", "0", *self.args],

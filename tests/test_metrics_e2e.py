@@ -112,12 +112,26 @@ def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def wait_ready(port: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"sidecar on {port} never became ready"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     """Run N_READS good reads and one read from an unreachable peer, then hand the
     sidecars (still running) to the tests."""
     work: Path = tmp_path_factory.mktemp("metrics")
-    flags = ["--metrics-port", "0", "--handshake-timeout", "2"]
+    flags = ["--metrics-port", "0", "--handshake-timeout", "2",
+             "--transport-check", "require-zero-copy"]
     p = [SidecarProcess(work, "mp0", args=flags)]
     d = [SidecarProcess(work, f"md{i}", args=flags) for i in range(2)]
     for s in p + d:
@@ -148,6 +162,8 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
             assert {c.kind for c in P.wait_for(["expire"])["expire"].values()} == {"expired"}
             with pytest.raises(Exception, match="not registered"):
                 D.clients[0].poll("nobody-here")
+            for s in p + d:  # self-check done and passed: /readyz is green
+                wait_ready(s.metrics_port)
             if prom is not None:  # two more scrapes after the last change
                 prom.wait_scraped('kvsidecar_completions_total{outcome="expired"}', 1)
                 time.sleep(3)
@@ -188,6 +204,8 @@ def test_decode_side_transfer_metrics(moved: dict[str, object]) -> None:
         assert value(m, "kvsidecar_engines") == 1
         assert value(m, "kvsidecar_registered_bytes", **eng) > 0
         assert value(m, "kvsidecar_build_info") == 1
+        assert value(m, "kvsidecar_selfcheck_info", path="cma", passed="true") == 1
+        assert value(m, "kvsidecar_ready") == 1
 
 
 def test_prefill_side_metrics(moved: dict[str, object]) -> None:
