@@ -460,7 +460,7 @@ class _WorkerSide:
         self.regions: list[ShmRegion] = []
         self.handshake: KvSidecarHandshake | None = None
         self._holding: set[str] = set()
-        self._reading: dict[str, tuple[ReadJob, float]] = {}
+        self._reading: dict[str, tuple[ReadJob, float, float]] = {}  # job, start, post time
         self._released: set[str] = set()
         self._early: list[Completion] = []  # refusals of read(), reported like failures
         self._invalid: set[int] = set()
@@ -526,8 +526,7 @@ class _WorkerSide:
             log.warning("kvsidecar: read %s refused: %s", job.request_id, e)
             self._early.append(Completion(job.request_id, "failed", str(e),
                                           job.local_block_ids))
-        self._reading[job.request_id] = (job, t0)
-        self.stats.data["post_duration"].append(time.perf_counter() - t0)
+        self._reading[job.request_id] = (job, t0, time.perf_counter() - t0)
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
@@ -549,12 +548,15 @@ class _WorkerSide:
         out.finished_sending.add(c.request_id)
 
     def _received(self, c: Completion, out: KVConnectorTransferResults) -> None:
-        job, t0 = self._reading.pop(c.request_id)
+        job, t0, post_s = self._reading.pop(c.request_id)
         released = c.request_id in self._released
         self._released.discard(c.request_id)
         if c.kind == "received":
             if job.awaited:  # else notify-only: the scheduler awaits nothing
+                # vLLM's NIXL semantics per successful transfer; the duration is as
+                # the engine sees it (read request to the poll that returned it).
                 self.stats.data["transfer_duration"].append(time.perf_counter() - t0)
+                self.stats.data["post_duration"].append(post_s)
                 self.stats.data["bytes_transferred"].append(c.nbytes)
                 self.stats.data["num_descriptors"].append(0)  # not reported by the sidecar
                 out.finished_recving.add(c.request_id)
@@ -579,12 +581,10 @@ class _WorkerSide:
         return out
 
     def take_stats(self) -> NixlKVConnectorStats | None:
-        if self.stats.is_empty() and not self.stats.data["post_duration"]:
+        if self.stats.is_empty():
             return None
-        out = self.stats.clone_and_reset()
-        if out.num_successful_transfers == 0:
-            out.data["post_duration"] = []
-        return out if not out.is_empty() else None
+        out: NixlKVConnectorStats = self.stats.clone_and_reset()
+        return out
 
     def shutdown(self) -> None:
         # A dead sidecar must not stall exit.

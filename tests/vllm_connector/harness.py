@@ -151,6 +151,7 @@ class Engine:
     fill: Callable[[Engine, Request], None] | None = None
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # pages earlier reads wrote
+    stats: list[Any] = field(default_factory=list)  # aggregated KV connector stats per step
 
     @property
     def connector(self) -> KvSidecarConnector:
@@ -204,6 +205,8 @@ class Engine:
                 prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
         agg = self.aggregator.aggregate(outs)
         assert agg is not None
+        if agg.kv_connector_output and agg.kv_connector_output.kv_connector_stats:
+            self.stats.append(agg.kv_connector_output.kv_connector_stats)
         eco = self.sched.update_from_output(so, agg)
         for client_outs in eco.values():
             for o in client_outs.outputs:
