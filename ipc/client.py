@@ -395,6 +395,27 @@ class SidecarClient:
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
              remote_request_id: str | None = None, skip_tokens: int | None = None,
              num_tokens: int | None = None) -> None:
+        """Ask the sidecar to pull ``remote_block_ids`` of ``remote`` into local blocks.
+
+        Errors, one rule: what the local sidecar can judge from the request
+        itself (malformed, unknown engine, local ids out of range or named
+        twice, group counts, tp sizes that do not divide, a request id already
+        reading, a per-engine limit) raises here, and nothing was started; everything that needs the peer (handshake, model
+        fingerprint, remote ids, the transfer) arrives later as a ``failed``
+        completion from :meth:`poll`. An adapter that wants a single route
+        turns the exception into a failed read itself (``kvsidecar.ipc.vllm``
+        does).
+
+        ``skip_tokens``: leading tokens D already holds (a prefix hit); a whole
+        number of the local group's logical blocks (``sub_blocks *
+        block_tokens``), the granularity of a prefix-cache hit. Leave it out
+        only when both sides have the same ``sub_blocks`` (then it is inferred
+        from the block counts); with differing ``sub_blocks`` and no
+        ``num_tokens`` the read is refused rather than guessed.
+        ``num_tokens``: the prompt length. It only trims kernel blocks past the
+        last token; leaving it out reads whole blocks (more bytes, never fewer),
+        so the default is the safe side.
+        """
         self._run(self._core.read(engine_id, request_id, local_block_ids, remote,
                                   remote_block_ids, remote_request_id, skip_tokens, num_tokens))
 
