@@ -400,8 +400,9 @@ class SidecarClient:
         Errors, one rule: what the local sidecar can judge from the request
         itself (malformed, unknown engine, local ids out of range or named
         twice, group counts, tp sizes that do not divide, a request id already
-        reading, a per-engine limit) raises here, and nothing was started; everything that needs the peer (handshake, model
-        fingerprint, remote ids, the transfer) arrives later as a ``failed``
+        reading, a per-engine limit) raises here, and nothing was started;
+        everything that needs the peer (handshake, model fingerprint, remote
+        ids, the transfer) arrives later as a ``failed``
         completion from :meth:`poll`. An adapter that wants a single route
         turns the exception into a failed read itself (``kvsidecar.ipc.vllm``
         does).
