@@ -334,7 +334,9 @@ class Sidecar:
             engine_id=req.engine_id, tp_rank=req.tp_rank, layout=layout, regions=regions,
             owned=owned, keep_on_exit=req.keep_on_exit, pid=req.pid, worker=worker,
             reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
-            peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link),
+            peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link,
+                            on_unload_failed=self.metrics.cleanup_failures.labels(
+                                what="remote_agent").inc),
             info=make_handshake_info(
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,

@@ -6,12 +6,19 @@ the peer against what the engine was told and against our layout, then load
 its agent metadata into the local engine's NIXL worker. Concurrent requests
 to a new peer share one link task; a failed link is forgotten so the next
 request retries instead of inheriting the failure.
+
+Peers restart: a P engine re-registers (new NIXL agent) or its sidecar
+restarts on the same address (new ``daemon_id``, new agent). A cached
+handshake then describes an agent that no longer exists, and loading it
+fails. Any failure to link therefore evicts the cached handshake and fetches
+once more; if the peer now answers with another daemon id, agent name or
+metadata, that fresh answer is linked. Links that are dropped unload their
+remote agent, retried while reads over it are still in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +36,15 @@ Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
 
 log = logging.getLogger(__name__)
 
+_UNLOAD_RETRY_S = 1.0
+_UNLOAD_TRIES = 300  # reads end within --read-timeout; this outlasts any sane one
+
+
+def same_peer(a: HandshakeInfo, b: HandshakeInfo) -> bool:
+    """Whether two handshake answers describe the same live agent (nothing restarted)."""
+    return (a.daemon_id == b.daemon_id and a.agent_name == b.agent_name
+            and a.agent_metadata == b.agent_metadata)
+
 
 @dataclass(frozen=True, eq=False)
 class Peer:
@@ -45,8 +61,11 @@ class PeerLinks:
     """The remote ranks one local engine rank has linked to."""
 
     def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient, *,
-                 on_link: Callable[[bool], None] | None = None) -> None:
+                 on_link: Callable[[bool], None] | None = None,
+                 on_unload_failed: Callable[[], None] | None = None) -> None:
         self._worker = worker
+        #: told once per remote agent that could not be unloaded (metrics)
+        self._on_unload_failed = on_unload_failed
         #: told True/False once per link attempt (handshake + add_remote), for metrics
         self._on_link = on_link
         self._layout = layout
@@ -81,6 +100,27 @@ class PeerLinks:
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
         info = await self._client.fetch(address, engine_id, rank)
         try:
+            return await self._load(address, engine_id, tp_size, rank, info)
+        except Exception as first:
+            # The answer may be cached from before the peer restarted or re-registered:
+            # never keep it after a failure, and ask once more.
+            self._client.forget(address, engine_id)
+            fresh = await self._client.fetch(address, engine_id, rank)
+            if same_peer(fresh, info):
+                raise
+            log.info("link to %s engine %r rank %d failed (%s); the peer restarted or "
+                     "re-registered (daemon %s -> %s, agent %r -> %r): linking the fresh one",
+                     address, engine_id, rank, first, info.daemon_id, fresh.daemon_id,
+                     info.agent_name, fresh.agent_name)
+            try:
+                return await self._load(address, engine_id, tp_size, rank, fresh)
+            except Exception:
+                self._client.forget(address, engine_id)
+                raise
+
+    async def _load(self, address: str, engine_id: str, tp_size: int, rank: int,
+                    info: HandshakeInfo) -> Peer:
+        try:
             validate(info.layout)
         except LayoutError as e:
             raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
@@ -104,6 +144,17 @@ class PeerLinks:
         unload.add_done_callback(self._unloading.discard)
 
     async def _unload(self, agent: str) -> None:
-        # Refused while reads to it are in flight; those fail or finish on their own.
-        with contextlib.suppress(Exception):
-            await self._worker.remove_remote(agent)
+        """Remove the remote agent once no read uses it (NIXL refuses while one does)."""
+        last: Exception | None = None
+        for _ in range(_UNLOAD_TRIES):
+            if not self._worker.running:
+                return  # the remote agent goes with the local one
+            try:
+                await self._worker.remove_remote(agent)
+                return
+            except Exception as e:
+                last = e
+            await asyncio.sleep(_UNLOAD_RETRY_S)
+        log.warning("remote agent %r could not be unloaded: %s", agent, last)
+        if self._on_unload_failed is not None:
+            self._on_unload_failed()

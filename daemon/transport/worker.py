@@ -623,6 +623,8 @@ class NixlWorker:
                             remote=agent)
 
     def _do_remove_remote(self, agent: str, _fut: _Fut) -> None:
+        if agent not in self._remotes:
+            return  # already gone (removed before, or replaced): nothing to do
         self._check_idle(agent, "remove")
         self._agent.remove_remote_agent(agent)
         self._remotes.pop(agent, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -62,6 +63,75 @@ def test_reads_recover_after_the_prefill_engine_re_registers(pool) -> None:
             assert {c.kind for r in rids for c in sent[r].values()} == {"sent"}
         finally:
             P2.close()
+
+
+def test_a_new_decode_engine_reads_from_a_prefill_engine_that_re_registered(pool) -> None:
+    """Issue 7 item 3: P re-registers (new NIXL agent) after D's sidecar cached its
+    handshake. A D engine that registers afterwards must not inherit the stale
+    handshake (it used to fail every read with NIXL_ERR_BACKEND naming the old
+    agent); the old D engine recovers too. Bytes checked by the oracle."""
+    P = SimEngine(pool.uid("P"), attn(8), 1, 96, pool.p[:1])
+    D1 = SimEngine(pool.uid("D"), attn(8), 1, 96, pool.d[:1])
+    D2: SimEngine | None = None
+    P2: SimEngine | None = None
+    try:
+        D1.start_read(P.prefill("before", Request(seed=1, prompt_tokens=24)))
+        assert D1.wait_for(["before"])["before"][0].kind == "received"
+        D1.finish("before")
+        engine_id = P.engine_id
+        P.close()
+        P2 = SimEngine(engine_id, attn(8), 1, 96, pool.p[:1])
+        D2 = SimEngine(pool.uid("D"), attn(8), 1, 96, pool.d[:1])
+        for i in range(3):  # every read, not just the first, is received
+            rid = f"new-{i}"
+            D2.start_read(P2.prefill(rid, Request(seed=10 + i, prompt_tokens=24)))
+            got = D2.wait_for([rid])[rid][0]
+            assert got.kind == "received", got
+            assert not D2.verify(rid)
+            D2.finish(rid)
+        D1.start_read(P2.prefill("old", Request(seed=20, prompt_tokens=24)))
+        assert D1.wait_for(["old"])["old"][0].kind == "received"
+        assert not D1.verify("old")
+    finally:
+        for e in (D2, D1, P2):
+            if e is not None:
+                e.close()
+
+
+def test_reads_work_after_the_prefill_sidecar_restarts_on_the_same_address(pool, tmp_path
+                                                                         ) -> None:
+    """Issue 7 item 3: P's sidecar restarts on the same handshake address (new
+    daemon id, new agents). Old and new D engines read correct bytes afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = SidecarProcess(tmp_path, "restart-p", args=["--handshake-port", str(port)]).start()
+    D1 = SimEngine(pool.uid("D"), attn(8), 1, 96, pool.d[:1])
+    made: list[SimEngine] = [D1]
+    try:
+        P = SimEngine("restart-P", attn(8), 1, 96, [p])
+        made.append(P)
+        D1.start_read(P.prefill("before", Request(seed=1, prompt_tokens=24)))
+        assert D1.wait_for(["before"])["before"][0].kind == "received"
+        D1.finish("before")
+        P.close()
+        made.remove(P)
+        assert p.stop() == 0
+        p = SidecarProcess(tmp_path, "restart-p2", args=["--handshake-port", str(port)]).start()
+        assert p.handshake.endswith(f":{port}")
+        P2 = SimEngine("restart-P", attn(8), 1, 96, [p])
+        made.append(P2)
+        D2 = SimEngine(pool.uid("D"), attn(8), 1, 96, pool.d[:1])
+        made.append(D2)
+        for D, rid in ((D2, "new"), (D1, "old")):
+            D.start_read(P2.prefill(rid, Request(seed=5, prompt_tokens=24)))
+            got = D.wait_for([rid])[rid][0]
+            assert got.kind == "received", got
+            assert not D.verify(rid)
+    finally:
+        for e in reversed(made):
+            e.close()
+        p.stop()
 
 
 def test_a_read_that_half_succeeded_is_failed_not_retried(pool) -> None:
