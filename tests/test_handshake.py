@@ -320,6 +320,11 @@ Mutate = Callable[[HandshakeInfo], HandshakeInfo]
         ("engine_id", lambda i: i),  # expected id differs below
         ("tp_size", lambda i: msgspec.structs.replace(i, tp_size=4)),
         ("bases", lambda i: msgspec.structs.replace(i, bases=i.bases[:-1])),
+        ("bases", lambda i: msgspec.structs.replace(i, bases=[0, *i.bases[1:]])),
+        ("bases", lambda i: msgspec.structs.replace(i, bases=[-4096, *i.bases[1:]])),
+        ("bases", lambda i: msgspec.structs.replace(i, bases=[(1 << 63) - 4096,
+                                                              *i.bases[1:]])),
+        ("bases", lambda i: msgspec.structs.replace(i, bases=[i.bases[1], *i.bases[1:]])),
         ("fingerprint", lambda i: msgspec.structs.replace(i, fingerprint="0" * 16)),
         ("protocol", lambda i: msgspec.structs.replace(i, protocol=99)),
     ],

@@ -21,7 +21,9 @@ requests, ``client.py`` sends them, ``links.py`` turns answers into NIXL peers.
 
 from __future__ import annotations
 
+import itertools
 import secrets
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -243,3 +245,27 @@ def check_peer(
             "bases",
             f"{len(info.bases)} base addresses for {info.layout.num_regions} regions",
         )
+    check_bases(info.bases, info.layout.region_bytes, fail)
+
+
+#: Descriptors are int64 on the way into NIXL: a region must end below 2**63.
+_ADDRESS_LIMIT = 1 << 63
+
+
+def check_bases(bases: list[int], region_bytes: int,
+                fail: Callable[[str, str], Exception]) -> None:
+    """Each region ``[base, base + region_bytes)`` lies inside the int64 address
+    space, above 0, and no two overlap. Checked before any descriptor is built
+    from them: a peer's numbers are input, and an overflowing or overlapping
+    region would otherwise surface as a NIXL error (or a read of the wrong bytes)."""
+    if region_bytes <= 0:
+        raise fail("bases", f"region size {region_bytes} is not positive")
+    for r, base in enumerate(bases):
+        if not 0 < base <= _ADDRESS_LIMIT - region_bytes:
+            raise fail("bases", f"region {r} at {base:#x} + {region_bytes} B lies outside the "
+                                "address space")
+    ordered = sorted(bases)
+    for lo, hi in itertools.pairwise(ordered):
+        if lo + region_bytes > hi:
+            raise fail("bases", f"regions at {lo:#x} and {hi:#x} overlap "
+                                f"({region_bytes} B each)")
