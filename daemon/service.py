@@ -17,6 +17,7 @@ completion is delivered.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -44,7 +45,12 @@ from kvsidecar.daemon.engines import (
 from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import PeerLinks
-from kvsidecar.daemon.peers.messages import HandshakeInfo, make_handshake_info, new_daemon_id
+from kvsidecar.daemon.peers.messages import (
+    HandshakeInfo,
+    Reader,
+    make_handshake_info,
+    new_daemon_id,
+)
 from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
@@ -79,6 +85,10 @@ from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
+#: Reader agents remembered from handshakes (one per reading engine rank and target
+#: engine); beyond it the oldest is forgotten and counted.
+MAX_DECLARED_READERS = 65536
+
 #: How often the event loop samples its own lag and the state gauges.
 SAMPLE_PERIOD_S = 0.5
 
@@ -97,6 +107,10 @@ class Sidecar:
         self._hold_spans: dict[tuple[str, str], Any] = {}
         self.daemon_id = new_daemon_id()
         self._engines: dict[str, EngineRank] = {}
+        #: (target engine, reader engine, reader rank) -> the agent that reader declared in
+        #: its handshake; notifications are accepted only from it. Bounded, oldest out.
+        self._readers: collections.OrderedDict[tuple[str, str, int], str] = (
+            collections.OrderedDict())
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
         self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
@@ -104,7 +118,7 @@ class Sidecar:
         self._reads.tracing = self.tracing
         self._hs_server = HandshakeServer(
             f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
-            engines=lambda: list(self._engines),
+            engines=lambda: list(self._engines), on_reader=self._declare_reader,
         )
         self.metrics.counter_from(
             "kvsidecar_handshake_requests", "Handshake requests this sidecar's server received, "
@@ -336,7 +350,8 @@ class Sidecar:
             reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
             peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link,
                             on_unload_failed=self.metrics.cleanup_failures.labels(
-                                what="remote_agent").inc),
+                                what="remote_agent").inc,
+                            reader=(req.engine_id, req.tp_rank)),
             info=make_handshake_info(
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
@@ -485,6 +500,15 @@ class Sidecar:
 
     # ------------------------------------------------------------ notifications
 
+    def _declare_reader(self, target_engine: str, reader: Reader) -> None:
+        """A handshake request declared which agent a reading engine rank uses."""
+        key = (target_engine, reader.engine_id, reader.tp_rank)
+        self._readers[key] = reader.agent
+        self._readers.move_to_end(key)
+        while len(self._readers) > MAX_DECLARED_READERS:
+            self._readers.popitem(last=False)
+            self.metrics.declared_readers_evicted.inc()
+
     def _on_notif(self, engine_id: str, agent: str, msg: bytes) -> None:
         try:
             note = notifications.decode(msg)
@@ -497,6 +521,16 @@ class Sidecar:
             self.metrics.notifications_received.labels(outcome="unknown_engine").inc()
             log.warning("notification for unknown engine %r (request %r) from %s",
                         note.target_engine, note.request_id, agent)
+            return
+        declared = self._readers.get((note.target_engine, note.reader_engine, note.reader_rank))
+        if declared != agent:
+            # Anyone who can reach our NIXL agent can send a notification and name any
+            # request: only the agent the reader declared (in its handshake) may end a hold.
+            self.metrics.notifications_received.labels(outcome="wrong_sender").inc()
+            log.warning("rejecting a notification for engine %r request %r claiming reader "
+                        "%r rank %d: sent by agent %r, the reader declared %r",
+                        note.target_engine, note.request_id, note.reader_engine,
+                        note.reader_rank, agent, declared)
             return
         self.metrics.notifications_received.labels(outcome="ok").inc()
         if self.tracing.enabled:

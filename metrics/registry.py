@@ -92,7 +92,12 @@ class Metrics:
             "vllm:nixl_num_failed_notifications)", (*ENGINE, "result"))
         self.notifications_received = c(
             "kvsidecar_notifications_received_total", "Notifications received from readers, by "
-            "outcome (ok, bad, unknown_engine, unclaimed, rejected)", ("outcome",))
+            "outcome (ok, bad, unknown_engine, unclaimed, rejected, wrong_sender: not from "
+            "the agent the reader declared in its handshake)", ("outcome",))
+        self.declared_readers_evicted = c(
+            "kvsidecar_declared_readers_evicted_total", "Reader agents declared in handshakes "
+            "forgotten because the table was full (their notifications are then rejected "
+            "until they handshake again)")
         self.handshakes = c(
             "kvsidecar_handshakes_total", "Peer handshakes by side (client: links this sidecar "
             "made; server: requests it answered) and result", ("side", "result"))

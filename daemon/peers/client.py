@@ -19,6 +19,7 @@ from kvsidecar.daemon.peers.messages import (
     HandshakeInfo,
     HandshakeRequest,
     RawReply,
+    Reader,
     decode_info,
     decode_reply,
     encode,
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 __all__ = ["HandshakeClient"]
 
 
-_Key = tuple[str, str, int]  # (address, engine_id, tp_rank)
+_Key = tuple[str, str, int, Reader | None]  # (address, engine_id, tp_rank, declared reader)
 
 
 @dataclass(eq=False)
@@ -66,7 +67,8 @@ class HandshakeClient:
         self._ids = itertools.count(1)
         self._closed = False
 
-    async def fetch(self, address: str, engine_id: str, tp_rank: int) -> HandshakeInfo:
+    async def fetch(self, address: str, engine_id: str, tp_rank: int,
+                    reader: Reader | None = None) -> HandshakeInfo:
         """The info of ``engine_id`` rank ``tp_rank`` served at ``address`` (``host:port``).
 
         Raises :class:`HandshakeFailed`; never waits longer than ``timeout_s``
@@ -75,7 +77,7 @@ class HandshakeClient:
         addr = normalise(address)
         if self._closed:
             raise HandshakeFailed(addr, "handshake client is closed")
-        key = (addr, engine_id, tp_rank)
+        key = (addr, engine_id, tp_rank, reader)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -128,10 +130,10 @@ class HandshakeClient:
             task.exception()  # retrieved here so an unawaited failure is not logged as lost
 
     async def _fetch_once(self, key: _Key) -> HandshakeInfo:
-        addr, engine_id, tp_rank = key
+        addr, engine_id, tp_rank, reader = key
         try:
             reply = await asyncio.wait_for(
-                self._roundtrip(addr, engine_id, tp_rank), timeout=self.timeout_s
+                self._roundtrip(addr, engine_id, tp_rank, reader), timeout=self.timeout_s
             )
         except asyncio.TimeoutError:
             err = HandshakeFailed(addr, f"no answer from {addr} within {self.timeout_s} s")
@@ -145,7 +147,7 @@ class HandshakeClient:
         return info
 
     async def _roundtrip(
-        self, addr: str, engine_id: str, tp_rank: int
+        self, addr: str, engine_id: str, tp_rank: int, reader: Reader | None
     ) -> RawReply | HandshakeError:
         if self._closed:
             raise HandshakeFailed(addr, "handshake client closed")
@@ -156,7 +158,12 @@ class HandshakeClient:
         )
         conn.pending[req_id] = fut
         try:
-            msg = encode(HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id))
+            if reader is None:
+                req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id)
+            else:
+                req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id,
+                                       reader.engine_id, reader.tp_rank, reader.agent)
+            msg = encode(req)
             try:
                 await conn.sock.send(msg)
             except zmq.ZMQError as e:

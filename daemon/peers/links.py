@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, check_peer
+from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, Reader, check_peer
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout, LayoutError, validate
 
@@ -62,8 +62,12 @@ class PeerLinks:
 
     def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient, *,
                  on_link: Callable[[bool], None] | None = None,
-                 on_unload_failed: Callable[[], None] | None = None) -> None:
+                 on_unload_failed: Callable[[], None] | None = None,
+                 reader: tuple[str, int] | None = None) -> None:
         self._worker = worker
+        #: (engine id, rank) of the local engine rank: declared with the worker's
+        #: agent name in every handshake, so peers accept its notifications
+        self._reader = reader
         #: told once per remote agent that could not be unloaded (metrics)
         self._on_unload_failed = on_unload_failed
         #: told True/False once per link attempt (handshake + add_remote), for metrics
@@ -98,14 +102,16 @@ class PeerLinks:
         return peer
 
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
-        info = await self._client.fetch(address, engine_id, rank)
+        reader = (None if self._reader is None
+                  else Reader(self._reader[0], self._reader[1], self._worker.agent_name))
+        info = await self._client.fetch(address, engine_id, rank, reader)
         try:
             return await self._load(address, engine_id, tp_size, rank, info)
         except Exception as first:
             # The answer may be cached from before the peer restarted or re-registered:
             # never keep it after a failure, and ask once more.
             self._client.forget(address, engine_id)
-            fresh = await self._client.fetch(address, engine_id, rank)
+            fresh = await self._client.fetch(address, engine_id, rank, reader)
             if same_peer(fresh, info):
                 raise
             log.info("link to %s engine %r rank %d failed (%s); the peer restarted or "

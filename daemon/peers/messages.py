@@ -44,6 +44,7 @@ __all__ = [
     "HandshakeRequest",
     "IncompatibleLayout",
     "RawReply",
+    "Reader",
     "check_peer",
     "decode_info",
     "decode_reply",
@@ -80,12 +81,29 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
-    """Ask a sidecar for one rank's :class:`HandshakeInfo`."""
+    """Ask a sidecar for one rank's :class:`HandshakeInfo`.
+
+    The ``reader_*`` fields declare who will read: the asking sidecar's engine,
+    rank and the NIXL agent name that rank reads (and notifies) with. The
+    answering sidecar accepts completion notifications for ``engine_id`` from
+    that reader only when NIXL reports them sent by that agent.
+    """
 
     engine_id: str
     tp_rank: int
     v: int = HANDSHAKE_VERSION
     req_id: int = 0
+    reader_engine: str = ""
+    reader_rank: int = -1
+    reader_agent: str = ""
+
+
+class Reader(msgspec.Struct, frozen=True):
+    """A reading engine rank as declared in a handshake request."""
+
+    engine_id: str
+    tp_rank: int
+    agent: str
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="reply"):

@@ -23,6 +23,7 @@ from kvsidecar.daemon.peers.messages import (
     HandshakeError,
     HandshakeInfo,
     RawReply,
+    Reader,
     decode_request,
     encode,
     salvage,
@@ -50,11 +51,14 @@ class HandshakeServer:
         bind: str,
         lookup: Callable[[str, int], HandshakeInfo | None],
         *,
+        on_reader: Callable[[str, Reader], None] | None = None,
         engines: Callable[[], Iterable[str]] | None = None,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self._host, self._port = split_address(bind)
         self._lookup = lookup
+        #: told (target engine, reader) for every request that declares its reader
+        self._on_reader = on_reader
         self._engines = engines
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
@@ -157,6 +161,9 @@ class HandshakeServer:
         if req.v != HANDSHAKE_VERSION:
             return self._version_error(req.req_id, req.v)
         key = (req.engine_id, req.tp_rank)
+        if req.reader_agent and self._on_reader is not None:
+            self._on_reader(req.engine_id, Reader(req.reader_engine, req.reader_rank,
+                                                  req.reader_agent))
         cached = self._cache.get(key)
         if cached is None:
             try:
