@@ -108,6 +108,14 @@ class EngineRank:
             items = [c for _, c in self.completions]
         return Completions(items=items, last=self._seq, epoch=self.epoch)
 
+    def has_completion(self, request_id: str) -> bool:
+        """Whether an outcome for ``request_id`` waits to be polled (or acknowledged).
+
+        A release that loses the race against its own read's completion finds the
+        request here: nothing is left to release, and the completion is its outcome.
+        """
+        return any(c.request_id == request_id for _, c in self.completions)
+
     def hold_done(self, o: HoldOutcome) -> None:
         self.complete(Completion(o.request_id, o.kind, o.reason))
         self.worker.set_hot(len(self.holds) > 0)

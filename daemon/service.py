@@ -495,6 +495,8 @@ class Sidecar:
             self.tracing.end(self._hold_spans.pop((req.engine_id, req.request_id), None),
                              outcome="released")
             return Ok()
+        if eng.has_completion(req.request_id):
+            return Ok()  # it ended just before the release; its completion says how
         raise RequestError(BAD_REQUEST, f"no read or hold {req.request_id!r} in progress for "
                                         f"engine {req.engine_id!r}")
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvsidecar.ipc.client import SidecarClient
+from kvsidecar.ipc.client import BadRequest, SidecarClient
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
@@ -39,6 +39,23 @@ def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> Non
         D.start_read(sent, request_id=rids[0])
         assert D.wait_for([rids[0]])[rids[0]][0].kind == "received"
         assert not D.verify(rids[0])
+
+
+def test_a_release_that_loses_the_race_to_its_read_is_a_no_op(pool) -> None:
+    """Engines abort requests whose reads may just have finished (vLLM's abort path):
+    while the outcome waits to be acknowledged, a release is accepted and changes
+    nothing; once acknowledged, the id is unknown again."""
+    with pool.engines(attn(8), 1, 1) as (P, (D,)):
+        sent = P.prefill("late", Request(seed=1, prompt_tokens=24))
+        c = D.clients[0]
+        D.start_read(sent, request_id="late-0")
+        got = D.wait_for(["late-0"])  # polled, not yet acknowledged
+        assert got["late-0"][0].kind == "received"
+        c.release(D.engine_id, "late-0")
+        assert not D.verify("late-0")  # the release touched nothing
+        D.poll()  # acknowledges the completion
+        with pytest.raises(BadRequest, match="no read or hold 'late-0'"):
+            c.release(D.engine_id, "late-0")
 
 
 def test_reads_recover_after_the_prefill_engine_re_registers(pool) -> None:
