@@ -40,7 +40,12 @@ from kvsidecar.daemon.planner import (
     validate_block_ids,
 )
 from kvsidecar.daemon.tracing import Tracing
-from kvsidecar.daemon.transport.worker import NixlError, NixlTimeout, TransferStats
+from kvsidecar.daemon.transport.worker import (
+    NixlAgentReset,
+    NixlError,
+    NixlTimeout,
+    TransferStats,
+)
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
 from kvsidecar.metrics.registry import Metrics
@@ -157,11 +162,13 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
+    gens = {p: peer.generation for p, peer in zip(cands, peers)}
     ops: list[Coroutine[Any, Any, TransferStats | None]] = []
     for post in posts:
         if post.length.size:
             ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
-                                       notif=note, timeout_s=timeout_s))
+                                       notif=note, timeout_s=timeout_s,
+                                       generation=gens[post.rank]))
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
     results = await asyncio.gather(*ops, return_exceptions=True)
@@ -354,9 +361,10 @@ class ReadTable:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
             except NixlError as e:
-                # Retry once only over links older than the request, and never
-                # after a timeout (the peer is stalled, not restarted).
-                stale = self._forget_peers(eng, job)
+                # Retry once only over links older than the request (or made
+                # before the local agent was reset), and never after a timeout
+                # (the peer is stalled, not restarted).
+                stale = self._forget_peers(eng, job) or isinstance(e, NixlAgentReset)
                 if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
                     raise
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,

@@ -57,7 +57,7 @@ from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
-from kvsidecar.daemon.transport.worker import NixlWorker
+from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
 from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (
@@ -333,7 +333,8 @@ class Sidecar:
             raise
         agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
         worker = NixlWorker(agent, backends=self.settings.backends,
-                            on_notif=partial(self._on_notif, req.engine_id))
+                            on_notif=partial(self._on_notif, req.engine_id),
+                            on_reset=partial(self._on_agent_reset, req.engine_id))
         try:
             await worker.start()
             reg_id = await worker.register([(r.address, layout.region_bytes) for r in regions])
@@ -448,6 +449,23 @@ class Sidecar:
         old.last_seen = time.monotonic()
         old.keep_on_exit = req.keep_on_exit
         return self._registered(old)
+
+    def _on_agent_reset(self, engine_id: str, reset: AgentReset) -> None:
+        """The engine's NIXL agent was destroyed and created again (a read failed):
+        publish its new name and metadata and drop every link loaded into the old one."""
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            return
+        self.metrics.agent_resets.labels(engine_id).inc()
+        self.metrics.agent_reset_seconds.labels(engine_id).observe(reset.teardown_s)
+        eng.info = make_handshake_info(
+            engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
+            agent_metadata=reset.metadata, layout=eng.layout, bases=[int(b) for b in eng.bases],
+            daemon_id=self.daemon_id,
+        )
+        self._hs_server.invalidate(engine_id)
+        for address, remote_engine, _ in eng.peers.reset():
+            self._hs_client.forget(address, remote_engine)
 
     def _count_link(self, ok: bool) -> None:
         self.metrics.handshakes.labels(side="client", result="ok" if ok else "failed").inc()

@@ -141,6 +141,13 @@ class Metrics:
         self.cleanup_failures = c(
             "kvsidecar_cleanup_failures_total",
             "Failures while releasing an engine (logged, never fatal)", ("what",))
+        self.agent_resets = c(
+            "kvsidecar_agent_resets_total", "NIXL agents destroyed and created again because "
+            "a read timed out or failed (the only way to stop its bytes)", ENGINE)
+        self.agent_reset_seconds = h(
+            "kvsidecar_agent_reset_seconds", "Time to destroy a NIXL agent and create it "
+            "again (added to a failed read's time to its completion)", ENGINE,
+            buckets=LATENCY_BUCKETS)
         self.engines_gone = c(
             "kvsidecar_engines_gone_total", "Engines taken for dead, by signal (pid, lease)",
             ("signal",))

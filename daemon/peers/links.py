@@ -55,6 +55,8 @@ class Peer:
     agent: str
     bases: NDArray[np.int64]
     made_at: float
+    #: the local agent generation this link was loaded into (see NixlWorker reset)
+    generation: int = 0
 
 
 class PeerLinks:
@@ -131,9 +133,17 @@ class PeerLinks:
         except LayoutError as e:
             raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
         check_peer(info, engine_id, tp_size, self._layout, address=address)
+        generation = self._worker.generation
         agent = await self._worker.add_remote(info.agent_metadata)
         return Peer((address, engine_id, rank), info, agent,
-                    np.asarray(info.bases, dtype=np.int64), time.monotonic())
+                    np.asarray(info.bases, dtype=np.int64), time.monotonic(), generation)
+
+    def reset(self) -> list[Key]:
+        """Drop every link: the local agent was destroyed and created again, so no
+        remote agent is loaded any more. Returns the keys dropped."""
+        keys = list(self._links)
+        self._links.clear()
+        return keys
 
     def forget(self, peer: Peer) -> None:
         """Drop this link (its peer restarted or failed) and unload its agent.

@@ -7,7 +7,7 @@ at the likely cause, so a failed read says what to look at.
 
 from __future__ import annotations
 
-__all__ = ["NixlError", "NixlTimeout", "wrap"]
+__all__ = ["NixlAgentReset", "NixlError", "NixlTimeout", "wrap"]
 
 
 class NixlError(Exception):
@@ -19,7 +19,12 @@ class NixlError(Exception):
 
 
 class NixlTimeout(NixlError):
-    """A read was cancelled at its deadline: the peer is stalled or unreachable."""
+    """A read passed its deadline (the peer is stalled or unreachable); reported
+    only after the agent was reset, so nothing of it lands any more."""
+
+
+class NixlAgentReset(NixlError):
+    """A read named a link made before the agent was reset; nothing was posted."""
 
 
 _HINTS = {

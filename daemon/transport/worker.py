@@ -46,12 +46,30 @@ notification only decides when the prefill side may reuse blocks).
 when the initiator observes the transfer as DONE, so every handle is polled to
 completion even if the awaiting coroutine was cancelled, and only then
 released.
+
+*A failed read is reported only once it is dead.* NIXL has no abort: releasing
+the handle of a READ in flight, or removing the remote agent, does not stop the
+bytes (measured over UCX/TCP: 380 of 384 MiB landed after both). Destroying the
+reading agent does (its UCX worker and endpoints go, and with them every way a
+byte reaches our memory on host DRAM: TCP receives are driven by that worker,
+CMA copies happen inline in ``transfer()``). So a read that passes its deadline,
+ends in an error state or fails while posting *resets* the agent: every handle
+is dropped, the agent is destroyed and a fresh one (named ``<name>-g<N>``) is
+created with the same memory registered again. Only then do the read's future
+and those of the other reads in flight on that agent fail (they died with it).
+The owner learns the new name and metadata through ``on_reset`` (peers must
+link and handshake again); reads submitted for links made before the reset fail
+with :class:`~kvsidecar.daemon.transport.errors.NixlAgentReset` before anything
+is posted. Shutdown does the same with reads still stuck at its deadline: the
+agent is destroyed before any of them is reported and before ``stop()``
+returns, so the caller may unmap the memory afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import importlib
 import itertools
 import logging
@@ -65,13 +83,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsidecar.daemon.transport.errors import NixlError, NixlTimeout, wrap
+from kvsidecar.daemon.transport.errors import NixlAgentReset, NixlError, NixlTimeout, wrap
 from kvsidecar.daemon.transport.metadata import peek_agent_name
 from kvsidecar.daemon.transport.probe import transport_note
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NixlError", "NixlTimeout", "NixlWorker", "TransferStats", "transport_note"]
+__all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlTimeout", "NixlWorker",
+           "TransferStats", "transport_note"]
 
 _MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
 _STOP_WAIT_S = 5.0  # how long stop() lets in-flight transfers finish
@@ -97,6 +116,18 @@ class TransferStats:
 
 # -- the worker ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class AgentReset:
+    """What ``on_reset`` is told after the agent was destroyed and created again."""
+
+    generation: int
+    agent_name: str
+    metadata: bytes
+    reason: str
+    reads_failed: int
+    teardown_s: float
+
+
 _DEFERRED = object()  # a job's result when its future is resolved later (in-flight reads)
 
 _Fut = asyncio.Future[Any]
@@ -121,6 +152,7 @@ class _Inflight:
     t0: float
     t_post: float
     deadline: float | None = None
+    timed_out: bool = False
 
 
 def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -141,6 +173,7 @@ class NixlWorker:
         *,
         backends: Sequence[str] = ("UCX",),
         on_notif: Callable[[str, bytes], None] | None = None,
+        on_reset: Callable[[AgentReset], None] | None = None,
         idle_poll_s: float = 0.005,
         busy_poll_s: float = 0.0002,
         hot_poll_s: float = 0.001,
@@ -152,7 +185,16 @@ class NixlWorker:
             raise ValueError("agent name must not be empty")
         if idle_poll_s <= 0 or busy_poll_s <= 0 or hot_poll_s <= 0:
             raise ValueError("poll intervals must be positive")
-        self._name = name
+        self._base_name = name
+        self._name = name  # the current agent's name, on the worker thread
+        self._public_name = name  # the same, as the event loop knows it
+        self._on_reset = on_reset
+        #: the agent's generation as the event loop knows it (set by the reset callback)
+        self.generation = 0
+        #: resets so far and the last one's teardown time (for metrics and the README)
+        self.resets = 0
+        #: deregistrations that failed at shutdown (logged; counted by the owner)
+        self.cleanup_failures = 0
         self._backends = tuple(backends)
         self._backend_params = {k: dict(v) for k, v in (backend_params or {}).items()}
         self._on_notif = on_notif
@@ -180,6 +222,9 @@ class NixlWorker:
         self._inflight_by_agent: dict[str, int] = {}
         self._remotes: dict[str, bytes] = {}
         self._regs: dict[int, Any] = {}
+        self._reg_specs: dict[int, tuple[list[tuple[int, int]], str, int]] = {}
+        self._gen = 0  # the worker thread's generation
+        self._doomed: list[tuple[_Inflight, BaseException]] = []
         self._reg_ids = itertools.count(1)
         self._out_futs: list[tuple[_Fut, object, BaseException | None]] = []
         self._out_notifs: list[tuple[str, bytes]] = []
@@ -189,7 +234,8 @@ class NixlWorker:
 
     @property
     def agent_name(self) -> str:
-        return self._name
+        """The current agent's name (it changes with every reset)."""
+        return self._public_name
 
     @property
     def running(self) -> bool:
@@ -281,15 +327,18 @@ class NixlWorker:
         dev_id: int = 0,
         remote_dev_id: int | None = None,
         timeout_s: float | None = None,
+        generation: int | None = None,
     ) -> TransferStats:
         """READ ``length[i]`` bytes from ``remote_addr[i]`` on the peer into ``local_addr[i]``.
 
         With zero descriptors only the notification (if any) is sent.
         ``remote_dev_id`` defaults to ``dev_id``. A read still in progress
-        ``timeout_s`` after posting is cancelled (its handle released, which
-        aborts the transfer) and fails; if NIXL cannot cancel it, the read keeps
-        being polled and reports only once it ends, so a failed read never
-        leaves a transfer writing into memory the caller believes is free.
+        ``timeout_s`` after posting fails with NixlTimeout, and a read that ends
+        in an error fails with NixlError, each only after the agent was reset
+        (see the module docstring): a failed read never leaves a transfer
+        writing into memory the caller believes is free. ``generation`` is the
+        agent generation the caller linked ``remote_agent`` in; a read for an
+        older generation fails with NixlAgentReset without posting anything.
         """
         n = len(local_addr)
         for label, arr in (("local_addr", local_addr), ("remote_addr", remote_addr),
@@ -305,7 +354,7 @@ class NixlWorker:
             raise TypeError("notif must be bytes")
         fn = functools.partial(
             self._do_read, remote_agent, local_addr, remote_addr, length, notif, mem_type,
-            dev_id, dev_id if remote_dev_id is None else remote_dev_id, timeout_s,
+            dev_id, dev_id if remote_dev_id is None else remote_dev_id, timeout_s, generation,
         )
         stats: TransferStats = await self._submit(
             f"read of {n} descriptors from remote agent {remote_agent!r}", fn, remote=remote_agent
@@ -427,6 +476,10 @@ class NixlWorker:
     def _progress(self) -> None:
         if self._inflight:
             self._poll_reads()
+        if self._doomed:
+            self._reset_agent()
+        if self._agent is None:  # a reset that could not create the agent again
+            return
         try:
             notifs = self._agent.get_new_notifs()
         except Exception:
@@ -442,42 +495,88 @@ class NixlWorker:
             try:
                 state = self._agent.check_xfer_state(r.handle)
             except Exception as exc:
-                self._finish_read(r, None, wrap(f"read from remote agent {r.remote!r}", exc,
-                                                 r.remote))
+                self._doomed.append((r, wrap(f"read from remote agent {r.remote!r}", exc,
+                                             r.remote)))
                 continue
             if state == "PROC":
-                late = r.deadline is not None and time.perf_counter() > r.deadline
-                if late and self._cancel(r):
+                if r.deadline is not None and time.perf_counter() > r.deadline:
+                    waited = time.perf_counter() - r.t0
+                    r.timed_out = True
+                    self._doomed.append((r, NixlTimeout(
+                        f"read from remote agent {r.remote!r} timed out after {waited:.1f} s "
+                        "(the peer is stalled or unreachable; the agent was reset so that "
+                        "nothing of it can land any more)", remote=r.remote)))
                     continue
                 still.append(r)
             elif state == "DONE":
                 self._finish_read(r, self._stats(r), None)
             else:
-                self._finish_read(r, None, NixlError(
+                self._doomed.append((r, NixlError(
                     f"read from remote agent {r.remote!r} failed: transfer state {state}",
-                    remote=r.remote))
+                    remote=r.remote)))
         self._inflight = still
 
-    def _cancel(self, r: _Inflight) -> bool:
-        """Abort a read past its deadline; False if NIXL would not (keep polling it)."""
-        waited = time.perf_counter() - r.t0
-        r.deadline = None
+    def _reset_agent(self) -> None:
+        """Destroy the agent (killing every transfer on it), create it again, then fail
+        the reads that doomed it and every other read that was in flight on it."""
+        t0 = time.perf_counter()
+        doomed, self._doomed = self._doomed, []
+        others, self._inflight = self._inflight, []
+        old = self._name
+        reason = str(doomed[0][1])
+        self._flush()  # what finished before the reset goes out first
+        self._destroy_agent([r for r, _ in doomed] + others)
         try:
-            self._agent.release_xfer_handle(r.handle)
-        except Exception:
-            log.warning("NIXL agent %r: a read from %r is stuck after %.1f s and cannot be "
-                        "cancelled; still polling it", self._name, r.remote, waited,
-                        exc_info=True)
-            return False
-        self._finish_read(r, None, NixlTimeout(
-            f"read from remote agent {r.remote!r} timed out after {waited:.1f} s "
-            "(cancelled; the peer is stalled or unreachable)", remote=r.remote), released=True)
-        return True
+            self._gen += 1
+            self._name = f"{self._base_name}-g{self._gen}"
+            self._agent = self._create_agent()
+            for reg_id, (regions, mem_type, dev_id) in self._reg_specs.items():
+                self._regs[reg_id] = self._register_descs(regions, mem_type, dev_id)
+            md = bytes(self._agent.get_agent_metadata())
+        except Exception as exc:
+            # The old agent is gone (nothing writes any more); without a new one this
+            # worker cannot serve: it stops, and the owner sees it as not running.
+            log.exception("NIXL agent %r: could not be created again after a reset", old)
+            with self._lock:
+                self._stop_requested = True
+            err = NixlError(f"the NIXL agent could not be recreated after a reset: {exc}")
+            for r, e in doomed:
+                self._fail(r.fut, e)
+            for r in others:
+                self._fail(r.fut, err)
+            return
+        teardown = time.perf_counter() - t0
+        n = len(doomed) + len(others)
+        log.warning("NIXL agent %r reset as %r in %.3f s (%s); %d read(s) in flight on it "
+                    "failed with it", old, self._name, teardown, reason, n)
+        self._post(self._reset_done, AgentReset(self._gen, self._name, md, reason, n, teardown))
+        for r, e in doomed:
+            self._fail(r.fut, e)
+        for r in others:
+            self._fail(r.fut, NixlError(
+                f"read from remote agent {r.remote!r} failed: the agent was reset because "
+                f"another read failed ({reason})", remote=r.remote))
+
+    def _destroy_agent(self, reads: list[_Inflight]) -> None:
+        """Drop every handle and the agent itself, on this thread: NIXL's agent goes
+        when the last Python reference (handles hold one) goes."""
+        for r in reads:
+            try:
+                self._agent.release_xfer_handle(r.handle)
+            except Exception:
+                log.debug("NIXL agent %r: releasing a handle before teardown failed",
+                          self._name, exc_info=True)
+            r.handle = None
+        self._stuck_handles.clear()
+        self._regs.clear()
+        self._remotes.clear()
+        self._inflight_by_agent.clear()
+        self._agent = None
+        gc.collect()  # in case a reference cycle holds a handle
 
     def _finish_read(self, r: _Inflight, stats: TransferStats | None,
-                     exc: BaseException | None, released: bool = False) -> None:
-        if not released:
-            self._release(r.handle, r.remote)
+                     exc: BaseException | None) -> None:
+        self._release(r.handle, r.remote)
         left = self._inflight_by_agent.get(r.remote, 1) - 1
         if left > 0:
             self._inflight_by_agent[r.remote] = left
@@ -541,29 +640,35 @@ class NixlWorker:
                 self._fail(job.fut, NixlError(f"{job.what}: worker stopped", remote=job.remote))
         self._flush()
         deadline = time.monotonic() + self._stop_timeout_s
-        while self._inflight and time.monotonic() < deadline:
+        while self._agent is not None and self._inflight and time.monotonic() < deadline:
             self._progress()
             self._flush()
             if self._inflight:
                 time.sleep(self._busy_poll_s)
-        for r in self._inflight:
-            self._finish_read(r, None, NixlError(
+        stuck, self._inflight = self._inflight, []
+        doomed, self._doomed = self._doomed, []
+        if self._agent is not None and not stuck and not doomed and not self._stuck_handles:
+            for reg_id, descs in list(self._regs.items()):
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception:
+                    self.cleanup_failures += 1
+                    log.warning("NIXL agent %r: deregistering %d failed", self._name, reg_id,
+                                exc_info=True)
+        elif stuck or doomed or self._stuck_handles:
+            log.warning("NIXL agent %r: %d read(s) still in flight at shutdown; destroying the "
+                        "agent before reporting them", self._name, len(stuck) + len(doomed))
+        # The agent is destroyed here, on its own thread, before any stuck read is
+        # reported and before stop() returns: only then may the memory be unmapped.
+        if self._agent is not None:
+            self._destroy_agent(stuck + [r for r, _ in doomed])
+        for r, e in doomed:
+            self._fail(r.fut, e)
+        for r in stuck:
+            self._fail(r.fut, NixlError(
                 f"read from remote agent {r.remote!r}: worker stopped before it finished",
                 remote=r.remote))
-        self._inflight = []
-        for reg_id, descs in list(self._regs.items()):
-            try:
-                self._agent.deregister_memory(descs)
-            except Exception:
-                log.warning("NIXL agent %r: deregistering %d failed", self._name, reg_id,
-                            exc_info=True)
-        self._regs.clear()
-        self._remotes.clear()
         self._flush()
-        if self._stuck_handles:
-            log.warning("NIXL agent %r: %d handles could not be released; leaking the agent",
-                        self._name, len(self._stuck_handles))
-        self._agent = None  # the agent is destroyed here, on its own thread
         log.info("NIXL agent %r stopped", self._name)
         self._post(self._resolve_stopped)
 
@@ -571,6 +676,14 @@ class NixlWorker:
 
     def _do_register(self, regions: list[tuple[int, int]], mem_type: str, dev_id: int,
                      _fut: _Fut) -> int:
+        descs = self._register_descs(regions, mem_type, dev_id)
+        reg_id = next(self._reg_ids)
+        self._regs[reg_id] = descs
+        self._reg_specs[reg_id] = (regions, mem_type, dev_id)  # to register again on reset
+        return reg_id
+
+    def _register_descs(self, regions: list[tuple[int, int]], mem_type: str,
+                        dev_id: int) -> Any:
         arr = np.empty((len(regions), 3), dtype=np.int64)
         arr[:, :2] = np.asarray(regions, dtype=np.int64)
         arr[:, 2] = dev_id
@@ -578,9 +691,7 @@ class NixlWorker:
         if descs is None:
             raise NixlError(f"NIXL rejected the registration list (mem_type={mem_type!r})")
         self._agent.register_memory(descs)
-        reg_id = next(self._reg_ids)
-        self._regs[reg_id] = descs
-        return reg_id
+        return descs
 
     def _do_deregister(self, reg_id: int, _fut: _Fut) -> None:
         descs = self._regs.get(reg_id)
@@ -588,6 +699,7 @@ class NixlWorker:
             raise NixlError(f"unknown registration id {reg_id}")
         self._agent.deregister_memory(descs)
         del self._regs[reg_id]
+        del self._reg_specs[reg_id]
 
     def _do_metadata(self, _fut: _Fut) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -624,7 +736,7 @@ class NixlWorker:
 
     def _do_remove_remote(self, agent: str, _fut: _Fut) -> None:
         if agent not in self._remotes:
-            return  # already gone (removed before, or replaced): nothing to do
+            return  # already gone (removed, replaced, or its agent generation reset)
         self._check_idle(agent, "remove")
         self._agent.remove_remote_agent(agent)
         self._remotes.pop(agent, None)
@@ -645,8 +757,13 @@ class NixlWorker:
         dev_id: int,
         remote_dev_id: int,
         timeout_s: float | None,
+        generation: int | None,
         fut: _Fut,
     ) -> object:
+        if generation is not None and generation != self._gen:
+            raise NixlAgentReset(f"read: remote agent {remote!r} was linked by generation "
+                                 f"{generation} of this agent, now {self._gen}; link again",
+                                 remote=remote)
         if remote not in self._remotes:
             raise NixlError(f"read: unknown remote agent {remote!r}", remote=remote)
         lens = _as_int64(length)
@@ -680,7 +797,8 @@ class NixlWorker:
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
-            self._finish_read(r, None, wrap(f"read from remote agent {remote!r}", exc, remote))
+            # Part of it may be posted: dead only once the agent is reset.
+            self._doomed.append((r, wrap(f"read from remote agent {remote!r}", exc, remote)))
             return _DEFERRED
         r.t_post = time.perf_counter()
         if state == "DONE":
@@ -688,9 +806,9 @@ class NixlWorker:
         elif state == "PROC":
             self._inflight.append(r)  # polled to DONE by _progress, right after this job
         else:
-            self._finish_read(r, None, NixlError(
+            self._doomed.append((r, NixlError(
                 f"read from remote agent {remote!r} failed: transfer() returned {state}",
-                remote=remote))
+                remote=remote)))
         return _DEFERRED
 
     # -- event loop side callbacks ---------------------------------------------------------------
@@ -703,6 +821,16 @@ class NixlWorker:
             fut.set_result(None)
         else:
             fut.set_exception(exc)
+
+    def _reset_done(self, reset: AgentReset) -> None:
+        self.generation = reset.generation
+        self._public_name = reset.agent_name
+        self.resets += 1
+        if self._on_reset is not None:
+            try:
+                self._on_reset(reset)
+            except Exception:
+                log.exception("on_reset callback failed for agent %r", reset.agent_name)
 
     def _resolve_stopped(self) -> None:
         if self._stopped_fut is not None and not self._stopped_fut.done():

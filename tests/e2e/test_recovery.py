@@ -7,12 +7,13 @@ import signal
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from kvsidecar.ipc.client import BadRequest, SidecarClient
-from kvsidecar.ipc.layout import attention_layout
-from kvsidecar.ipc.protocol import RemoteEngine
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.ipc.layout import Layout, attention_layout
+from kvsidecar.ipc.protocol import Completion, RemoteEngine
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
 
@@ -174,40 +175,80 @@ def test_a_read_that_half_succeeded_is_failed_not_retried(pool) -> None:
         assert not D.verify("whole")
 
 
-def test_a_stalled_peer_times_out_instead_of_hanging(tmp_path) -> None:
-    """Over TCP (no CMA) a stopped peer stalls the transfer; the read is cancelled
-    after --read-timeout and fails with a reason."""
+SENTINEL = 0x5A
+
+
+def _stall_layout(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB."""
+    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+def _failed_pages(D: SimEngine, got: Completion) -> list[np.ndarray]:
+    """Views of every page of every block the completion listed as invalid."""
+    page = D.layout.page_bytes
+    return [buf[b * page:(b + 1) * page] for buf in D.buffers[0]
+            for group in got.invalid_block_ids for b in group]
+
+
+@pytest.mark.timeout(300)
+def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
+    """Issue #7 item 1. Over TCP, P's sidecar is stopped in the middle of a 384 MiB
+    read; D reports it failed after --read-timeout, the engine writes a sentinel
+    into the failed blocks, P resumes, and seconds later the sentinel is intact:
+    the failure was reported only after D's agent was destroyed (which kills the
+    transfer). D keeps serving: a fresh read afterwards gets the oracle's bytes."""
     env = {"UCX_TLS": "tcp,self"}
     p = SidecarProcess(tmp_path, "stall-p", env=env).start()
     d = SidecarProcess(tmp_path, "stall-d", env=env, args=["--read-timeout", "1"]).start()
-    big = lambda tp, nb: attention_layout(  # noqa: E731
-        model="stall", num_layers=2, total_kv_heads=8, head_dim=128, block_tokens=64,
-        tp_size=tp, num_blocks=nb)
-    P = SimEngine("stall-P", big, 1, 64, [p])
-    D = SimEngine("stall-D", big, 1, 64, [d], timeout_s=5)
+    q = SidecarProcess(tmp_path, "stall-q", env=env).start()
+    P = SimEngine("stall-P", _stall_layout, 1, 100, [p], timeout_s=60)
+    Q = SimEngine("stall-Q", _stall_layout, 1, 100, [q], timeout_s=60)
+    D = SimEngine("stall-D", _stall_layout, 1, 100, [d], timeout_s=60)
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
-        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 60))
+        D.finish("warm")
+        # Held without the oracle's fill (384 MiB of hashing is minutes on 2 cores):
+        # P's bytes are POISON, anything but the sentinel.
+        big = Request(seed=2, prompt_tokens=64 * 96)
+        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
+        P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
         assert p.proc is not None
+        D.start_read(sent)
+        time.sleep(0.05)  # let the transfer start: P is stopped mid-read
         os.kill(p.proc.pid, signal.SIGSTOP)
         try:
-            D.start_read(sent)
-            got = D.wait_for(["stuck"], timeout_s=30)["stuck"][0]
+            got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
+            assert got.kind == "failed", got
+            assert "timed out" in got.reason, got.reason
+            assert got.invalid_block_ids == D.receiving["stuck"].block_ids
+            pages = _failed_pages(D, got)
+            for page in pages:  # the engine reuses the blocks at once
+                page[:] = SENTINEL
         finally:
             os.kill(p.proc.pid, signal.SIGCONT)
-        assert got.kind in ("failed", "received"), got
-        if got.kind == "failed":
-            assert "timed out" in got.reason or "Disconnect" in got.reason, got.reason
-            assert got.invalid_block_ids
-        else:  # the kernel finished the transfer before the stop took hold
-            assert not D.verify("stuck")
+        time.sleep(8)  # P's stalled sends go out now, to an agent that no longer exists
+        landed = sum(int(np.count_nonzero(page != SENTINEL)) for page in pages)
+        assert landed == 0, f"{landed} bytes landed in blocks reported failed"
+        assert d.alive()
         with SidecarClient(d.socket) as c:
             assert "stall-D" in c.ping().engines
+        D.finish("stuck")  # the engine frees the failed blocks (poisons them again)
+        # D still serves: a fresh read (new agent, fresh links) gets the oracle's bytes.
+        # From a P sidecar that was never stopped: the stopped one may not survive its
+        # reader's teardown (UCX aborts P when it resumes; README, Failure handling).
+        D.start_read(Q.prefill("after", Request(seed=3, prompt_tokens=64 * 2)))
+        assert D.wait_for(["after"])["after"][0].kind == "received"
+        assert not D.verify("after")
+        assert "reset as" in d.log_path.read_text()
     finally:
         D.close()
-        P.close()
+        Q.close()
+        if p.alive():
+            P.close()
         assert d.stop() == 0
+        q.stop()
         p.stop()
 
 
