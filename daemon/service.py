@@ -724,6 +724,9 @@ class Sidecar:
         except Exception as e:
             log.warning("stopping the NIXL worker of engine %r failed: %s", engine_id, e)
             self.metrics.cleanup_failures.labels(what="worker").inc()
+        if eng.worker.cleanup_failures:  # NIXL deregistrations that failed (logged there)
+            self.metrics.cleanup_failures.labels(what="nixl_deregister").inc(
+                eng.worker.cleanup_failures)
         await self._release_regions(eng.regions, eng.owned)
         self.metrics.engines.set(len(self._engines))
         self.metrics.forget_engine(engine_id)
