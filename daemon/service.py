@@ -112,7 +112,9 @@ class Sidecar:
         self._readers: collections.OrderedDict[tuple[str, str, int], str] = (
             collections.OrderedDict())
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
-        self._hs_client = HandshakeClient(timeout_s=settings.handshake_timeout_s)
+        self._hs_client = HandshakeClient(
+            timeout_s=settings.handshake_timeout_s,
+            on_evict=lambda what: self.metrics.peer_cache_evictions.labels(what).inc())
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
                                 self._deliver, self.metrics)
         self._reads.tracing = self.tracing

@@ -94,6 +94,10 @@ class Metrics:
             "kvsidecar_notifications_received_total", "Notifications received from readers, by "
             "outcome (ok, bad, unknown_engine, unclaimed, rejected, wrong_sender: not from "
             "the agent the reader declared in its handshake)", ("outcome",))
+        self.peer_cache_evictions = c(
+            "kvsidecar_peer_cache_evictions_total", "Least recently used entries dropped from "
+            "the handshake client at its bounds (handshake answers, peer connections)",
+            ("cache",))
         self.declared_readers_evicted = c(
             "kvsidecar_declared_readers_evicted_total", "Reader agents declared in handshakes "
             "forgotten because the table was full (their notifications are then rejected "

@@ -363,3 +363,31 @@ async def test_close_fails_inflight_cleanly() -> None:
         await pending
     with pytest.raises(HandshakeFailed, match="closed"):
         await cli.fetch("127.0.0.1:1", "p", 0)
+
+
+async def test_cache_and_connections_are_bounded_lru(registry: Registry) -> None:
+    """Peers' answers cannot grow the client without bound: past max_cached the
+    least recently used answer goes (and is fetched again when next needed), past
+    max_connections idle sockets are closed; each eviction is reported."""
+    servers = [HandshakeServer("127.0.0.1:0", registry.lookup) for _ in range(3)]
+    for s in servers:
+        await s.start()
+    evicted: list[str] = []
+    cli = HandshakeClient(timeout_s=2.0, max_cached=2, max_connections=2,
+                          on_evict=evicted.append)
+    try:
+        a, b, c = (addr_of(s) for s in servers)
+        await cli.fetch(a, "prefill-0", 0)
+        await cli.fetch(b, "prefill-0", 0)
+        await cli.fetch(a, "prefill-0", 0)  # a is now the most recently used
+        await cli.fetch(c, "prefill-0", 0)  # evicts b's answer and b's idle socket
+        assert evicted.count("handshake") == 1 and evicted.count("connection") == 1
+        assert [s.requests_received for s in servers] == [1, 1, 1]
+        await cli.fetch(a, "prefill-0", 0)  # still cached
+        await cli.fetch(b, "prefill-0", 0)  # fetched again, over a new socket
+        assert [s.requests_received for s in servers] == [1, 2, 1]
+        assert len(cli._cache) == 2 and len(cli._conns) <= 2
+    finally:
+        await cli.close()
+        for s in servers:
+            await s.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,6 +29,11 @@ from kvsidecar.daemon.peers.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Cached handshake answers (one per peer address, engine, rank and local reader).
+MAX_CACHED = 4096
+#: Open DEALER sockets, one per peer address; idle ones beyond this are closed.
+MAX_CONNECTIONS = 256
 
 __all__ = ["HandshakeClient"]
 
@@ -55,14 +62,25 @@ class HandshakeClient:
     cached until :meth:`forget`; failures are not, so a retry really retries.
     """
 
-    def __init__(self, timeout_s: float = 5.0, *, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, timeout_s: float = 5.0, *, ctx: zmq.asyncio.Context | None = None,
+                 max_cached: int = MAX_CACHED, max_connections: int = MAX_CONNECTIONS,
+                 on_evict: Callable[[str], None] | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_cached < 1 or max_connections < 1:
+            raise ValueError("max_cached and max_connections must be >= 1")
+        #: Bounds on what peers' answers can make this client hold. Past them the
+        #: least recently used entry goes (a cached answer is fetched again when next
+        #: needed; an idle connection is reopened), and ``on_evict("handshake" |
+        #: "connection")`` is told, for a metric.
+        self.max_cached = max_cached
+        self.max_connections = max_connections
+        self._on_evict = on_evict
         self.timeout_s = timeout_s
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
-        self._conns: dict[str, _Connection] = {}
-        self._cache: dict[_Key, HandshakeInfo] = {}
+        self._conns: OrderedDict[str, _Connection] = OrderedDict()
+        self._cache: OrderedDict[_Key, HandshakeInfo] = OrderedDict()
         self._inflight: dict[_Key, asyncio.Task[HandshakeInfo]] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -79,6 +97,8 @@ class HandshakeClient:
             raise HandshakeFailed(addr, "handshake client is closed")
         key = (addr, engine_id, tp_rank, reader)
         hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
         if hit is not None:
             return hit
         task = self._inflight.get(key)
@@ -123,6 +143,10 @@ class HandshakeClient:
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
+    def _evicted(self, what: str) -> None:
+        if self._on_evict is not None:
+            self._on_evict(what)
+
     def _request_done(self, key: _Key, task: asyncio.Task[HandshakeInfo]) -> None:
         if self._inflight.get(key) is task:
             del self._inflight[key]
@@ -144,6 +168,9 @@ class HandshakeClient:
         info = self._check_reply(addr, engine_id, tp_rank, reply)
         if self._inflight.get(key) is asyncio.current_task():  # not forgotten meanwhile
             self._cache[key] = info
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+                self._evicted("handshake")
         return info
 
     async def _roundtrip(
@@ -212,6 +239,8 @@ class HandshakeClient:
     def _conn(self, addr: str) -> _Connection:
         conn = self._conns.get(addr)
         if conn is not None:
+            self._conns.move_to_end(addr)
+        if conn is not None:
             return conn
         host, _ = split_address(addr)
         sock = self._ctx.socket(zmq.DEALER)
@@ -222,6 +251,10 @@ class HandshakeClient:
         conn = _Connection(addr, sock)
         conn.reader = asyncio.create_task(self._read(conn), name=f"handshake-reader-{addr}")
         self._conns[addr] = conn
+        idle = [a for a, c in self._conns.items() if not c.pending and a != addr]
+        for a in idle[: max(0, len(self._conns) - self.max_connections)]:
+            self._drop_conn(a, HandshakeFailed(a, "connection closed (too many peers)"))
+            self._evicted("connection")
         return conn
 
     def _drop_conn(self, addr: str, exc: HandshakeFailed) -> None:
