@@ -460,6 +460,7 @@ class Sidecar:
             return
         self.metrics.agent_resets.labels(engine_id).inc()
         self.metrics.agent_reset_seconds.labels(engine_id).observe(reset.teardown_s)
+        self.metrics.late_completions.labels(engine_id).inc(reset.reads_failed)
         eng.info = make_handshake_info(
             engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
             agent_metadata=reset.metadata, layout=eng.layout, bases=[int(b) for b in eng.bases],

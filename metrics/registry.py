@@ -109,8 +109,9 @@ class Metrics:
             "kvsidecar_engine_requests_total", "Engine IPC requests handled, by op and error "
             "code (empty = ok)", ("op", "error"))
         self.late_completions = c(
-            "kvsidecar_late_completions_quarantined_total", "NIXL completions that arrived after "
-            "their read was reported failed and were quarantined", ENGINE)
+            "kvsidecar_late_completions_quarantined_total", "Reads that could still have "
+            "completed late (timed out, or in flight at an agent reset): their blocks were held "
+            "back until the agent was destroyed, then reported failed", ENGINE)
 
         # --- state (sampled on the event loop, see Sidecar._sample)
         self.reads_in_flight = g("kvsidecar_reads_in_flight", "Read requests accepted and not "

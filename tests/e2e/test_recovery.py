@@ -6,9 +6,11 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.ipc.client import BadRequest, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
@@ -200,7 +202,8 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
     transfer). D keeps serving: a fresh read afterwards gets the oracle's bytes."""
     env = {"UCX_TLS": "tcp,self"}
     p = SidecarProcess(tmp_path, "stall-p", env=env).start()
-    d = SidecarProcess(tmp_path, "stall-d", env=env, args=["--read-timeout", "1"]).start()
+    d = SidecarProcess(tmp_path, "stall-d", env=env,
+                       args=["--read-timeout", "1", "--metrics-port", "0"]).start()
     q = SidecarProcess(tmp_path, "stall-q", env=env).start()
     P = SimEngine("stall-P", _stall_layout, 1, 100, [p], timeout_s=60)
     Q = SimEngine("stall-Q", _stall_layout, 1, 100, [q], timeout_s=60)
@@ -242,6 +245,9 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         assert D.wait_for(["after"])["after"][0].kind == "received"
         assert not D.verify("after")
         assert "reset as" in d.log_path.read_text()
+        # The held-back read is counted where operators look (exactly this one read).
+        assert _counter(d, "kvsidecar_late_completions_quarantined", "stall-D") == 1
+        assert _counter(d, "kvsidecar_agent_resets", "stall-D") == 1
     finally:
         D.close()
         Q.close()
@@ -250,6 +256,16 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         assert d.stop() == 0
         q.stop()
         p.stop()
+
+
+def _counter(sidecar: SidecarProcess, name: str, engine: str) -> float:
+    """One engine's value of a counter, scraped over the sidecar's real /metrics."""
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == name
+               for s in fam.samples
+               if s.name == name + "_total" and s.labels.get("engine") == engine)
 
 
 def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
