@@ -34,7 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--layers", type=int, default=4)
     p_demo.add_argument("--p-tp", type=int, default=1)
     p_demo.add_argument("--d-tp", type=int, default=2)
+    p_keys = sub.add_parser("keys", help="create the fleet's CURVE key for the peer channel",
+                            description="Write DIR/sidecar.key_secret (mode 0600) and "
+                                        "DIR/sidecar.key; give every sidecar of the fleet the "
+                                        "same DIR (--peer-keys), e.g. as a Kubernetes Secret.")
+    p_keys.add_argument("dir")
     args = parser.parse_args(argv)
+    if args.cmd == "keys":
+        from kvsidecar.daemon.peer_auth import generate_keys
+
+        try:
+            print(generate_keys(args.dir))
+        except FileExistsError as e:
+            print(f"kvsidecar: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.cmd == "serve":
         from kvsidecar.daemon.main import serve
 

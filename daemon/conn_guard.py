@@ -37,6 +37,13 @@ __all__ = ["ConnectionGuard", "fd_budget", "raise_fd_limit"]
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_FAILURE_KINDS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",  # e.g. no CURVE on a CURVE port
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # a key ZAP refused
+}
 _SWEEP_S = 5.0
 #: fds kept free for everything that is not a connection (NIXL/UCX, shared
 #: memory, ZMQ's own signalling, the metrics server, logs).
@@ -72,23 +79,29 @@ class ConnectionGuard:
     or the TCP port), checked before anything is shut so a number that is no
     longer one of this listener's connections is never touched.
     ``refused`` counts connections shut; ``on_refuse`` (if given) is called
-    from the guard's thread for each, for metrics.
+    from the guard's thread for each, for metrics. ``handshake_failures``
+    counts connections whose ZMTP handshake failed (wrong security mechanism,
+    refused key, garbage instead of a greeting); ``on_handshake_failure``
+    gets each.
     """
 
     def __init__(self, sock: zmq.Socket[Any], name: str, limit: int, *,
-                 local: str | int, on_refuse: Callable[[], None] | None = None) -> None:
+                 local: str | int, on_refuse: Callable[[], None] | None = None,
+                 on_handshake_failure: Callable[[str], None] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.name = name
         self.limit = limit
         self.local = local
         self.refused = 0
+        self.handshake_failures = 0
         self._on_refuse = on_refuse
+        self._on_handshake_failure = on_handshake_failure
         self._open: set[int] = set()
         self._lock = threading.Lock()
         self._sock: zmq.Socket[Any] = sock
         addr = f"inproc://kvsidecar-guard-{name}-{os.getpid()}-{next(_ids)}"
-        sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)
         mon: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
         mon.setsockopt(zmq.RCVHWM, 0)  # with the sender's HWM: an unbounded pipe
@@ -127,6 +140,15 @@ class ConnectionGuard:
             mon.close(linger=0)
 
     def _event(self, event: int, fd: int) -> None:
+        if event & _HANDSHAKE_FAILED:
+            self.handshake_failures += 1
+            kind = _FAILURE_KINDS.get(event, "other")
+            if self._on_handshake_failure is not None:
+                self._on_handshake_failure(kind)
+            if self.handshake_failures <= 10 or self.handshake_failures % 1000 == 0:
+                log.warning("%s socket: a connection failed its handshake (%s; %d so far)",
+                            self.name, kind, self.handshake_failures)
+            return
         if event == zmq.EVENT_DISCONNECTED:
             with self._lock:
                 self._open.discard(fd)

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import zmq
@@ -95,7 +96,8 @@ class EngineServer:
     def __init__(self, socket_path: str, handler: RequestHandler, *,
                  access: AccessPolicy | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 on_refuse: Callable[[str], None] | None = None) -> None:
         self.socket_path = os.path.abspath(socket_path)
         self.handler = handler
         self.access = access if access is not None else AccessPolicy.own_uid()
@@ -106,6 +108,7 @@ class EngineServer:
         self.bad_messages = 0
         self.internal_errors = 0
         self.forbidden = 0
+        self._on_refuse = on_refuse
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -139,8 +142,10 @@ class EngineServer:
                 os.chown(self.socket_path, -1, self.access.group)
             st = os.stat(self.socket_path)
             self._inode = (st.st_dev, st.st_ino)
-            self.guard = ConnectionGuard(sock, "engine", self.max_connections,
-                                         local=self.socket_path)
+            refuse = self._on_refuse
+            self.guard = ConnectionGuard(
+                sock, "engine", self.max_connections, local=self.socket_path,
+                on_refuse=(lambda: refuse("connection_limit")) if refuse is not None else None)
         except BaseException:
             sock.close(linger=0)
             self._release_lock()
@@ -201,6 +206,8 @@ class EngineServer:
         """One ``forbidden`` reply, nothing decoded, nothing about the engines said."""
         self.forbidden += 1
         self.errors += 1
+        if self._on_refuse is not None:
+            self._on_refuse("forbidden")
         who = (f"uid {cred.uid} gid {cred.gid} pid {cred.pid}" if cred is not None
                else "a peer without credentials")
         if self.forbidden <= 10 or self.forbidden % 1000 == 0:  # a flood must not flood the log

@@ -39,7 +39,16 @@ async def _serve(s: settings_mod.Settings) -> int:
 
     log.info("file descriptor limit: %d", raise_fd_limit())
     metrics = Metrics()
-    sidecar = Sidecar(s, metrics)
+    try:
+        sidecar = Sidecar(s, metrics)
+    except ValueError as e:  # peer keys missing or unsafe
+        print(f"kvsidecar: {e} (or --insecure-peers, for development only)", file=sys.stderr,
+              flush=True)
+        return 2
+    if s.insecure_peers:
+        log.warning("--insecure-peers: the handshake port %s:%d is NOT authenticated; anyone "
+                    "who reaches it gets the metadata to read and write every registered "
+                    "engine's KV memory. Development only.", s.handshake_host, s.handshake_port)
     try:
         await sidecar.start()
     except SocketInUse as e:
@@ -65,6 +74,7 @@ async def _serve(s: settings_mod.Settings) -> int:
     print("KVSIDECAR READY " + json.dumps({
         "socket": s.socket, "handshake": sidecar.handshake_address,
         "metrics_port": metrics_port, "daemon_id": sidecar.daemon_id,
+        "peer_auth": sidecar.peer_auth,
     }), flush=True)
     notifier = Notifier()
     notifier.send(ready=1, status=f"listening: engines on {s.socket}, handshakes on "

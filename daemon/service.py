@@ -43,6 +43,7 @@ from kvsidecar.daemon.engines import (
     shm_prefix_for,
 )
 from kvsidecar.daemon.health import Check, heartbeat
+from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
@@ -112,15 +113,22 @@ class Sidecar:
         self._readers: collections.OrderedDict[tuple[str, str, int], str] = (
             collections.OrderedDict())
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
+        # No keys only when the operator said so (--insecure-peers); a missing
+        # or unsafe key file raises ValueError here, before anything is bound.
+        keys = None if settings.insecure_peers else load_keys(settings.peer_keys)
+        self.peer_auth = "curve" if keys is not None else "none"
         self._hs_client = HandshakeClient(
-            timeout_s=settings.handshake_timeout_s,
+            timeout_s=settings.handshake_timeout_s, keys=keys,
             on_evict=lambda what: self.metrics.peer_cache_evictions.labels(what).inc())
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
                                 self._deliver, self.metrics)
         self._reads.tracing = self.tracing
         self._hs_server = HandshakeServer(
-            f"tcp://{settings.handshake_host}:{settings.handshake_port}", self._lookup,
-            engines=lambda: list(self._engines), on_reader=self._declare_reader,
+            f"tcp://{settings.bind_host}:{settings.handshake_port}", self._lookup,
+            keys=keys, max_connections=fd_budget(settings.max_peer_connections, 0.5),
+            on_refuse=lambda reason: self.metrics.refused.labels(channel="peer",
+                                                                 reason=reason).inc(),
+            on_reader=self._declare_reader,
         )
         self.metrics.counter_from(
             "kvsidecar_handshake_requests", "Handshake requests this sidecar's server received, "
@@ -130,6 +138,8 @@ class Sidecar:
             access=AccessPolicy.of(settings.allow_uids, settings.allow_gids),
             max_message_bytes=settings.max_message_bytes,
             max_connections=fd_budget(settings.max_engine_connections, 0.25),
+            on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
+                                                                 reason=reason).inc(),
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()

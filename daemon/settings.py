@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvsidecar.daemon.addresses import WILDCARDS, bracket, routable_address
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -47,17 +49,28 @@ class Settings:
     log_format: str = "text"
     #: OTLP/HTTP traces endpoint (needs the otel extra); empty = no tracing at all
     otlp_endpoint: str = ""
+    peer_keys: str = ""
+    insecure_peers: bool = False
+
+    @property
+    def bind_host(self) -> str:
+        """The handshake bind host as ZMQ wants it (IPv6 in brackets)."""
+        return "*" if self.handshake_host in ("*", "") else bracket(self.handshake_host)
 
     @property
     def advertised(self) -> str:
-        """The host peers should dial: the bind host unless it is a wildcard."""
+        """The host peers should dial: ``--advertise-host``, else the bind host,
+        else (a wildcard bind) this host's routable address; IPv6 bracketed.
+        Raises SystemExit when a wildcard is bound and no address is found."""
         if self.advertise_host:
-            return self.advertise_host
-        if self.handshake_host in ("0.0.0.0", "*", "::"):
-            import socket
-
-            return socket.gethostname()
-        return self.handshake_host
+            return bracket(self.advertise_host)
+        if self.handshake_host not in WILDCARDS:
+            return bracket(self.handshake_host)
+        found = routable_address(ipv6=":" in self.handshake_host)
+        if found is None:
+            raise SystemExit(f"kvsidecar: --handshake-host {self.handshake_host} is a wildcard "
+                             "and this host has no routable address; pass --advertise-host")
+        return found
 
 
 MAX_SECONDS = 86400.0
@@ -214,6 +227,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("MAX_ENGINE_CONNECTIONS", "256"),
                    help="engine socket connections kept; more are shut "
                         "(env KVSIDECAR_MAX_ENGINE_CONNECTIONS)")
+    p.add_argument("--peer-keys", default=_env("PEER_KEYS", os.environ.get(
+                       "CREDENTIALS_DIRECTORY", "")),
+                   help="directory with the fleet's CURVE key (sidecar.key_secret, from "
+                        "`kvsidecar keys DIR`) and optional authorized/*.key (env "
+                        "KVSIDECAR_PEER_KEYS; default $CREDENTIALS_DIRECTORY, systemd's "
+                        "LoadCredential=)")
+    p.add_argument("--insecure-peers", action="store_true",
+                   default=_env("INSECURE_PEERS", "") not in ("", "0", "false"),
+                   help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
+                        "reaches it can read and write registered KV memory "
+                        "(env KVSIDECAR_INSECURE_PEERS=1)")
     p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
                    default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
@@ -286,4 +310,6 @@ def from_args(ns: argparse.Namespace) -> Settings:
         health_timeout_s=ns.health_timeout,
         log_format=ns.log_format,
         otlp_endpoint=ns.otlp_endpoint,
+        peer_keys=ns.peer_keys,
+        insecure_peers=ns.insecure_peers,
     )

@@ -156,6 +156,10 @@ class Metrics:
         self.engines_gone = c(
             "kvsidecar_engines_gone_total", "Engines taken for dead, by signal (pid, lease)",
             ("signal",))
+        self.refused = c(
+            "kvsidecar_refused_total", "Connections and messages refused at the door, by "
+            "channel (engine socket, peer handshake port) and reason (forbidden uid, "
+            "unknown key, handshake failure, connection limit)", ("channel", "reason"))
 
     # One helper per metric type, so each metric is one line above and always
     # lands in this daemon's registry.

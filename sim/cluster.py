@@ -11,12 +11,15 @@ daemon: every byte moves through NIXL between processes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,19 +27,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, RemoteEngine
 from kvsidecar.sim.models import MakeLayout
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
 
+_fleet_keys: str | None = None
+
+
+def fleet_keys() -> str:
+    """One CURVE key directory for every sidecar this process starts (so they
+    can talk to each other), created on first use, removed at exit."""
+    global _fleet_keys
+    if _fleet_keys is None:
+        d = tempfile.mkdtemp(prefix="kvs-fleet-keys-")
+        atexit.register(shutil.rmtree, d, True)
+        generate_keys(d)
+        _fleet_keys = d
+    return _fleet_keys
+
 
 class SidecarProcess:
     """One ``kvsidecar serve`` child process; logs go to ``<workdir>/<name>.log``."""
 
     def __init__(self, workdir: Path, name: str, *, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, launcher: Sequence[str] = ()) -> None:
+        """``launcher`` prefixes the command, e.g. ``["prlimit", "--nofile=1024", "--"]``."""
         self.name = name
+        self.launcher = list(launcher)
         self.socket = str(workdir / f"{name}.sock")
         self.log_path = workdir / f"{name}.log"
         self.args = list(args)
@@ -54,9 +74,13 @@ class SidecarProcess:
         # Many sidecars start at once in tests: skip the start-up loopback READ
         # (a child process importing NIXL each) unless a test asks for it.
         env.setdefault("KVSIDECAR_TRANSPORT_CHECK", "off")
+        keys: list[str] = []
+        if not ({"--peer-keys", "--insecure-peers"} & set(self.args)
+                or "KVSIDECAR_PEER_KEYS" in env):
+            keys = ["--peer-keys", fleet_keys()]  # authenticated, like production
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
-             "--handshake-host", "127.0.0.1", "--handshake-port", "0", *self.args],
+            [*self.launcher, sys.executable, "-m", "kvsidecar", "serve", "--socket", self.socket,
+             "--handshake-host", "127.0.0.1", "--handshake-port", "0", *keys, *self.args],
             stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
         ready: dict[str, Any] = {}

@@ -19,8 +19,8 @@ def sample(m: Metrics, name: str, **labels: str) -> float:
 
 
 async def test_two_sidecars_in_one_process_do_not_share_metrics(tmp_path: Path) -> None:
-    a = Sidecar(Settings(socket=str(tmp_path / "a.sock")))
-    b = Sidecar(Settings(socket=str(tmp_path / "b.sock")))
+    a = Sidecar(Settings(socket=str(tmp_path / "a.sock"), insecure_peers=True))
+    b = Sidecar(Settings(socket=str(tmp_path / "b.sock"), insecure_peers=True))
     assert a.metrics is not b.metrics
     await a.start()
     await b.start()

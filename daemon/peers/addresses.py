@@ -21,4 +21,4 @@ def normalise(address: str) -> str:
 
 
 def ipv6(host: str) -> bool:
-    return host.startswith("[")
+    return host.startswith("[") or ":" in host

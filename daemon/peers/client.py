@@ -9,10 +9,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 import zmq.asyncio
 
+from kvsidecar.daemon.peer_auth import PeerKeys
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 MAX_CACHED = 4096
 #: Open DEALER sockets, one per peer address; idle ones beyond this are closed.
 MAX_CONNECTIONS = 256
+
+#: Replies carry agent metadata and a layout; anything larger drops the connection.
+MAX_REPLY_BYTES = 64 << 20
 
 __all__ = ["HandshakeClient"]
 
@@ -64,7 +67,8 @@ class HandshakeClient:
 
     def __init__(self, timeout_s: float = 5.0, *, ctx: zmq.asyncio.Context | None = None,
                  max_cached: int = MAX_CACHED, max_connections: int = MAX_CONNECTIONS,
-                 on_evict: Callable[[str], None] | None = None) -> None:
+                 on_evict: Callable[[str], None] | None = None,
+                 keys: PeerKeys | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_cached < 1 or max_connections < 1:
@@ -77,6 +81,7 @@ class HandshakeClient:
         self.max_connections = max_connections
         self._on_evict = on_evict
         self.timeout_s = timeout_s
+        self._keys = keys
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._conns: OrderedDict[str, _Connection] = OrderedDict()
@@ -218,7 +223,7 @@ class HandshakeClient:
             )
         try:
             info = decode_info(reply.info)
-        except msgspec.DecodeError as e:
+        except Exception as e:  # DecodeError, UnicodeDecodeError
             raise HandshakeFailed(addr, f"malformed handshake info: {e}") from None
         if info.protocol != HANDSHAKE_VERSION:
             raise HandshakeFailed(
@@ -245,6 +250,9 @@ class HandshakeClient:
         host, _ = split_address(addr)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        if self._keys is not None:
+            self._keys.dial_with(sock)
         if ipv6(host):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(f"tcp://{addr}")
@@ -281,7 +289,7 @@ class HandshakeClient:
             frame = frames[-1]
             try:
                 reply = decode_reply(frame)
-            except msgspec.DecodeError as e:
+            except Exception as e:  # DecodeError, UnicodeDecodeError
                 env = salvage(frame)
                 if env.v not in (-1, HANDSHAKE_VERSION):
                     err = HandshakeFailed(

@@ -157,8 +157,13 @@ _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 def salvage(frame: bytes) -> _Envelope:
     try:
         return _envelope_decoder.decode(frame)
-    except msgspec.DecodeError:
+    except Exception:  # DecodeError, UnicodeDecodeError, anything: there is no envelope
         return _Envelope()
+
+
+def short(text: str, n: int = 64) -> str:
+    """A prefix of input quoted back to a peer, never the whole of it."""
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"
 
 
 def new_daemon_id() -> str:

@@ -3,6 +3,13 @@
 Replies are built from a per-rank cache of encoded info because decode
 instances handshake on every (re)connect and the info (agent metadata
 especially) is the expensive part to encode.
+
+With :class:`~kvsidecar.daemon.peer_auth.PeerKeys` the port speaks CURVE and
+admits only authorized keys (the daemon's default); without, it is plain ZMQ
+(unit tests, ``--insecure-peers``). Either way requests are bounded
+(``max_message_bytes``: libzmq drops the connection beyond it), connections
+are capped, any undecodable input gets one ``bad_message`` reply, and error
+replies name neither other engines nor more of the input than a short prefix.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvsidecar.daemon.conn_guard import ConnectionGuard
+from kvsidecar.daemon.peer_auth import PeerKeys, ZapHandler
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
@@ -27,11 +36,16 @@ from kvsidecar.daemon.peers.messages import (
     decode_request,
     encode,
     salvage,
+    short,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HandshakeServer"]
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "MAX_REQUEST_BYTES", "HandshakeServer"]
+
+#: Requests are a few hundred bytes.
+MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 
@@ -39,11 +53,12 @@ __all__ = ["HandshakeServer"]
 class HandshakeServer:
     """Answers handshake requests for the engine ranks this sidecar serves.
 
-    ``lookup(engine_id, tp_rank)`` returns the rank's info or None; ``engines``
-    (optional) lists the registered engine ids so an unknown-engine error can
-    say what does exist. Replies are built from a per-rank cache of encoded
-    info because decode instances handshake on every (re)connect and the info
-    (agent metadata especially) is the expensive part to encode.
+    ``lookup(engine_id, tp_rank)`` returns the rank's info or None.
+    ``engines`` is accepted for compatibility and unused: an unknown-engine
+    error never lists what does exist (other tenants' business). Replies are
+    built from a per-rank cache of encoded info because decode instances
+    handshake on every (re)connect and the info (agent metadata especially)
+    is the expensive part to encode.
     """
 
     def __init__(
@@ -54,12 +69,21 @@ class HandshakeServer:
         on_reader: Callable[[str, Reader], None] | None = None,
         engines: Callable[[], Iterable[str]] | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        keys: PeerKeys | None = None,
+        max_message_bytes: int = MAX_REQUEST_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        on_refuse: Callable[[str], None] | None = None,
     ) -> None:
         self._host, self._port = split_address(bind)
         self._lookup = lookup
         #: told (target engine, reader) for every request that declares its reader
         self._on_reader = on_reader
-        self._engines = engines
+        self._keys = keys
+        self._max_message_bytes = max_message_bytes
+        self._max_connections = max_connections
+        self._on_refuse = on_refuse
+        self._zap: ZapHandler | None = None
+        self.guard: ConnectionGuard | None = None
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -75,17 +99,31 @@ class HandshakeServer:
             raise RuntimeError("handshake server already started")
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         if ipv6(self._host):
             sock.setsockopt(zmq.IPV6, 1)
+        if self._keys is not None:
+            self._zap = ZapHandler(self._ctx, self._keys.authorized, on_refuse=self._on_refuse)
+            self._zap.start()
+            self._keys.serve_with(sock)
         port = "*" if self._port in ("0", "*") else self._port
         try:
             sock.bind(f"tcp://{self._host}:{port}")
+            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(endpoint, bytes)
+            self.address = normalise(endpoint.decode())
+            refuse = self._on_refuse
+            self.guard = ConnectionGuard(
+                sock, "handshake", self._max_connections,
+                local=int(split_address(self.address)[1]),
+                on_refuse=(lambda: refuse("connection_limit")) if refuse is not None else None,
+                on_handshake_failure=(lambda kind: refuse(f"handshake_{kind}"))
+                if refuse is not None else None,
+            )
         except zmq.ZMQError as e:
             sock.close(linger=0)
+            await self._stop_zap()
             raise OSError(f"handshake server cannot bind {self._host}:{self._port}: {e}") from e
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.address = normalise(endpoint.decode())
         self._sock = sock
         self._task = asyncio.create_task(self._serve(sock), name=f"handshake-server-{self.address}")
         log.info("handshake server listening on %s", self.address)
@@ -99,10 +137,24 @@ class HandshakeServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.stop()
         if sock is not None:
             sock.close(linger=0)
+        await self._stop_zap()
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
+
+    async def _stop_zap(self) -> None:
+        zap, self._zap = self._zap, None
+        if zap is not None:
+            await zap.stop()
+
+    @property
+    def refused_keys(self) -> int:
+        """Connections refused for a missing or unknown CURVE key."""
+        return self._zap.refused if self._zap is not None else 0
 
     def invalidate(self, engine_id: str | None = None) -> None:
         """Drop cached replies of ``engine_id`` (all engines when None), e.g. after
@@ -125,9 +177,9 @@ class HandshakeServer:
             self.requests_received += 1
             try:
                 out = self._handle(frames)
-            except Exception:  # one bad request must not take the server down
+            except Exception as e:  # one bad request must not take the server down
                 log.exception("handshake server failed to handle a request")
-                continue
+                out = [frames[0], self._error(0, "internal", type(e).__name__)]
             if out is None:
                 continue
             try:
@@ -153,11 +205,12 @@ class HandshakeServer:
     def _answer(self, frame: bytes) -> bytes:
         try:
             req = decode_request(frame)
-        except msgspec.DecodeError as e:
+        except Exception as e:  # DecodeError, and UnicodeDecodeError for non-UTF-8 strings
             env = salvage(frame)
             if env.v not in (-1, HANDSHAKE_VERSION):
                 return self._version_error(env.req_id, env.v)
-            return self._error(env.req_id, "bad_message", f"undecodable handshake request: {e}")
+            return self._error(env.req_id, "bad_message",
+                               f"undecodable handshake request: {str(e)[:200]}")
         if req.v != HANDSHAKE_VERSION:
             return self._version_error(req.req_id, req.v)
         key = (req.engine_id, req.tp_rank)
@@ -169,26 +222,16 @@ class HandshakeServer:
             try:
                 info = self._lookup(req.engine_id, req.tp_rank)
             except Exception as e:
-                log.exception("handshake lookup of %r rank %d failed", *key)
-                return self._error(req.req_id, "internal", f"lookup failed: {e!r}")
+                log.exception("handshake lookup of %s rank %d failed", short(key[0]), key[1])
+                return self._error(req.req_id, "internal", f"lookup failed: {type(e).__name__}")
             if info is None:
                 return self._error(req.req_id, "unknown_engine", self._unknown(*key))
             cached = self._cache[key] = encode(info)
         return encode(RawReply(msgspec.Raw(cached), req.req_id))
 
-    def _unknown(self, engine_id: str, tp_rank: int) -> str:
-        if self._engines is not None:
-            try:
-                known = sorted(set(self._engines()))
-            except Exception as e:
-                known_s = f"(engine list unavailable: {e!r})"
-            else:
-                if engine_id in known:
-                    return f"engine {engine_id!r} has no rank {tp_rank} registered here"
-                known_s = str(known)
-        else:
-            known_s = f"{sorted({e for e, _ in self._cache})} (served so far)"
-        return f"no engine {engine_id!r} (rank {tp_rank}) registered here; engines: {known_s}"
+    @staticmethod
+    def _unknown(engine_id: str, tp_rank: int) -> str:
+        return f"no engine {short(engine_id)} rank {tp_rank} registered here"
 
     @staticmethod
     def _error(req_id: int, code: ErrorCode, message: str) -> bytes:

@@ -24,7 +24,7 @@ import zmq
 from kvsidecar.ipc.client import SidecarClient, SidecarError
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Register, ShmRef, decode_reply, encode_request
-from kvsidecar.sim.cluster import SidecarProcess
+from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
 pytestmark = pytest.mark.e2e
@@ -140,11 +140,25 @@ def test_socket_mode_and_group_for_a_shared_sidecar(shared_sidecar: SidecarProce
     assert (st.st_mode & 0o777, st.st_gid) == (0o750, NOBODY)
 
 
+def test_a_sidecar_without_peer_keys_exits_2_with_one_line(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(tmp_path / "x.sock")],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items()
+             if k not in ("KVSIDECAR_PEER_KEYS", "CREDENTIALS_DIRECTORY")},
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("kvsidecar: no "), run.stderr
+    assert "kvsidecar keys" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "x.sock").exists()
+
+
 def test_a_second_sidecar_on_a_live_socket_exits_2_and_leaves_it(tmp_path: Path) -> None:
     first = SidecarProcess(tmp_path, "one").start()
     try:
         second = subprocess.run(
-            [sys.executable, "-m", "kvsidecar", "serve", "--socket", first.socket],
+            [sys.executable, "-m", "kvsidecar", "serve", "--socket", first.socket,
+             "--peer-keys", fleet_keys()],
             capture_output=True, text=True, timeout=120,
         )
         assert second.returncode == 2

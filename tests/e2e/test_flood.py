@@ -1,0 +1,90 @@
+"""Connection floods against a real sidecar with the systemd default fd limit.
+
+The P sidecar runs under ``prlimit --nofile=1024:1024`` (soft and hard 1024,
+harsher than systemd's 1024 soft / 524288 hard, which the daemon would raise).
+A flood of 1,100 TCP connections on its handshake port and 300 on its engine
+socket must not starve or kill it: the registered engines keep moving bytes
+(checked by the oracle), excess connections are shut, and it exits cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import resource
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.sim.cluster import SidecarProcess, engines
+from kvsidecar.sim.models import hybrid
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+HANDSHAKE_FLOOD = 1100
+ENGINE_FLOOD = 300
+
+
+def _transfer(P, D, rid: str, seed: int) -> None:  # type: ignore[no-untyped-def]
+    D.start_read(P.prefill(rid, Request(seed=seed, prompt_tokens=60)))
+    got = D.wait_for([rid], timeout_s=120)
+    assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
+    problems = D.verify(rid)
+    assert not problems, problems[:3]
+
+
+def _open_fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_connection_flood_neither_starves_nor_kills_the_sidecar(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < HANDSHAKE_FLOOD + ENGINE_FLOOD + 200:
+        pytest.skip(f"this test process may open only {hard} fds")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    p = SidecarProcess(tmp_path, "p", launcher=["prlimit", "--nofile=1024:1024", "--"]).start()
+    d = SidecarProcess(tmp_path, "d").start()
+    flood: list[socket.socket] = []
+    ids = itertools.count()
+    try:
+        assert p.proc is not None
+        with engines([p], [d], lambda pre: f"{pre}{next(ids)}", hybrid, 1, 1) as (P, (D,)):
+            _transfer(P, D, "before", 1)
+            host, port = p.handshake.rsplit(":", 1)
+            for _ in range(HANDSHAKE_FLOOD):
+                with contextlib.suppress(OSError):
+                    flood.append(socket.create_connection((host, int(port)), timeout=5))
+            for _ in range(ENGINE_FLOOD):
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    u.connect(p.socket)
+                    flood.append(u)
+                except OSError:
+                    u.close()
+            fds_in_flood = _open_fds(p.proc.pid)
+            deadline = time.monotonic() + 120
+            while "refused a connection" not in p.read_log():
+                assert time.monotonic() < deadline, p.read_log()
+                time.sleep(0.2)
+            # The registered engines are still served while the flood holds on.
+            _transfer(P, D, "during", 2)
+            assert p.alive(), p.read_log()
+            assert fds_in_flood < 1024
+            print(f"flood: {len(flood)} connections opened, sidecar fds {fds_in_flood} (limit "
+                  f"1024)")
+        for f in flood:
+            f.close()
+        flood.clear()
+        assert "Too many open files" not in p.read_log()
+        assert p.stop() == 0
+    finally:
+        for f in flood:
+            f.close()
+        p.kill()
+        d.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
