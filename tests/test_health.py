@@ -28,6 +28,7 @@ from kvsidecar.daemon.service import Sidecar
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.client import AsyncSidecarClient
 from kvsidecar.metrics.server import MetricsServer
+from kvsidecar.sim.cluster import fleet_keys
 from kvsidecar.sim.models import hybrid
 
 pytestmark = pytest.mark.e2e
@@ -59,7 +60,8 @@ async def until(port: int, path: str, pred: Callable[[int, dict[str, Any]], bool
 
 @pytest.fixture(params=["require-zero-copy"])
 async def served(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    sc = Sidecar(Settings(socket=str(tmp_path / "h.sock"), health_timeout_s=BOUND_S,
+    sc = Sidecar(Settings(socket=str(tmp_path / "h.sock"), peer_keys=fleet_keys(),
+                          health_timeout_s=BOUND_S,
                           transport_check=request.param))
     await sc.start()
     http = MetricsServer(sc.metrics, "127.0.0.1", 0, probes={

@@ -27,6 +27,7 @@ import pytest
 
 from kvsidecar.daemon.sdnotify import Notifier, watchdog_interval
 from kvsidecar.daemon.settings import Settings
+from kvsidecar.sim.cluster import fleet_keys
 
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "kvsidecar@.service"
 ANALYZE = shutil.which("systemd-analyze")
@@ -113,7 +114,7 @@ def test_real_daemon_speaks_notify_protocol() -> None:
             env.pop("WATCHDOG_PID", None)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvsidecar", "serve", "--socket", str(work / "e.sock"),
-                 "--transport-check", "off", "--metrics-port", "0"],
+                 "--transport-check", "off", "--metrics-port", "0", "--peer-keys", fleet_keys()],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
                 got: list[dict[str, str]] = []
