@@ -23,7 +23,8 @@ from kvsidecar.sim.cluster import SidecarProcess, engines
 from kvsidecar.sim.models import hybrid
 from kvsidecar.sim.oracle import Request
 
-pytestmark = pytest.mark.e2e
+# Each test starts its own sidecars: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 HANDSHAKE_FLOOD = 1100
 ENGINE_FLOOD = 300

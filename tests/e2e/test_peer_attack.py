@@ -27,7 +27,8 @@ from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.raw_nixl import bare_agent
 
-pytestmark = pytest.mark.e2e
+# Each test starts its own sidecars: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 _reply = msgspec.msgpack.Decoder(dict[str, object])
 
@@ -93,6 +94,7 @@ def test_positive_control_an_open_port_gives_away_the_kv(
         remote = agent.get_xfer_descs([(info.bases[0], n, 0)], "DRAM")
         for op in ("READ", "WRITE"):
             if op == "WRITE":
+                assert np.all(mine.numpy() == 0x5A)  # the READ stole the engine's bytes
                 mine.numpy()[:] = 0x66
             handle = agent.initialize_xfer(op, local, remote, peer, b"")
             state = agent.transfer(handle)
@@ -101,10 +103,10 @@ def test_positive_control_an_open_port_gives_away_the_kv(
                 state = agent.check_xfer_state(handle)
             agent.release_xfer_handle(handle)
             assert state == "DONE"
+        # ... and the WRITE overwrote them with its own.
+        assert np.all(region.numpy()[:n] == 0x66)
+        assert np.all(region.numpy()[n:] == 0x5A)
         agent.deregister_memory(descs)
-    # It read the engine's bytes (0x5a), then overwrote them with its own.
-    assert np.all(region.numpy()[:n] == 0x66)
-    assert np.all(region.numpy()[n:] == 0x5A)
 
 
 @pytest.mark.parametrize("victim", ["default"], indirect=True)

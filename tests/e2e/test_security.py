@@ -27,7 +27,8 @@ from kvsidecar.ipc.protocol import Register, ShmRef, decode_reply, encode_reques
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
-pytestmark = pytest.mark.e2e
+# Each test starts its own sidecars: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 NOBODY = 65534
 
