@@ -21,6 +21,7 @@ from kvsidecar.daemon.settings import Settings  # noqa: E402
 from kvsidecar.daemon.tracing import Tracing, trace_id_for  # noqa: E402
 from kvsidecar.ipc.client import AsyncSidecarClient  # noqa: E402
 from kvsidecar.ipc.protocol import RemoteEngine  # noqa: E402
+from kvsidecar.sim.cluster import fleet_keys  # noqa: E402
 from kvsidecar.sim.models import hybrid  # noqa: E402
 
 
@@ -34,9 +35,11 @@ def test_tracing_off_without_configuration(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.e2e
 async def test_p_and_d_spans_join_in_one_trace(tmp_path: Path) -> None:
     ep, ed = InMemorySpanExporter(), InMemorySpanExporter()
-    p = Sidecar(Settings(socket=str(tmp_path / "p.sock"), transport_check="off"),
+    p = Sidecar(Settings(socket=str(tmp_path / "p.sock"), transport_check="off",
+                         peer_keys=fleet_keys()),
                 tracing=Tracing(exporter=ep, service="kvsidecar-p"))
-    d = Sidecar(Settings(socket=str(tmp_path / "d.sock"), transport_check="off"),
+    d = Sidecar(Settings(socket=str(tmp_path / "d.sock"), transport_check="off",
+                         peer_keys=fleet_keys()),
                 tracing=Tracing(exporter=ed, service="kvsidecar-d"))
     await p.start()
     await d.start()
