@@ -8,8 +8,10 @@ import time
 import pytest
 
 from kvsidecar.daemon import notifications
+from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.messages import HandshakeInfo
+from kvsidecar.sim.cluster import fleet_keys
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 from kvsidecar.sim.raw_nixl import bare_agent
@@ -18,7 +20,9 @@ pytestmark = pytest.mark.e2e
 
 
 async def _fetch(address: str, engine_id: str) -> HandshakeInfo:
-    client = HandshakeClient(timeout_s=10)
+    # The forger is a fleet member (it has the key): what the peer channel's
+    # authentication cannot stop, the sender check must.
+    client = HandshakeClient(timeout_s=10, keys=load_keys(fleet_keys()))
     try:
         return await client.fetch(address, engine_id, 0)
     finally:
