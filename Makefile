@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvsidecar-installed
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: test test-fast system-deps demo lint bench clean
+.PHONY: test test-fast system-deps demo lint bench clean fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
