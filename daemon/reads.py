@@ -30,7 +30,9 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.leases import LeaseLost, LeaseRefused, ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import (
     PlanError,
@@ -66,6 +68,7 @@ class ReadJob:
     posted: bool = False
     abort_reason: str | None = None
     peers: list[Peer] = field(default_factory=list)
+    leases: ReaderLeases | None = None
     task: asyncio.Task[None] | None = None
     #: the request's kvsidecar.read span and its tracer (None when tracing is off)
     span: Any = None
@@ -128,9 +131,15 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
 
 
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
-                   timeout_s: float | None = None, metrics: Metrics | None = None
-                   ) -> ReadOutcome:
-    """Carry one read through; raises on failure (the caller turns it into a completion)."""
+                   timeout_s: float | None = None, metrics: Metrics | None = None,
+                   handshakes: HandshakeClient | None = None) -> ReadOutcome:
+    """Carry one read through; raises on failure (the caller turns it into a completion).
+
+    With ``handshakes`` the read holds leases on the P ranks' blocks (see
+    :mod:`~kvsidecar.daemon.leases`): claimed before posting (a refusal fails
+    the read with nothing posted), renewed while transfers are pending, and
+    checked when they end: a read that ends past its lease fails.
+    """
     req = job.req
     remote = req.remote
     cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
@@ -149,12 +158,26 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
             )
     loop = asyncio.get_running_loop()
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
-        plan, posts = await loop.run_in_executor(
+        planning = loop.run_in_executor(
             planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
             {p: peer.bases for p, peer in zip(cands, peers)},
         )
+        planning.add_done_callback(_retrieve)
+        leases = None
+        if handshakes is not None:
+            rid = req.remote_request_id or req.request_id
+            leases = job.leases = ReaderLeases(handshakes, [
+                (remote.handshake[p], Claim(
+                    engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
+                    request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+                    reader_tp=eng.layout.tp_size))
+                for p, peer in zip(cands, peers)])
+            await leases.claim()  # while the planning thread works
+        plan, posts = await planning
     if job.abort_reason is not None:
         raise asyncio.CancelledError
+    if leases is not None:
+        leases.check(time.monotonic())  # never start on an expired lease
     job.posted = True
     if metrics is not None:
         metrics.read_queue_seconds.labels(eng.engine_id).observe(
@@ -171,7 +194,12 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                                        generation=gens[post.rank]))
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
-    results = await asyncio.gather(*ops, return_exceptions=True)
+    renewing = asyncio.ensure_future(leases.renew_forever()) if leases is not None else None
+    try:
+        results = await asyncio.gather(*ops, return_exceptions=True)
+    finally:
+        if renewing is not None:
+            renewing.cancel()
     if metrics is not None:
         count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results,
                         request_id=req.request_id)
@@ -192,8 +220,16 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
         ) from errors[0]
     if errors:
         raise errors[0]
+    if leases is not None:
+        leases.check(time.monotonic())  # bytes that landed after the lease are not trusted
     return ReadOutcome(plan.nbytes, plan.descriptors, plan.descriptors_before_coalescing,
                        [r for r in results if isinstance(r, TransferStats)])
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    """Mark an abandoned future's outcome as seen (no 'never retrieved' noise)."""
+    if not f.cancelled():
+        f.exception()
 
 
 def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
@@ -270,6 +306,7 @@ class ReadTable:
         self._deliver = deliver
         self._jobs: dict[tuple[str, str], ReadJob] = {}
         self._per_engine: dict[str, int] = {}
+        self._abandons: set[asyncio.Task[None]] = set()
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -356,21 +393,26 @@ class ReadTable:
                                           decode_request_id=req.request_id)
         try:
             try:
-                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)
+                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
+                                     self._handshakes)
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
-            except NixlError as e:
+            except (NixlError, LeaseRefused) as e:
                 # Retry once only over links older than the request (or made
                 # before the local agent was reset), and never after a timeout
-                # (the peer is stalled, not restarted).
+                # (the peer is stalled, not restarted). A P engine that
+                # registered again refuses leases taken over an old link.
                 stale = self._forget_peers(eng, job) or isinstance(e, NixlAgentReset)
-                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
+                stalled = isinstance(e, NixlTimeout) or (isinstance(e, LeaseRefused)
+                                                         and not e.answered)
+                if not stale or stalled or job.abort_reason is not None:
                     raise
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,
                          extra=_event(eng, req, "retry", str(e)))
                 job.posted = False
-                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics)
+                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
+                                     self._handshakes)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
@@ -378,6 +420,8 @@ class ReadTable:
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason,
                         extra=_event(eng, req, "failed", reason))
             c = failed(req, reason)
+            if isinstance(e, LeaseLost):
+                self._metrics.leases_lost.labels(eng.engine_id).inc()
         else:
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
@@ -387,6 +431,11 @@ class ReadTable:
                           eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(
                     time.perf_counter() - t0, {"request_id": req.request_id[:64]})
+        if c.kind != "received" and job.leases is not None:
+            # Nothing of this read is in flight any more: P may release at once.
+            for t in job.leases.abandon(f"{c.kind}: {c.reason}"):
+                self._abandons.add(t)
+                t.add_done_callback(self._abandons.discard)
         self._finish(eng, job, c)
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:

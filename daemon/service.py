@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvsidecar.daemon import notifications
@@ -43,8 +44,11 @@ from kvsidecar.daemon.engines import (
     shm_prefix_for,
 )
 from kvsidecar.daemon.health import Check, heartbeat
+from kvsidecar.daemon.holds import Report
 from kvsidecar.daemon.peer_auth import load_keys
+from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.control import Claim, ControlReply, ControlRequest
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
     HandshakeInfo,
@@ -69,6 +73,7 @@ from kvsidecar.ipc.protocol import (
     UNKNOWN_ENGINE,
     Completion,
     Deregister,
+    Held,
     Hold,
     Ok,
     Ping,
@@ -128,7 +133,7 @@ class Sidecar:
             keys=keys, max_connections=fd_budget(settings.max_peer_connections, 0.5),
             on_refuse=lambda reason: self.metrics.refused.labels(channel="peer",
                                                                  reason=reason).inc(),
-            on_reader=self._declare_reader,
+            on_reader=self._declare_reader, control=self._on_control,
         )
         self.metrics.counter_from(
             "kvsidecar_handshake_requests", "Handshake requests this sidecar's server received, "
@@ -512,7 +517,8 @@ class Sidecar:
             self._hold_spans[(req.engine_id, req.request_id)] = self.tracing.start(
                 "kvsidecar.hold", req.request_id, engine=req.engine_id, rank=eng.tp_rank,
                 readers=req.readers)
-        return Ok()
+        return Held(lease_s=eng.holds.lease_s,
+                    timeout_s=req.timeout_s or eng.holds.default_timeout_s)
 
     def _traced_completion(self, engine_id: str, c: Completion) -> None:
         span = self._hold_spans.pop((engine_id, c.request_id), None)
@@ -575,6 +581,40 @@ class Sidecar:
         eng.holds.notify(note, time.monotonic())
         if eng.holds.early_dropped != dropped:
             self.metrics.limit_refusals.labels(eng.engine_id, "early_notifications").inc()
+
+    def _on_control(self, frame: bytes) -> bytes:
+        """Answer a reader's claim or abandon (see peers/control.py and holds)."""
+        try:
+            msg = peer_control.decode_request(frame)
+        except peer_control.BadControl as e:
+            self.metrics.lease_requests.labels(op="unknown", result="bad").inc()
+            return peer_control.encode(ControlReply(
+                granted=False, reason=str(e), req_id=peer_control.request_id_of(frame)))
+        op = "claim" if isinstance(msg, Claim) else "abandon"
+        reply = self._control_reply(msg)
+        self.metrics.lease_requests.labels(
+            op=op, result="granted" if reply.granted else "refused").inc()
+        return peer_control.encode(msgspec.structs.replace(reply, req_id=msg.req_id))
+
+    def _control_reply(self, msg: ControlRequest) -> ControlReply:
+        eng = self._engines.get(msg.engine_id)
+        if eng is None or eng.tp_rank != msg.tp_rank:
+            return ControlReply(granted=False, reason=f"engine {msg.engine_id[:200]!r} rank "
+                                                      f"{msg.tp_rank} is not registered here")
+        if msg.agent_name != eng.worker.agent_name:
+            return ControlReply(granted=False, reason=(
+                f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "
+                "it (its memory is not the memory the reader would read)"))
+        now = time.monotonic()
+        if isinstance(msg, Claim):
+            lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
+            return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
+                                reason=lease.reason)
+        eng.holds.report(msg.engine_id, msg.request_id,
+                         Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,
+                                msg.reason or "abandoned by the reader"), now)
+        eng.worker.set_hot(len(eng.holds) > 0)
+        return ControlReply(granted=True)
 
     # ------------------------------------------------------------ housekeeping
 
@@ -683,6 +723,7 @@ class Sidecar:
                     if eng.holds.unclaimed != before:
                         self.metrics.notifications_received.labels(outcome="unclaimed").inc(
                             eng.holds.unclaimed - before)
+                    self.metrics.hold_overrun.labels(eng.engine_id).set(eng.holds.max_overrun)
                 if now - last_liveness_check >= 1.0:
                     last_liveness_check = now
                     self._check_liveness(now)

@@ -46,6 +46,7 @@ from .protocol import (
     Completions,
     Deregister,
     Error,
+    Held,
     Hold,
     Ok,
     Ping,
@@ -298,10 +299,10 @@ class ClientCore:
         _expect((yield req), Ok)
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
-             timeout_s: float | None) -> Call[None]:
+             timeout_s: float | None) -> Call[Held]:
         req = Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
                    id=self._next_id())
-        _expect((yield req), Ok)
+        return _expect((yield req), Held)
 
     def release(self, engine_id: str, request_id: str) -> Call[None]:
         _expect((yield Release(engine_id, request_id, id=self._next_id())), Ok)
@@ -421,8 +422,9 @@ class SidecarClient:
                                   remote_block_ids, remote_request_id, skip_tokens, num_tokens))
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
-             readers: int = 1, timeout_s: float | None = None) -> None:
-        self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
+             readers: int = 1, timeout_s: float | None = None) -> Held:
+        """Keep blocks for readers; the reply's lease travels to them with the request."""
+        return self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
 
     def release(self, engine_id: str, request_id: str) -> None:
         self._run(self._core.release(engine_id, request_id))
@@ -541,8 +543,9 @@ class AsyncSidecarClient:
                                         num_tokens))
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
-                   readers: int = 1, timeout_s: float | None = None) -> None:
-        await self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
+                   readers: int = 1, timeout_s: float | None = None) -> Held:
+        return await self._run(self._core.hold(engine_id, request_id, block_ids, readers,
+                                               timeout_s))
 
     async def release(self, engine_id: str, request_id: str) -> None:
         await self._run(self._core.release(engine_id, request_id))

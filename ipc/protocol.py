@@ -277,6 +277,17 @@ class Registered(_ReplyBase, tag="registered"):
     regions: list[RegionRef] = []
 
 
+class Held(_ReplyBase, tag="held"):
+    """A hold was placed. Readers keep it alive with leases: each claim or renewal
+    a reader's sidecar sends before and while it reads keeps the blocks for
+    ``lease_s`` more seconds; without any, the hold lives ``timeout_s``.
+    Pass both on with the request (vLLM: ``kv_transfer_params``) so the
+    decode side knows how long it may wait before it must start reading."""
+
+    lease_s: float
+    timeout_s: float
+
+
 class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
     """The outcome of one read or hold.
 
@@ -313,8 +324,8 @@ class Error(_ReplyBase, tag="error"):
     message: str
 
 
-Reply: TypeAlias = Ok | Registered | Completions | Pong | Error
-REPLY_TYPES: Final = (Ok, Registered, Completions, Pong, Error)
+Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error
+REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error)
 
 
 # --------------------------------------------------------------------------

@@ -140,6 +140,15 @@ class Metrics:
                             ("version", "python", "nixl"))
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
+        self.lease_requests = c(
+            "kvsidecar_lease_requests_total", "Peer control messages answered (P side): claims "
+            "and abandons, by result (granted, refused, bad)", ("op", "result"))
+        self.leases_lost = c(
+            "kvsidecar_leases_lost_total", "Reads (D side) failed because their lease on the "
+            "prefill blocks ran out or was refused", ENGINE)
+        self.hold_overrun = g(
+            "kvsidecar_hold_overrun_seconds", "Longest time past its deadline a hold was "
+            "found alive (housekeeping lag; a paused process shows here)", ENGINE)
         self.limit_refusals = c(
             "kvsidecar_limit_refusals_total", "Requests refused (or early notifications "
             "dropped) because a per-engine bound was reached", (*ENGINE, "limit"))

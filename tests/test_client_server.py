@@ -43,6 +43,7 @@ from kvsidecar.ipc.protocol import (
     Completions,
     Deregister,
     Error,
+    Held,
     Hold,
     Ok,
     Ping,
@@ -98,7 +99,7 @@ class HandlerDouble:
             return await self._read(req)
         kind = "sent" if isinstance(req, Hold) else "aborted"
         self.pending.setdefault(req.engine_id, []).append(Completion(req.request_id, kind))
-        return Ok()
+        return Held(10.0, req.timeout_s or 120.0) if isinstance(req, Hold) else Ok()
 
     def _register(self, req: Register) -> Reply:
         if req.engine_id in self.engines:

@@ -9,18 +9,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from kvsidecar.daemon.peer_auth import PeerKeys
+from kvsidecar.daemon.peers import control
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
+from kvsidecar.daemon.peers.control import ControlReply, ControlRequest
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
+    AnyReply,
     HandshakeError,
     HandshakeFailed,
     HandshakeInfo,
     HandshakeRequest,
-    RawReply,
     Reader,
     decode_info,
     decode_reply,
@@ -53,7 +56,7 @@ class _Connection:
 
     address: str
     sock: zmq.asyncio.Socket
-    pending: dict[int, asyncio.Future[RawReply | HandshakeError]] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[AnyReply]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
 
 
@@ -178,24 +181,49 @@ class HandshakeClient:
                 self._evicted("handshake")
         return info
 
-    async def _roundtrip(
-        self, addr: str, engine_id: str, tp_rank: int, reader: Reader | None
-    ) -> RawReply | HandshakeError:
+    async def control(self, address: str, msg: ControlRequest) -> ControlReply:
+        """One control request (claim, abandon) to the sidecar at ``address``.
+
+        Raises :class:`HandshakeFailed` when no valid reply comes within
+        ``timeout_s`` (the connection is then replaced, as for a handshake).
+        """
+        addr = normalise(address)
+        if self._closed:
+            raise HandshakeFailed(addr, "handshake client is closed")
+        req_id = next(self._ids)
+        payload = control.encode(msgspec.structs.replace(msg, req_id=req_id))
+        what = type(msg).__name__.lower()
+        try:
+            reply = await asyncio.wait_for(self._send(addr, req_id, payload), self.timeout_s)
+        except asyncio.TimeoutError:
+            err = HandshakeFailed(addr, f"no answer to {what} from {addr} within "
+                                        f"{self.timeout_s} s")
+            self._drop_conn(addr, err)
+            raise err from None
+        if isinstance(reply, HandshakeError):
+            raise HandshakeFailed(addr, f"peer rejected the {what} ({reply.code}): "
+                                        f"{reply.message}")
+        if not isinstance(reply, ControlReply):
+            raise HandshakeFailed(addr, f"peer answered a {what} with a handshake reply")
+        return reply
+
+    async def _roundtrip(self, addr: str, engine_id: str, tp_rank: int,
+                         reader: Reader | None) -> AnyReply:
+        req_id = next(self._ids)
+        if reader is None:
+            req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id)
+        else:
+            req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id,
+                                   reader.engine_id, reader.tp_rank, reader.agent)
+        return await self._send(addr, req_id, encode(req))
+
+    async def _send(self, addr: str, req_id: int, msg: bytes) -> AnyReply:
         if self._closed:
             raise HandshakeFailed(addr, "handshake client closed")
         conn = self._conn(addr)
-        req_id = next(self._ids)
-        fut: asyncio.Future[RawReply | HandshakeError] = (
-            asyncio.get_running_loop().create_future()
-        )
+        fut: asyncio.Future[AnyReply] = asyncio.get_running_loop().create_future()
         conn.pending[req_id] = fut
         try:
-            if reader is None:
-                req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id)
-            else:
-                req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id,
-                                       reader.engine_id, reader.tp_rank, reader.agent)
-            msg = encode(req)
             try:
                 await conn.sock.send(msg)
             except zmq.ZMQError as e:
@@ -205,8 +233,10 @@ class HandshakeClient:
             conn.pending.pop(req_id, None)
 
     def _check_reply(
-        self, addr: str, engine_id: str, tp_rank: int, reply: RawReply | HandshakeError
+        self, addr: str, engine_id: str, tp_rank: int, reply: AnyReply
     ) -> HandshakeInfo:
+        if isinstance(reply, ControlReply):
+            raise HandshakeFailed(addr, "peer answered a handshake with a control reply")
         if isinstance(reply, HandshakeError):
             if reply.code == "version":
                 raise HandshakeFailed(addr, f"protocol version mismatch: {reply.message}",

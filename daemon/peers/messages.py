@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from kvsidecar.daemon.peers.control import ControlReply
 from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
 
 HANDSHAKE_VERSION = 1
@@ -147,7 +148,9 @@ _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 _request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 decode_request = _request_decoder.decode
-_reply_decoder = msgspec.msgpack.Decoder(RawReply | HandshakeError)
+AnyReply = RawReply | HandshakeError | ControlReply
+"""What comes back on the peer channel: a handshake reply or a control reply."""
+_reply_decoder: msgspec.msgpack.Decoder[AnyReply] = msgspec.msgpack.Decoder(AnyReply)
 decode_reply = _reply_decoder.decode
 _info_decoder = msgspec.msgpack.Decoder(HandshakeInfo)
 decode_info = _info_decoder.decode

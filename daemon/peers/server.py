@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from kvsidecar.daemon.conn_guard import ConnectionGuard
 from kvsidecar.daemon.peer_auth import PeerKeys, ZapHandler
+from kvsidecar.daemon.peers import control
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
@@ -73,6 +74,7 @@ class HandshakeServer:
         max_message_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         on_refuse: Callable[[str], None] | None = None,
+        control: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._host, self._port = split_address(bind)
         self._lookup = lookup
@@ -84,6 +86,8 @@ class HandshakeServer:
         self._on_refuse = on_refuse
         self._zap: ZapHandler | None = None
         self.guard: ConnectionGuard | None = None
+        #: answers control messages (claims, abandons; see peers/control.py)
+        self._control = control
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
@@ -203,6 +207,8 @@ class HandshakeServer:
         return [*envelope, self._answer(body[0])]
 
     def _answer(self, frame: bytes) -> bytes:
+        if self._control is not None and control.op_of(frame):
+            return self._control(frame)
         try:
             req = decode_request(frame)
         except Exception as e:  # DecodeError, and UnicodeDecodeError for non-UTF-8 strings

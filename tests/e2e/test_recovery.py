@@ -154,9 +154,12 @@ def test_reads_work_after_the_prefill_sidecar_restarts_on_the_same_address(pool,
         p.stop()
 
 
-def test_a_read_that_half_succeeded_is_failed_not_retried(pool) -> None:
-    """P rank 1 re-registers under D's feet while rank 0 stays: the read from rank 0
-    succeeds and notifies it, so the request must fail rather than be re-read."""
+def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_posted(
+        pool) -> None:
+    """P rank 1 re-registers under D's feet while rank 0 stays. Before leases the read
+    from rank 0 went through and the request could only fail half-done; now the
+    claim on rank 1 is refused (new registration, other memory) before anything
+    is posted, so the read re-links and receives the right bytes."""
     with pool.engines(attn(8), 2, 1) as (P, (D,)):
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
@@ -167,14 +170,11 @@ def test_a_read_that_half_succeeded_is_failed_not_retried(pool) -> None:
         reg = c1.register(P.engine_id, 1, P.layout, allocate=True)
         P.registrations[1] = reg
         P.buffers[1] = [r.numpy() for r in reg.regions]
-        D.start_read(P.prefill("half", Request(seed=2, prompt_tokens=24)))
-        got = D.wait_for(["half"])["half"][0]
-        assert got.kind == "failed", got
-        assert "1 of 2 remote ranks failed" in got.reason and got.invalid_block_ids
-        D.finish("half")
-        D.start_read(P.prefill("whole", Request(seed=3, prompt_tokens=24)))
-        assert D.wait_for(["whole"])["whole"][0].kind == "received"
-        assert not D.verify("whole")
+        D.start_read(P.prefill("after", Request(seed=2, prompt_tokens=24)))
+        got = D.wait_for(["after"])["after"][0]
+        assert got.kind == "received", got
+        assert not D.verify("after")
+        assert "registered again since the reader linked" in pool.d[0].read_log()
 
 
 SENTINEL = 0x5A
@@ -224,7 +224,9 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         try:
             got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
             assert got.kind == "failed", got
-            assert "timed out" in got.reason, got.reason
+            # Timed out after posting, or (when the stop lands first) its lease
+            # claim went unanswered and nothing was posted.
+            assert "timed out" in got.reason or "no answer to claim" in got.reason, got.reason
             assert got.invalid_block_ids == D.receiving["stuck"].block_ids
             pages = _failed_pages(D, got)
             for page in pages:  # the engine reuses the blocks at once

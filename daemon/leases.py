@@ -1,0 +1,111 @@
+"""D side: the leases one read holds on the P ranks it reads from.
+
+Before posting, a read claims the hold on every candidate P rank
+(:class:`~kvsidecar.daemon.peers.control.Claim`); a refusal or no answer fails
+the read before anything is posted. While its transfers are pending it renews
+every third of the granted lease. Each grant moves that rank's bound to
+``t0 + lease_s`` where ``t0`` is this side's monotonic clock when the claim
+was sent: P's deadline is at least as late, so while ``now <= bound`` P has
+not freed the blocks. A read whose transfers finish after the bound (or whose
+renewal P refused) is reported failed, never received. A read that fails or
+is aborted *abandons* every rank it linked to, so P stops waiting at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.control import Abandon, Claim
+from kvsidecar.daemon.peers.messages import HandshakeFailed
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRefused(RuntimeError):
+    """A P rank refused (``answered``) or did not answer the claim: the read must not start."""
+
+    def __init__(self, message: str, *, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class LeaseLost(RuntimeError):
+    """The read's lease ran out or was refused on renewal: its bytes cannot be trusted."""
+
+
+@dataclass
+class ReaderLeases:
+    """The claims of one read, one per P rank (``targets``: handshake address, claim)."""
+
+    client: HandshakeClient
+    targets: list[tuple[str, Claim]]
+    bounds: dict[int, float] = field(default_factory=dict)  # P rank -> lease valid until
+    lease_s: float = math.inf
+    lost: str = ""
+
+    @property
+    def bound(self) -> float:
+        """Until when (this clock) every rank's lease is known valid."""
+        return min(self.bounds.values(), default=-math.inf)
+
+    async def claim(self) -> None:
+        """Claim every rank at once; raise :class:`LeaseRefused` naming the first refusal."""
+        outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
+        problems = [(refused, why) for refused, why in outcomes if why]
+        if problems:
+            raise LeaseRefused(problems[0][1], answered=problems[0][0])
+
+    async def renew_forever(self) -> None:
+        """Renew every rank each third of the lease until cancelled (the read ended)."""
+        while True:
+            await asyncio.sleep(max(0.05, self.lease_s / 3))
+            outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
+            for refused, why in outcomes:
+                # Refused: P no longer holds the blocks. Unanswered: the bound
+                # simply stops moving and runs out on its own.
+                if refused and not self.lost:
+                    self.lost = why
+                    log.warning("lease renewal refused: %s", why)
+
+    def check(self, now: float) -> None:
+        """Raise :class:`LeaseLost` unless every rank's lease is valid at ``now``."""
+        if self.lost:
+            raise LeaseLost(f"the prefill side refused to renew the lease: {self.lost}")
+        if now > self.bound:
+            late = now - self.bound
+            raise LeaseLost(f"the read ended {late:.3f} s after its lease on the prefill "
+                            "blocks ran out (they may have been freed and reused)")
+
+    def abandon(self, reason: str) -> list[asyncio.Task[None]]:
+        """Tell every rank this read is over (failed or aborted), without waiting."""
+        return [asyncio.ensure_future(self._abandon(a, c, reason)) for a, c in self.targets]
+
+    async def _claim(self, address: str, claim: Claim) -> tuple[bool, str]:
+        """(refused by P, why); ``(False, "")`` when granted."""
+        t0 = time.monotonic()
+        try:
+            reply = await self.client.control(address, claim)
+        except HandshakeFailed as e:
+            return False, f"P rank {claim.tp_rank} at {address}: {e.reason}"
+        if not reply.granted or not (0 < reply.lease_s < math.inf):
+            return True, f"P rank {claim.tp_rank} at {address} refused the lease: {reply.reason}"
+        self.bounds[claim.tp_rank] = max(self.bounds.get(claim.tp_rank, -math.inf),
+                                         t0 + reply.lease_s)
+        self.lease_s = min(self.lease_s, reply.lease_s)
+        return False, ""
+
+    async def _abandon(self, address: str, claim: Claim, reason: str) -> None:
+        msg = Abandon(**msgspec.structs.asdict(claim), reason=reason[:1024])
+        try:
+            await self.client.control(address, msg)
+        except HandshakeFailed as e:
+            log.info("could not tell P rank %d at %s that request %r was abandoned: %s "
+                     "(it releases at its lease deadline)", claim.tp_rank, address,
+                     claim.request_id, e.reason)
