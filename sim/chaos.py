@@ -1,0 +1,504 @@
+"""The lifecycle chaos run: real sidecars, random aborts, kills and pauses, every byte checked.
+
+Two P and two D sidecars (real ``kvsidecar serve`` processes, real NIXL)
+serve three engine pairs of different layer families (attention K=8 P tp2 ->
+D tp1, hybrid attention+Mamba2 P tp1 -> D tp2, MLA P tp1 -> D tp1). Requests
+go in waves; within a wave some are aborted by D (release right after read),
+some released by P, some held too briefly (they expire). Between and during
+waves faults are injected: a P sidecar is paused (SIGSTOP, then SIGCONT), a
+D sidecar is killed (SIGKILL) and restarted with fresh engines, a D engine
+process is killed (SIGKILL) while its reads run.
+
+What is checked (the report; :func:`problems` turns it into assertions):
+
+- every request ends exactly once, on every rank that took it: one
+  completion per (engine, rank, request); reads on a killed sidecar end by
+  the engine's own failure handling (the sidecar is gone), counted apart;
+- 0 wrong bytes: every block reported ``received`` matches the oracle of
+  ``LAYOUT.md`` section 6;
+- 0 bytes written after failure: blocks reported failed/aborted get a
+  sentinel at once and are only reused after the next wave; the sentinel
+  must still be there;
+- 0 holds alive past their lease bound: each P sidecar's longest overrun of
+  a hold deadline (``kvsidecar_hold_overrun_seconds``) stays under the
+  housekeeping bound, plus the pause for a paused sidecar;
+- back to baseline: engines, ``/dev/shm`` segments, fds and threads of every
+  sidecar that was not killed return to what they were before the run.
+
+``python -m kvsidecar.sim.chaos --requests 10000`` (``make chaos``) runs the
+long form; the test suite runs 2,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsidecar.daemon.engines import shm_prefix_for
+from kvsidecar.ipc.client import SidecarClient, SidecarError
+from kvsidecar.ipc.protocol import Completion
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
+from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
+from kvsidecar.sim.oracle import Request
+
+SENTINEL = 0x5C
+HOUSEKEEPING_BOUND_S = 1.0
+"""How late (past its deadline) a hold may still be found alive on a running sidecar."""
+SIDECAR_ARGS = ["--hold-lease", "2", "--hold-timeout", "20", "--engine-lease", "10",
+                "--read-timeout", "10", "--handshake-timeout", "3", "--metrics-port", "0"]
+BLOCKS = 192
+
+
+@dataclass
+class Pair:
+    name: str
+    make: MakeLayout
+    p_tp: int
+    d_tp: int
+    p_sidecars: list[int]  # indexes into the P sidecars
+    d_sidecars: list[int]  # indexes into the D sidecars
+    P: SimEngine | None = None
+    D: SimEngine | None = None
+    generation: int = 0
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    waves: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    hold_outcomes: Counter[str] = field(default_factory=Counter)
+    duplicate_completions: int = 0
+    missing_completions: int = 0
+    ended_by_sidecar_death: int = 0
+    wrong_bytes_requests: list[str] = field(default_factory=list)
+    sentinel_violations: list[str] = field(default_factory=list)
+    hold_overrun_s: dict[str, float] = field(default_factory=dict)
+    paused_s: dict[str, float] = field(default_factory=dict)
+    faults: Counter[str] = field(default_factory=Counter)
+    baseline: dict[str, dict[str, int]] = field(default_factory=dict)
+    final: dict[str, dict[str, int]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
+
+
+def problems(r: Report) -> list[str]:
+    """What the run must not show; empty when every guarantee held."""
+    out = []
+    if r.duplicate_completions:
+        out.append(f"{r.duplicate_completions} requests ended more than once")
+    if r.missing_completions:
+        out.append(f"{r.missing_completions} requests never ended")
+    if r.wrong_bytes_requests:
+        out.append(f"wrong bytes in received blocks: {r.wrong_bytes_requests[:5]}")
+    if r.sentinel_violations:
+        out.append(f"blocks written after failure: {r.sentinel_violations[:5]}")
+    for name, over in r.hold_overrun_s.items():
+        allowed = HOUSEKEEPING_BOUND_S + r.paused_s.get(name, 0.0)
+        if over > allowed:
+            out.append(f"{name}: a hold lived {over:.2f} s past its deadline (allowed {allowed})")
+    for name, base in r.baseline.items():
+        now = r.final.get(name)
+        if now is None:
+            continue
+        if now["engines"] or now["shm"]:
+            out.append(f"{name}: {now['engines']} engines, {now['shm']} shm segments left")
+        if now["threads"] > base["threads"]:
+            out.append(f"{name}: threads {base['threads']} -> {now['threads']}")
+        if now["fds"] > base["fds"]:
+            out.append(f"{name}: fds {base['fds']} -> {now['fds']}")
+    return out
+
+
+class Chaos:
+    def __init__(self, workdir: Path, *, seed: int = 7, wave: int = 24,
+                 log: Any = None) -> None:
+        self.workdir = workdir
+        self.rng = random.Random(seed)
+        self.wave_size = wave
+        self.log = log or (lambda *a: None)
+        self.p = [SidecarProcess(workdir, f"p{i}", args=SIDECAR_ARGS) for i in range(2)]
+        self.d = [SidecarProcess(workdir, f"d{i}", args=SIDECAR_ARGS) for i in range(2)]
+        self.pairs = [
+            Pair("attn", attn(8), 2, 1, [0, 1], [0]),
+            Pair("hybrid", hybrid, 1, 2, [1], [0, 1]),
+            Pair("mla", mla, 1, 1, [0], [1]),
+        ]
+        self.report = Report()
+        self.watch: list[tuple[SimEngine, str, list[list[int]]]] = []  # sentinel checks
+        self._ids = 0
+
+    # ------------------------------------------------------------ set-up
+
+    def start(self) -> None:
+        for s in (*self.p, *self.d):
+            s.start()
+
+    def open_engines(self) -> None:
+        for pair in self.pairs:
+            self._open(pair)
+
+    def _open(self, pair: Pair) -> None:
+        pair.generation += 1
+        tag = f"{pair.name}{pair.generation}"
+        if pair.P is None:
+            pair.P = SimEngine(f"P-{tag}", pair.make, pair.p_tp, BLOCKS,
+                               [self.p[i] for i in pair.p_sidecars], timeout_s=20)
+        pair.D = SimEngine(f"D-{tag}", pair.make, pair.d_tp, BLOCKS,
+                           [self.d[i] for i in pair.d_sidecars], timeout_s=20)
+
+    def close_engines(self) -> None:
+        for pair in self.pairs:
+            for e in (pair.D, pair.P):
+                if e is not None:
+                    e.close()
+            pair.P = pair.D = None
+
+    def stop(self) -> None:
+        for s in (*self.p, *self.d):
+            s.stop()
+
+    # ------------------------------------------------------------ measurements
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for s in (*self.p, *self.d):
+            if not s.alive() or s.proc is None:
+                continue
+            pid = s.proc.pid
+            with SidecarClient(s.socket) as c:
+                engines = len(c.ping().engines)
+            prefix = shm_prefix_for(s.socket) + "-"
+            out[s.name] = {
+                "engines": engines,
+                "shm": sum(1 for n in os.listdir("/dev/shm") if n.startswith(prefix)),
+                "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "threads": len(os.listdir(f"/proc/{pid}/task")),
+            }
+        return out
+
+    def settle(self, timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
+        """Wait until every sidecar has released its engines' threads and memory."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snap = self.snapshot()
+            base = self.report.baseline
+            done = all(v["engines"] == 0 and v["shm"] == 0 and
+                       v["threads"] <= base.get(k, v)["threads"] and
+                       v["fds"] <= base.get(k, v)["fds"] for k, v in snap.items())
+            if done or time.monotonic() > deadline:
+                return snap
+            time.sleep(0.2)
+
+    def hold_overruns(self) -> dict[str, float]:
+        out = {}
+        for s in self.p:
+            if not s.alive():
+                continue
+            with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                        timeout=10) as r:
+                text = r.read().decode()
+            worst = 0.0
+            for line in text.splitlines():
+                if line.startswith("kvsidecar_hold_overrun_seconds{"):
+                    worst = max(worst, float(line.rsplit(" ", 1)[1]))
+            out[s.name] = worst
+        return out
+
+    # ------------------------------------------------------------ the run
+
+    def run(self, requests: int) -> Report:
+        t0 = time.monotonic()
+        self.open_engines()
+        while self.report.requests < requests:
+            fault = self._pick_fault()
+            self._wave(fault)
+            self.report.waves += 1
+            if self.report.waves % 10 == 0:
+                self.log(f"{self.report.requests} requests, {dict(self.report.outcomes)}, "
+                         f"faults {dict(self.report.faults)}")
+        self._check_watch(final=True)
+        self.report.hold_overrun_s = self.hold_overruns()
+        self.close_engines()
+        self.report.final = self.settle()
+        self.report.seconds = time.monotonic() - t0
+        return self.report
+
+    def _pick_fault(self) -> str:
+        x = self.rng.random()
+        if x < 0.06:
+            return "pause_p"
+        if x < 0.09:
+            return "kill_d_sidecar"
+        if x < 0.13:
+            return "kill_engine"
+        return ""
+
+    def _rid(self) -> str:
+        self._ids += 1
+        return f"c{self._ids}"
+
+    def _wave(self, fault: str) -> None:
+        issued: list[tuple[Pair, str, Sent]] = []
+        for pair in self.pairs:
+            assert pair.P is not None and pair.D is not None
+            for _ in range(self.wave_size // len(self.pairs)):
+                rid = self._rid()
+                req = Request(seed=self._ids, prompt_tokens=self.rng.randint(1, 48))
+                short = self.rng.random() < 0.04
+                try:
+                    sent = pair.P.prefill(rid, req, timeout_s=0.05 if short else None)
+                except RuntimeError:  # out of blocks: the wave is full enough
+                    break
+                issued.append((pair, rid, sent))
+        self.report.requests += len(issued)
+        timer = self._inject(fault)
+        reads: list[tuple[Pair, str]] = []
+        for pair, rid, sent in issued:
+            assert pair.D is not None and pair.P is not None
+            try:
+                pair.D.start_read(sent)
+            except RuntimeError:  # D out of blocks
+                pair.D.receiving.pop(rid, None)
+                pair.P.clients[0].release(pair.P.engine_id, rid)
+                for r in range(1, pair.P.tp):
+                    pair.P.clients[r].release(pair.P.engine_id, rid)
+                continue
+            except SidecarError:
+                pass  # its D sidecar was killed: handled with the others below
+            reads.append((pair, rid))
+            x = self.rng.random()
+            with contextlib.suppress(SidecarError):
+                if x < 0.05:
+                    for c in pair.D.clients:
+                        c.release(pair.D.engine_id, rid)
+                elif x < 0.08:
+                    for c in pair.P.clients:
+                        c.release(pair.P.engine_id, rid)
+        if timer is not None:
+            timer.join()
+        self._collect(issued, reads)
+        self._check_watch(final=False)
+
+    def _inject(self, fault: str) -> threading.Thread | None:
+        if not fault:
+            return None
+        self.report.faults[fault] += 1
+        if fault == "pause_p":
+            victim = self.rng.choice(self.p)
+            pause = self.rng.uniform(0.5, 2.5)
+            self.report.paused_s[victim.name] = max(self.report.paused_s.get(victim.name, 0),
+                                                    pause)
+
+            def pause_it() -> None:
+                assert victim.proc is not None
+                os.kill(victim.proc.pid, signal.SIGSTOP)
+                time.sleep(pause)
+                os.kill(victim.proc.pid, signal.SIGCONT)
+
+            t = threading.Thread(target=pause_it)
+            t.start()
+            return t
+        if fault == "kill_d_sidecar":
+            self._kill_d_sidecar()
+            return None
+        if fault == "kill_engine":
+            self._kill_engine()
+        return None
+
+    def _kill_d_sidecar(self) -> None:
+        i = self.rng.randrange(len(self.d))
+        victim = self.d[i]
+        victim.kill()
+        self.report.baseline.pop(victim.name, None)  # a fresh process: no baseline
+        replacement = SidecarProcess(self.workdir, f"{victim.name}r", args=SIDECAR_ARGS)
+        replacement.socket = victim.socket  # same socket path: restarts on the same place
+        replacement.start()
+        self.d[i] = replacement
+        # Engines on it lost their registration: the engine notices and starts over.
+        for pair in self.pairs:
+            if i in pair.d_sidecars and pair.D is not None:
+                dead = pair.D
+                self.report.ended_by_sidecar_death += len(dead.receiving)
+                for rid in list(dead.receiving):
+                    dead.receiving.pop(rid)
+                with contextlib.suppress(Exception):
+                    dead.close()
+                self._open(pair)
+
+    def _kill_engine(self) -> None:
+        """A D engine process reads a few requests from the attention P engine and is
+        SIGKILLed while they run; P's holds must still end exactly once."""
+        pair = self.pairs[0]
+        assert pair.P is not None
+        sents = []
+        for _ in range(4):
+            rid = self._rid()
+            sents.append(pair.P.prefill(rid, Request(seed=self._ids, prompt_tokens=32)))
+        self.report.requests += len(sents)
+        spec = [{"rid": s.request_id, "engine": s.remote.engine_id, "tp": s.remote.tp_size,
+                 "hs": s.remote.handshake, "ids": s.block_ids} for s in sents]
+        script = textwrap.dedent(f"""
+            import json, os, sys
+            from kvsidecar.ipc.client import SidecarClient
+            from kvsidecar.ipc.protocol import RemoteEngine
+            from kvsidecar.sim.models import attn
+            layout = attn(8)(1, 64)
+            c = SidecarClient({self.d[0].socket!r}, timeout_s=20)
+            c.register("doomed-{self._ids}", 0, layout, allocate=True)
+            for i, s in enumerate(json.loads(sys.argv[1])):
+                c.read("doomed-{self._ids}", s["rid"], [list(range(i * 8, i * 8 + len(s["ids"][0])))],
+                       RemoteEngine(s["engine"], s["tp"], s["hs"]), s["ids"],
+                       num_tokens=32)
+            os.kill(os.getpid(), 9)
+        """)
+        subprocess.run([sys.executable, "-c", script, json.dumps(spec)], timeout=120,
+                       capture_output=True, check=False)
+        got = pair.P.wait_for([s.request_id for s in sents], timeout_s=120)
+        for rid, by_rank in got.items():
+            for c in by_rank.values():
+                self.report.hold_outcomes[c.kind] += 1
+            pair.P.free(pair.P.receiving.pop(rid).block_ids if rid in pair.P.receiving
+                        else next(s.block_ids for s in sents if s.request_id == rid))
+
+    # ------------------------------------------------------------ outcomes
+
+    def _collect(self, issued: list[tuple[Pair, str, Sent]],
+                 reads: list[tuple[Pair, str]]) -> None:
+        by_pair: dict[str, list[str]] = {}
+        for pair, rid, _ in issued:
+            by_pair.setdefault(pair.name, []).append(rid)
+        read_ids = {(p.name, rid) for p, rid in reads}
+        for pair in self.pairs:
+            rids = by_pair.get(pair.name, [])
+            assert pair.P is not None and pair.D is not None
+            d_rids = [r for r in rids if (pair.name, r) in read_ids and r in pair.D.receiving]
+            self._collect_d(pair, d_rids)
+            self._collect_p(pair, rids, {s.request_id: s for p, _, s in issued
+                                         if p is pair})
+
+    def _collect_d(self, pair: Pair, rids: list[str]) -> None:
+        D = pair.D
+        assert D is not None
+        try:
+            got = D.wait_for(rids, timeout_s=120)
+        except SidecarError:
+            # The sidecar was killed mid-wave (handled by _kill_d_sidecar already).
+            return
+        except TimeoutError as e:
+            self.report.missing_completions += 1
+            raise AssertionError(str(e)) from None
+        self._count_duplicates(D)
+        for rid, by_rank in got.items():
+            kinds = {c.kind for c in by_rank.values()}
+            kind = "received" if kinds == {"received"} else sorted(kinds - {"received"})[0]
+            self.report.outcomes[kind] += 1
+            if kind == "received":
+                bad = D.verify(rid)
+                if bad:
+                    self.report.wrong_bytes_requests.append(f"{rid}: {bad[0]}")
+                D.finish(rid)
+            else:
+                rec = D.receiving.pop(rid)
+                self._sentinel(D, rid, rec.block_ids)
+
+    def _collect_p(self, pair: Pair, rids: list[str], sents: dict[str, Sent]) -> None:
+        P = pair.P
+        assert P is not None
+        got = P.wait_for(rids, timeout_s=120)
+        self._count_duplicates(P)
+        for rid, by_rank in got.items():
+            for c in by_rank.values():
+                self.report.hold_outcomes[c.kind] += 1
+            P.free(sents[rid].block_ids)
+
+    def _count_duplicates(self, e: SimEngine) -> None:
+        """Completions polled later for requests that already ended (a second ending)."""
+        e.poll()
+        for rank, items in e.completions.items():
+            if items:
+                self.report.duplicate_completions += len(items)
+                e.completions[rank] = []
+
+    def _sentinel(self, D: SimEngine, rid: str, ids: list[list[int]]) -> None:
+        page = D.layout.page_bytes
+        for bufs in D.buffers:
+            for buf in bufs:
+                for g in ids:
+                    for b in g:
+                        buf[b * page:(b + 1) * page] = SENTINEL
+        self.watch.append((D, rid, ids))
+
+    def _check_watch(self, *, final: bool) -> None:
+        keep = []
+        for D, rid, ids in self.watch:
+            page = D.layout.page_bytes
+            ok = all(np.all(buf[b * page:(b + 1) * page] == SENTINEL)
+                     for bufs in D.buffers for buf in bufs for g in ids for b in g)
+            if not ok:
+                self.report.sentinel_violations.append(f"{D.engine_id}/{rid}")
+            if D.clients and not final:
+                with contextlib.suppress(Exception):
+                    D.free(ids)
+                continue
+            keep.append((D, rid, ids))
+        self.watch = [] if not final else keep
+
+
+def run(requests: int, workdir: Path | None = None, *, seed: int = 7,
+        verbose: bool = False) -> Report:
+    own = workdir is None
+    path = Path(tempfile.mkdtemp(prefix="kvs-chaos-")) if own else workdir
+    assert path is not None
+    chaos = Chaos(path, seed=seed, log=(lambda *a: print(*a, flush=True)) if verbose else None)
+    chaos.start()
+    try:
+        # Baseline: after one quiet wave (peer links and sockets exist), engines closed.
+        chaos.open_engines()
+        chaos._wave("")
+        chaos.close_engines()
+        chaos.report = Report()
+        time.sleep(1.0)
+        chaos.report.baseline = chaos.settle()
+        return chaos.run(requests)
+    finally:
+        chaos.close_engines()
+        chaos.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvsidecar-chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    report = run(args.requests, seed=args.seed, verbose=True)
+    print(json.dumps(report.as_dict(), indent=1, default=str))
+    bad = problems(report)
+    for p in bad:
+        print("FAIL:", p)
+    print("OK" if not bad else f"{len(bad)} problem(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
