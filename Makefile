@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvsidecar-installed
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: test test-fast system-deps demo lint bench clean fuzz
+.PHONY: test test-fast system-deps demo lint bench chaos clean fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-fast: $(STAMP) $(VLLM_STAMP)
 # prometheus/promtool and systemd-analyze for the ops tests (installed when root).
 system-deps:
 	./scripts/system-deps.sh
+
+# The long chaos run of the lifecycle guarantees (README "Failure handling").
+chaos: $(STAMP)
+	$(VENV)/bin/python -m kvsidecar.sim.chaos --requests 10000
 
 demo: $(STAMP)
 	$(VENV)/bin/kvsidecar demo

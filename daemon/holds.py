@@ -32,6 +32,7 @@ sockets or timers: the daemon feeds it events and calls
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class _Hold:
     seen: dict[str, set[int]] = field(default_factory=dict)
     done_engines: set[str] = field(default_factory=set)
     failures: dict[str, str] = field(default_factory=dict)  # reading engine -> first failure
+    lease_until: float = 0.0  # the latest lease granted to any reader
+    released: str = ""  # the engine released it while a lease still ran: ends at lease_until
 
 
 @dataclass
@@ -149,14 +152,23 @@ class HoldBook:
         early = self._early.pop(key, None)
         if early:
             h.deadline = max(h.deadline, early.lease_until)
+            h.lease_until = early.lease_until
             for r in early.reports:
                 self._count(h, r)
             self._maybe_done(key, h)
 
-    def release(self, engine_id: str, request_id: str) -> bool:
-        h = self._holds.pop((engine_id, request_id), None)
-        if h is None:
+    def release(self, engine_id: str, request_id: str, now: float = math.inf) -> bool:
+        """The engine drops the hold. While a reader's lease still runs, the blocks
+        may be in a transfer: the hold then refuses new claims and ends
+        (``aborted``) when the lease ends or every reader reported, not now."""
+        key = (engine_id, request_id)
+        h = self._holds.get(key)
+        if h is None or h.released:
             return False
+        if h.lease_until > now:
+            h.released = "released by the engine"
+            return True
+        del self._holds[key]
         self._end(h, HoldOutcome(engine_id, request_id, "aborted", "released by the engine"))
         return True
 
@@ -181,7 +193,10 @@ class HoldBook:
         key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is not None:
+            if h.released:
+                return Lease(False, reason=f"the hold of {request_id!r} was {h.released}")
             h.deadline = max(h.deadline, now + self.lease_s)
+            h.lease_until = max(h.lease_until, now + self.lease_s)
             return Lease(True, self.lease_s)
         ended = self._ended.get(key)
         if ended is not None:
@@ -219,7 +234,11 @@ class HoldBook:
 
     def expire(self, now: float) -> None:
         for key, h in list(self._holds.items()):
-            if now >= h.deadline:
+            if h.released and now >= h.lease_until:
+                del self._holds[key]
+                self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
+                                         f"{h.released}; its readers' leases have run out"))
+            elif now >= h.deadline:
                 del self._holds[key]
                 self.max_overrun = max(self.max_overrun, now - h.deadline)
                 got = {e: len(r) for e, r in h.seen.items()}
@@ -268,7 +287,10 @@ class HoldBook:
         if len(h.done_engines) < h.readers:
             return
         del self._holds[key]
-        if h.failures:
+        if h.released:
+            self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
+                                     f"{h.released}; every reader finished"))
+        elif h.failures:
             why = "; ".join(f"{e} {f}" for e, f in sorted(h.failures.items()))
             self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
                                      f"every reader finished, {len(h.failures)} gave up: {why}"))

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 class LeaseRefused(RuntimeError):
     """A P rank refused (``answered``) or did not answer the claim: the read must not start."""
 
-    def __init__(self, message: str, *, answered: bool) -> None:
+    def __init__(self, message: str, *, answered: bool, stale_link: bool = False) -> None:
         super().__init__(message)
         self.answered = answered
+        self.stale_link = stale_link
 
 
 class LeaseLost(RuntimeError):
@@ -49,6 +50,7 @@ class ReaderLeases:
     bounds: dict[int, float] = field(default_factory=dict)  # P rank -> lease valid until
     lease_s: float = math.inf
     lost: str = ""
+    _stale: bool = False
 
     @property
     def bound(self) -> float:
@@ -57,10 +59,11 @@ class ReaderLeases:
 
     async def claim(self) -> None:
         """Claim every rank at once; raise :class:`LeaseRefused` naming the first refusal."""
+        self._stale = False
         outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
         problems = [(refused, why) for refused, why in outcomes if why]
         if problems:
-            raise LeaseRefused(problems[0][1], answered=problems[0][0])
+            raise LeaseRefused(problems[0][1], answered=problems[0][0], stale_link=self._stale)
 
     async def renew_forever(self) -> None:
         """Renew every rank each third of the lease until cancelled (the read ended)."""
@@ -95,6 +98,7 @@ class ReaderLeases:
         except HandshakeFailed as e:
             return False, f"P rank {claim.tp_rank} at {address}: {e.reason}"
         if not reply.granted or not (0 < reply.lease_s < math.inf):
+            self._stale |= reply.stale_link
             return True, f"P rank {claim.tp_rank} at {address} refused the lease: {reply.reason}"
         self.bounds[claim.tp_rank] = max(self.bounds.get(claim.tp_rank, -math.inf),
                                          t0 + reply.lease_s)

@@ -402,11 +402,12 @@ class ReadTable:
                 # Retry once only over links older than the request (or made
                 # before the local agent was reset), and never after a timeout
                 # (the peer is stalled, not restarted). A P engine that
-                # registered again refuses leases taken over an old link.
+                # registered again refuses leases taken over an old link;
+                # other refusals (the hold ended) leave the shared links alone.
+                if isinstance(e, LeaseRefused) and not e.stale_link:
+                    raise
                 stale = self._forget_peers(eng, job) or isinstance(e, NixlAgentReset)
-                stalled = isinstance(e, NixlTimeout) or (isinstance(e, LeaseRefused)
-                                                         and not e.answered)
-                if not stale or stalled or job.abort_reason is not None:
+                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
                     raise
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,
                          extra=_event(eng, req, "retry", str(e)))

@@ -528,7 +528,7 @@ class Sidecar:
         eng = self._engine(req.engine_id)
         if self._reads.abort(req.engine_id, req.request_id, "released by the engine"):
             return Ok()
-        if eng.holds.release(req.engine_id, req.request_id):
+        if eng.holds.release(req.engine_id, req.request_id, time.monotonic()):
             self.tracing.end(self._hold_spans.pop((req.engine_id, req.request_id), None),
                              outcome="released")
             return Ok()
@@ -599,10 +599,11 @@ class Sidecar:
     def _control_reply(self, msg: ControlRequest) -> ControlReply:
         eng = self._engines.get(msg.engine_id)
         if eng is None or eng.tp_rank != msg.tp_rank:
-            return ControlReply(granted=False, reason=f"engine {msg.engine_id[:200]!r} rank "
-                                                      f"{msg.tp_rank} is not registered here")
+            return ControlReply(granted=False, stale_link=True,
+                                reason=f"engine {msg.engine_id[:200]!r} rank {msg.tp_rank} is "
+                                       "not registered here")
         if msg.agent_name != eng.worker.agent_name:
-            return ControlReply(granted=False, reason=(
+            return ControlReply(granted=False, stale_link=True, reason=(
                 f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "
                 "it (its memory is not the memory the reader would read)"))
         now = time.monotonic()

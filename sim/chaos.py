@@ -53,7 +53,6 @@ import numpy as np
 
 from kvsidecar.daemon.engines import shm_prefix_for
 from kvsidecar.ipc.client import SidecarClient, SidecarError
-from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
@@ -61,7 +60,7 @@ from kvsidecar.sim.oracle import Request
 SENTINEL = 0x5C
 HOUSEKEEPING_BOUND_S = 1.0
 """How late (past its deadline) a hold may still be found alive on a running sidecar."""
-SIDECAR_ARGS = ["--hold-lease", "2", "--hold-timeout", "20", "--engine-lease", "10",
+SIDECAR_ARGS = ["--hold-lease", "2", "--hold-timeout", "8", "--engine-lease", "10",
                 "--read-timeout", "10", "--handshake-timeout", "3", "--metrics-port", "0"]
 BLOCKS = 192
 
@@ -85,6 +84,7 @@ class Report:
     waves: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     hold_outcomes: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
     duplicate_completions: int = 0
     missing_completions: int = 0
     ended_by_sidecar_death: int = 0
@@ -145,6 +145,7 @@ class Chaos:
         ]
         self.report = Report()
         self.watch: list[tuple[SimEngine, str, list[list[int]]]] = []  # sentinel checks
+        self.killed: set[int] = set()  # D sidecars killed during the current wave
         self._ids = 0
 
     # ------------------------------------------------------------ set-up
@@ -164,7 +165,7 @@ class Chaos:
             pair.P = SimEngine(f"P-{tag}", pair.make, pair.p_tp, BLOCKS,
                                [self.p[i] for i in pair.p_sidecars], timeout_s=20)
         pair.D = SimEngine(f"D-{tag}", pair.make, pair.d_tp, BLOCKS,
-                           [self.d[i] for i in pair.d_sidecars], timeout_s=20)
+                           [self.d[i] for i in pair.d_sidecars], timeout_s=5)
 
     def close_engines(self) -> None:
         for pair in self.pairs:
@@ -273,8 +274,11 @@ class Chaos:
         self.report.requests += len(issued)
         timer = self._inject(fault)
         reads: list[tuple[Pair, str]] = []
+        broken: set[str] = set()  # pairs whose D sidecar stopped answering
         for pair, rid, sent in issued:
             assert pair.D is not None and pair.P is not None
+            if pair.name in broken:
+                continue
             try:
                 pair.D.start_read(sent)
             except RuntimeError:  # D out of blocks
@@ -284,7 +288,8 @@ class Chaos:
                     pair.P.clients[r].release(pair.P.engine_id, rid)
                 continue
             except SidecarError:
-                pass  # its D sidecar was killed: handled with the others below
+                broken.add(pair.name)  # its D sidecar was killed: see _revive
+                continue
             reads.append((pair, rid))
             x = self.rng.random()
             with contextlib.suppress(SidecarError):
@@ -319,31 +324,41 @@ class Chaos:
             t.start()
             return t
         if fault == "kill_d_sidecar":
-            self._kill_d_sidecar()
-            return None
+            i = self.rng.randrange(len(self.d))
+            self.killed.add(i)
+
+            def kill_it() -> None:
+                time.sleep(self.rng.uniform(0.0, 0.3))  # while the wave's reads run
+                self.d[i].kill()
+
+            t = threading.Thread(target=kill_it)
+            t.start()
+            return t
         if fault == "kill_engine":
             self._kill_engine()
         return None
 
-    def _kill_d_sidecar(self) -> None:
-        i = self.rng.randrange(len(self.d))
-        victim = self.d[i]
-        victim.kill()
-        self.report.baseline.pop(victim.name, None)  # a fresh process: no baseline
-        replacement = SidecarProcess(self.workdir, f"{victim.name}r", args=SIDECAR_ARGS)
-        replacement.socket = victim.socket  # same socket path: restarts on the same place
-        replacement.start()
-        self.d[i] = replacement
-        # Engines on it lost their registration: the engine notices and starts over.
-        for pair in self.pairs:
-            if i in pair.d_sidecars and pair.D is not None:
-                dead = pair.D
-                self.report.ended_by_sidecar_death += len(dead.receiving)
-                for rid in list(dead.receiving):
-                    dead.receiving.pop(rid)
-                with contextlib.suppress(Exception):
-                    dead.close()
-                self._open(pair)
+    def _revive(self) -> None:
+        """Restart the D sidecars killed in this wave on the same socket; the engines
+        that used them lost their registration and start over (their reads ended
+        with the sidecar: the engine learns it from its client's errors)."""
+        for i in sorted(self.killed):
+            victim = self.d[i]
+            self.report.baseline.pop(victim.name, None)  # a fresh process: no baseline
+            replacement = SidecarProcess(self.workdir, f"{victim.name}r", args=SIDECAR_ARGS)
+            replacement.socket = victim.socket
+            replacement.start()
+            self.d[i] = replacement
+            for pair in self.pairs:
+                if i in pair.d_sidecars and pair.D is not None:
+                    dead = pair.D
+                    watched = {rid for e, rid, _ in self.watch if e is dead}
+                    self.report.ended_by_sidecar_death += len(set(dead.receiving) - watched)
+                    dead.receiving.clear()
+                    with contextlib.suppress(Exception):
+                        dead.close()
+                    self._open(pair)
+        self.killed.clear()
 
     def _kill_engine(self) -> None:
         """A D engine process reads a few requests from the attention P engine and is
@@ -366,19 +381,19 @@ class Chaos:
             c = SidecarClient({self.d[0].socket!r}, timeout_s=20)
             c.register("doomed-{self._ids}", 0, layout, allocate=True)
             for i, s in enumerate(json.loads(sys.argv[1])):
-                c.read("doomed-{self._ids}", s["rid"], [list(range(i * 8, i * 8 + len(s["ids"][0])))],
-                       RemoteEngine(s["engine"], s["tp"], s["hs"]), s["ids"],
-                       num_tokens=32)
+                local = [list(range(i * 8, i * 8 + len(s["ids"][0])))]
+                c.read("doomed-{self._ids}", s["rid"], local,
+                       RemoteEngine(s["engine"], s["tp"], s["hs"]), s["ids"], num_tokens=32)
             os.kill(os.getpid(), 9)
         """)
         subprocess.run([sys.executable, "-c", script, json.dumps(spec)], timeout=120,
                        capture_output=True, check=False)
         got = pair.P.wait_for([s.request_id for s in sents], timeout_s=120)
-        for rid, by_rank in got.items():
-            for c in by_rank.values():
+        self._count_duplicates(pair.P)
+        for s in sents:
+            for c in got[s.request_id].values():
                 self.report.hold_outcomes[c.kind] += 1
-            pair.P.free(pair.P.receiving.pop(rid).block_ids if rid in pair.P.receiving
-                        else next(s.block_ids for s in sents if s.request_id == rid))
+            pair.P.free(s.block_ids)
 
     # ------------------------------------------------------------ outcomes
 
@@ -392,7 +407,11 @@ class Chaos:
             rids = by_pair.get(pair.name, [])
             assert pair.P is not None and pair.D is not None
             d_rids = [r for r in rids if (pair.name, r) in read_ids and r in pair.D.receiving]
-            self._collect_d(pair, d_rids)
+            if not self.killed.intersection(pair.d_sidecars):
+                self._collect_d(pair, d_rids)
+        self._revive()
+        for pair in self.pairs:
+            rids = by_pair.get(pair.name, [])
             self._collect_p(pair, rids, {s.request_id: s for p, _, s in issued
                                          if p is pair})
 
@@ -401,9 +420,6 @@ class Chaos:
         assert D is not None
         try:
             got = D.wait_for(rids, timeout_s=120)
-        except SidecarError:
-            # The sidecar was killed mid-wave (handled by _kill_d_sidecar already).
-            return
         except TimeoutError as e:
             self.report.missing_completions += 1
             raise AssertionError(str(e)) from None
@@ -412,14 +428,18 @@ class Chaos:
             kinds = {c.kind for c in by_rank.values()}
             kind = "received" if kinds == {"received"} else sorted(kinds - {"received"})[0]
             self.report.outcomes[kind] += 1
+            for c in by_rank.values():
+                if c.reason:
+                    self.report.reasons[_reason_class(c.reason)] += 1
             if kind == "received":
                 bad = D.verify(rid)
                 if bad:
                     self.report.wrong_bytes_requests.append(f"{rid}: {bad[0]}")
                 D.finish(rid)
             else:
-                rec = D.receiving.pop(rid)
-                self._sentinel(D, rid, rec.block_ids)
+                # Stays in ``receiving`` (other requests' checks skip its blocks)
+                # until the sentinel check frees it.
+                self._sentinel(D, rid, D.receiving[rid].block_ids)
 
     def _collect_p(self, pair: Pair, rids: list[str], sents: dict[str, Sent]) -> None:
         P = pair.P
@@ -456,12 +476,19 @@ class Chaos:
                      for bufs in D.buffers for buf in bufs for g in ids for b in g)
             if not ok:
                 self.report.sentinel_violations.append(f"{D.engine_id}/{rid}")
-            if D.clients and not final:
-                with contextlib.suppress(Exception):
-                    D.free(ids)
+            if not final:
+                D.receiving.pop(rid, None)
+                D.free(ids)
                 continue
             keep.append((D, rid, ids))
         self.watch = [] if not final else keep
+
+
+def _reason_class(reason: str) -> str:
+    """A failure reason without its ids and numbers, to count like ones together."""
+    import re
+
+    return re.sub(r"'[^']*'|\d+(\.\d+)?", "_", reason)[:90]
 
 
 def run(requests: int, workdir: Path | None = None, *, seed: int = 7,

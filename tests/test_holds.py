@@ -180,3 +180,24 @@ def test_ended_holds_are_remembered_within_a_bound() -> None:
         b.release("P", rid)
     assert not b.claim("P", "c", now=1).granted
     assert b.claim("P", "a", now=1).granted  # forgotten: taken for an early claim
+
+
+def test_a_release_while_a_reader_holds_a_lease_waits_for_the_lease() -> None:
+    """The engine may reuse blocks once 'aborted' arrives: not while a reader's
+    lease says they may still be read."""
+    b, done = leased(lease_s=3)
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
+    assert b.claim("P", "r", now=1).granted
+    assert b.release("P", "r", now=2)
+    assert done == []
+    assert not b.claim("P", "r", now=2.5).granted  # no renewals after a release
+    b.expire(now=3.9)
+    assert done == []
+    b.expire(now=4.0)
+    assert [(d.kind, "leases have run out" in d.reason) for d in done] == [("aborted", True)]
+
+
+def test_a_release_without_readers_ends_at_once() -> None:
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
+    assert b.release("P", "r", now=1) and [d.kind for d in done] == ["aborted"]

@@ -71,6 +71,9 @@ class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     granted: bool
     lease_s: float = 0.0
     reason: str = ""
+    stale_link: bool = False
+    """Refused because the engine rank is not (or no longer) the one the reader
+    linked to: the reader should re-link before it tries again."""
     req_id: int = 0
     v: int = CONTROL_VERSION
 
