@@ -31,7 +31,7 @@ def test_a_failed_read_releases_the_hold_at_once_not_at_its_deadline(pool) -> No
     with pool.engines(attn(8), 1, 2) as (P, (D,)):
         sent = P.prefill("doomed", Request(seed=2, prompt_tokens=24), timeout_s=1000)
         n = P.layout.num_blocks
-        for rank, c in enumerate(D.clients):
+        for c in D.clients:
             c.read(D.engine_id, "doomed", [D.alloc(1)], sent.remote, [[n + 5]])
         got = D.wait_for(["doomed"])["doomed"]
         assert {c.kind for c in got.values()} == {"failed"}
