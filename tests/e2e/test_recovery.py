@@ -38,7 +38,9 @@ def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> Non
         got = D.wait_for(rids)
         assert {got[r][0].kind for r in rids} <= {"aborted", "received"}
         D.free(used)  # re-poison what the reads that won the race wrote
-        # Every id is free again: a new read under the same id is accepted.
+        # Every id is free again: a new read under the same id is accepted. (A new
+        # hold: a read aborted after its claim abandons P's hold at once.)
+        sent = P.prefill("race-again", Request(seed=1, prompt_tokens=24))
         D.start_read(sent, request_id=rids[0])
         assert D.wait_for([rids[0]])[rids[0]][0].kind == "received"
         assert not D.verify(rids[0])
