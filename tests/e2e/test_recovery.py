@@ -221,14 +221,18 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
         assert p.proc is not None
         D.start_read(sent)
-        time.sleep(0.05)  # let the transfer start: P is stopped mid-read
+        # Stop P only once D posted the read (its lease claim answered): the stop
+        # then lands mid-transfer (384 MiB over TCP takes seconds), never before.
+        deadline = time.monotonic() + 60
+        while _sample(d, "kvsidecar_read_queue_seconds_count", "stall-D") < 2:  # warm + this
+            assert time.monotonic() < deadline, "the read was never posted"
+            time.sleep(0.005)
+        time.sleep(0.05)
         os.kill(p.proc.pid, signal.SIGSTOP)
         try:
             got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
             assert got.kind == "failed", got
-            # Timed out after posting, or (when the stop lands first) its lease
-            # claim went unanswered and nothing was posted.
-            assert "timed out" in got.reason or "no answer to claim" in got.reason, got.reason
+            assert "timed out" in got.reason, got.reason
             assert got.invalid_block_ids == D.receiving["stuck"].block_ids
             pages = _failed_pages(D, got)
             for page in pages:  # the engine reuses the blocks at once
@@ -250,8 +254,8 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         assert not D.verify("after")
         assert "reset as" in d.log_path.read_text()
         # The held-back read is counted where operators look (exactly this one read).
-        assert _counter(d, "kvsidecar_late_completions_quarantined", "stall-D") == 1
-        assert _counter(d, "kvsidecar_agent_resets", "stall-D") == 1
+        assert _sample(d, "kvsidecar_late_completions_quarantined_total", "stall-D") == 1
+        assert _sample(d, "kvsidecar_agent_resets_total", "stall-D") == 1
     finally:
         D.close()
         Q.close()
@@ -262,14 +266,13 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         p.stop()
 
 
-def _counter(sidecar: SidecarProcess, name: str, engine: str) -> float:
-    """One engine's value of a counter, scraped over the sidecar's real /metrics."""
+def _sample(sidecar: SidecarProcess, sample: str, engine: str) -> float:
+    """One engine's value of a metric sample, scraped over the sidecar's real /metrics."""
     url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == name
-               for s in fam.samples
-               if s.name == name + "_total" and s.labels.get("engine") == engine)
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == sample and s.labels.get("engine") == engine)
 
 
 def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
