@@ -56,6 +56,9 @@ def test_release_aborts_a_hold(pool) -> None:
         P.clients[0].release(P.engine_id, "dropped")
         got = _completion(P, "dropped")
         assert got[0].kind == "aborted"
+        # Its end is not acknowledged yet: releasing again is accepted and changes nothing.
+        P.clients[0].release(P.engine_id, "dropped")
+        P.poll()  # acknowledges the completion: now the id is unknown
         with pytest.raises(BadRequest, match="no read or hold 'dropped'"):
             P.clients[0].release(P.engine_id, "dropped")
 
