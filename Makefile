@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvsidecar-installed
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: test test-fast system-deps demo lint bench chaos clean fuzz
+.PHONY: test test-fast system-deps demo lint bench chaos clean fuzz fuzz-engine fuzz-peer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ clean:
 
 # The long form of the hostile-input fuzzing (README "Security"): 100,000
 # inputs per protocol against a real sidecar; prints counts, RSS, fds, threads.
+# `make fuzz-engine` / `make fuzz-peer` run one protocol only.
+FUZZ_RUN = KVSIDECAR_FUZZ_EXAMPLES=100000 KVSIDECAR_FUZZ_TIMEOUT=14400 \
+	$(VENV)/bin/python -m pytest -q -s -p no:cacheprovider tests/e2e/test_fuzz.py
 fuzz: $(STAMP)
-	KVSIDECAR_FUZZ_EXAMPLES=100000 KVSIDECAR_FUZZ_TIMEOUT=14400 \
-		$(VENV)/bin/python -m pytest -q -s tests/e2e/test_fuzz.py
+	$(FUZZ_RUN)
+fuzz-engine: $(STAMP)
+	$(FUZZ_RUN) -k engine_protocol
+fuzz-peer: $(STAMP)
+	$(FUZZ_RUN) -k peer_protocol

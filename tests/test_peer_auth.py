@@ -176,3 +176,20 @@ async def test_an_oversize_request_is_dropped_and_others_are_served(
         big.close(0)
         ctx.term()
         await cli.close()
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x81\xa2op\xa2\xff\xfe",  # a non-UTF-8 op
+    b"\x83\xa2op\xa5claim\xa9engine_id\xa2\xff\xfe\xa6req_id\x05",  # a non-UTF-8 id in a claim
+    b"\x82\xa2op\xa7abandon\xa6reason\xa2\xff\xfe",
+])
+def test_undecodable_control_messages_are_bad_control_not_a_crash(frame: bytes) -> None:
+    """Found by the peer fuzzer: msgspec raises UnicodeDecodeError (not DecodeError)
+    for a str field that is not UTF-8, which reached the server as an internal error."""
+    from kvsidecar.daemon.peers import control
+
+    op = control.op_of(frame)
+    assert op in ("", "claim", "abandon")
+    with pytest.raises(control.BadControl):
+        control.decode_request(frame)
+    assert control.request_id_of(frame) in (0, 5)

@@ -95,11 +95,16 @@ class BadControl(ValueError):
     """Bytes that are not a valid control message."""
 
 
+#: What decoding hostile bytes can raise: msgspec's errors, and UnicodeDecodeError
+#: for a str field that is not UTF-8 (msgspec lets that one through).
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+
+
 def op_of(frame: bytes) -> str:
     """The ``op`` of a peer-channel request ('' for a handshake request or junk)."""
     try:
         return _op_decoder.decode(frame).op
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNDECODABLE:
         return ""
 
 
@@ -107,7 +112,7 @@ def request_id_of(frame: bytes) -> int:
     """The ``req_id`` of a control message, as far as it can be read (0 if not)."""
     try:
         return _op_decoder.decode(frame).req_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNDECODABLE:
         return 0
 
 
@@ -118,7 +123,7 @@ def encode(msg: ControlRequest | ControlReply) -> bytes:
 def decode_request(frame: bytes) -> ControlRequest:
     try:
         msg: ControlRequest = _request_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _UNDECODABLE as e:
         raise BadControl(f"invalid control message: {e}") from None
     if msg.v != CONTROL_VERSION:
         raise BadControl(f"control message v{msg.v}, this side speaks v{CONTROL_VERSION}")
@@ -128,5 +133,5 @@ def decode_request(frame: bytes) -> ControlRequest:
 def decode_reply(frame: bytes) -> ControlReply:
     try:
         return _reply_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _UNDECODABLE as e:
         raise BadControl(f"invalid control reply: {e}") from None

@@ -58,10 +58,22 @@ ENGINE_TEMPLATES: list[dict[str, Any]] = [
      "regions": [{"kind": "shm", "name": "kvsidecar-nonexistent", "nbytes": 4096}]},
     {"op": "deregister", "id": 7, "v": 1, "engine_id": "fz-unknown"},
 ]
+#: Handshake requests and the control messages (claim, abandon; daemon/peers/
+#: control.py) that share the peer channel. ``agent_name`` is filled in with
+#: the target's real agent at start-up, so that mutated claims and abandons get
+#: past the agent check into the hold book.
 PEER_TEMPLATES: list[dict[str, Any]] = [
     {"engine_id": TARGET, "tp_rank": 0, "v": 1, "req_id": 1},
+    {"engine_id": TARGET, "tp_rank": 0, "v": 1, "req_id": 2, "reader_engine": "fz-reader",
+     "reader_rank": 0, "reader_agent": "fz-reader-agent"},
+    {"op": "claim", "engine_id": TARGET, "tp_rank": 0, "agent_name": "", "request_id": "h",
+     "reader_engine": "fz-reader", "reader_rank": 0, "reader_tp": 1, "req_id": 3, "v": 1},
+    {"op": "abandon", "engine_id": TARGET, "tp_rank": 0, "agent_name": "", "request_id": "h",
+     "reader_engine": "fz-reader", "reader_rank": 0, "reader_tp": 1, "reason": "fz",
+     "req_id": 4, "v": 1},
 ]
 FROZEN = {"remote", "op"}  # "op" is mutated by the op-name strategy instead
+OPS = ["ping", "poll", "hold", "release", "read", "register", "deregister", "claim", "abandon"]
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
@@ -84,8 +96,7 @@ def mutated(draw: st.DrawFn, templates: list[dict[str, Any]]) -> bytes:
     elif kind == "add":
         msg[draw(st.text(max_size=12))] = draw(values)
     elif "op" in msg:
-        msg["op"] = draw(st.text(max_size=12) | st.sampled_from(
-            ["ping", "poll", "hold", "release", "read", "register", "deregister"]))
+        msg["op"] = draw(st.text(max_size=12) | st.sampled_from(OPS))
     return msgspec.msgpack.encode(msg)
 
 
@@ -113,7 +124,10 @@ class Target:
     sent: int = 0
     answered: int = 0
     checks: int = 0
+    peer_checks: int = 0
     stats: list[dict[str, int]] = field(default_factory=list)
+    #: a second fleet member's own connection to the handshake port, once opened
+    good_peer: _Channel | None = None
 
     def pid(self) -> int:
         assert self.side.proc is not None
@@ -124,6 +138,26 @@ class Target:
         assert self.good.ping().version == 1
         assert self.good.poll(GOOD) == []
         self.checks += 1
+        if self.good_peer is not None:
+            self.behave_as_peer()
+
+    def behave_as_peer(self) -> None:
+        """Another fleet member on its own connection: its handshake is answered
+        with the good engine's real info."""
+        assert self.good_peer is not None
+        reply = msgspec.msgpack.decode(self.good_peer.roundtrip(msgspec.msgpack.encode(
+            {"engine_id": GOOD, "tp_rank": 0, "v": 1, "req_id": 7})))
+        assert reply["type"] == "reply" and reply["req_id"] == 7, reply
+        assert reply["info"]["engine_id"] == GOOD and reply["info"]["agent_metadata"]
+        self.peer_checks += 1
+
+    def agent_name(self, engine_id: str) -> str:
+        assert self.good_peer is not None
+        reply = msgspec.msgpack.decode(self.good_peer.roundtrip(msgspec.msgpack.encode(
+            {"engine_id": engine_id, "tp_rank": 0, "v": 1, "req_id": 8})))
+        name = reply["info"]["agent_name"]
+        assert isinstance(name, str) and name
+        return name
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +187,18 @@ class _Channel:
             self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
             self.sock.curve_serverkey = keys.public
         self.sock.connect(endpoint)
+        #: replies by type/code ("error:bad_message", "reply", "control", ...)
+        self.kinds: dict[str, int] = {}
 
     def roundtrip(self, frame: bytes) -> bytes:
         self.sock.send(frame)
         assert self.sock.poll(30_000), f"no reply to {frame[:80]!r}"
-        return self.sock.recv()
+        reply = self.sock.recv()
+        msg = msgspec.msgpack.decode(reply)
+        kind = f"{msg['type']}:{msg['code']}" if msg["type"] == "error" else str(msg["type"])
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        assert kind != "error:internal", (frame[:200], msg)
+        return reply
 
     def close(self) -> None:
         assert self.sock.poll(500) == 0, "a second reply to some input"
@@ -167,6 +208,10 @@ class _Channel:
 
 def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, Any]],
           label: str) -> None:
+    if curve:  # the peer protocol: a second fleet member is served throughout too
+        target.good_peer = _Channel(endpoint, curve)
+        agent = target.agent_name(TARGET)
+        templates = [{**t, "agent_name": agent} if "agent_name" in t else t for t in templates]
     chan = _Channel(endpoint, curve)
     chan.roundtrip(msgspec.msgpack.encode(templates[0]))  # warm-up (connection, executors)
     for _ in range(50):
@@ -188,11 +233,15 @@ def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, 
     one()
     chan.close()
     target.behave()
+    if target.good_peer is not None:
+        target.good_peer.close()
+        target.good_peer = None
     time.sleep(1.0)
     after = _proc_stats(target.pid())
     print(f"\nfuzz {label}: {count['n']} inputs in {time.monotonic() - t0:.0f} s, all answered "
-          f"once; well-behaved engine served {target.checks} times; daemon before {before}, "
-          f"after {after}")
+          f"once; well-behaved engine served {target.checks} times, well-behaved peer "
+          f"{target.peer_checks} times; daemon before {before}, after {after}; "
+          f"load average {os.getloadavg()}; replies {dict(sorted(chan.kinds.items()))}")
     assert target.side.alive()
     assert after["fds"] <= before["fds"] + 8, (before, after)
     assert after["threads"] <= before["threads"] + 4, (before, after)
