@@ -676,7 +676,8 @@ class Sidecar:
     def readiness(self) -> list[Check]:
         """Liveness plus agents up, listener bound, self-check passed, not draining."""
         checks = self.liveness()
-        down = [e for e, eng in list(self._engines.items()) if not eng.worker.running]
+        down = [e for e, eng in list(self._engines.items())
+                if not eng.worker.running or eng.worker.down_reason]
         checks.append(Check("nixl_agents", not down, f"agents down: {', '.join(down)}" if down
                             else f"{len(self._engines)} engine agents running"))
         checks.append(self._listener_check())

@@ -93,6 +93,11 @@ __all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlTimeout", "NixlWork
            "TransferStats", "transport_note"]
 
 _MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
+#: After a reset whose agent could not be created again (e.g. UCX finds no usable
+#: network device while the link is down), retry after these many seconds,
+#: doubling up to the cap: a link that comes back brings the worker back.
+_RECREATE_FIRST_S = 0.5
+_RECREATE_MAX_S = 5.0
 _STOP_WAIT_S = 5.0  # how long stop() lets in-flight transfers finish
 
 
@@ -225,6 +230,15 @@ class NixlWorker:
         self._reg_specs: dict[int, tuple[list[tuple[int, int]], str, int]] = {}
         self._gen = 0  # the worker thread's generation
         self._doomed: list[tuple[_Inflight, BaseException]] = []
+        self._pending_reset: tuple[str, int, float] = ("", 0, 0.0)
+        #: why the agent is down after a reset that could not create it again ('' when up)
+        self._down = ""
+        self._down_since = 0.0
+        self._recreate_at = 0.0
+        self._recreate_wait = _RECREATE_FIRST_S
+        self._recreate_tries = 0
+        #: the same as _down, for the event loop (readiness); a str store is atomic
+        self.down_reason = ""
         self._reg_ids = itertools.count(1)
         self._out_futs: list[tuple[_Fut, object, BaseException | None]] = []
         self._out_notifs: list[tuple[str, bytes]] = []
@@ -463,6 +477,12 @@ class NixlWorker:
             return
         if job.fut.cancelled():
             return
+        if self._agent is None and getattr(job.fn, "func", None) not in self._agentless:
+            self._fail(job.fut, NixlError(
+                f"{job.what}: this engine's NIXL agent is down since "
+                f"{time.monotonic() - self._down_since:.1f} s (it could not be created again "
+                f"after a reset: {self._down}); retrying", remote=job.remote))
+            return
         try:
             result = job.fn(job.fut)
         except (NixlError, ValueError, TypeError) as exc:
@@ -473,12 +493,19 @@ class NixlWorker:
             if result is not _DEFERRED:
                 self._out_futs.append((job.fut, result, None))
 
+    @property
+    def _agentless(self) -> tuple[Callable[..., object], ...]:
+        """Jobs that also work while the agent is down: they only forget things."""
+        return (self._do_deregister, self._do_remove_remote)
+
     def _progress(self) -> None:
         if self._inflight:
             self._poll_reads()
         if self._doomed:
             self._reset_agent()
         if self._agent is None:  # a reset that could not create the agent again
+            if self._down and time.monotonic() >= self._recreate_at:
+                self._recreate()
             return
         try:
             notifs = self._agent.get_new_notifs()
@@ -527,19 +554,22 @@ class NixlWorker:
         self._flush()  # what finished before the reset goes out first
         self._destroy_agent([r for r, _ in doomed] + others)
         try:
-            self._gen += 1
-            self._name = f"{self._base_name}-g{self._gen}"
-            self._agent = self._create_agent()
-            for reg_id, (regions, mem_type, dev_id) in self._reg_specs.items():
-                self._regs[reg_id] = self._register_descs(regions, mem_type, dev_id)
-            md = bytes(self._agent.get_agent_metadata())
+            md = self._create_again()
         except Exception as exc:
-            # The old agent is gone (nothing writes any more); without a new one this
-            # worker cannot serve: it stops, and the owner sees it as not running.
-            log.exception("NIXL agent %r: could not be created again after a reset", old)
-            with self._lock:
-                self._stop_requested = True
-            err = NixlError(f"the NIXL agent could not be recreated after a reset: {exc}")
+            # The old agent is gone (nothing writes any more, so the reads can be
+            # reported). Without a new one this worker serves nothing but stays up
+            # and tries again (_progress); until then jobs fail naming why, and
+            # the owner reports the engine not ready.
+            log.exception("NIXL agent %r: could not be created again after a reset; "
+                          "retrying", old)
+            self._down = self.down_reason = f"{type(exc).__name__}: {exc}"
+            self._down_since = time.monotonic()
+            self._recreate_wait = _RECREATE_FIRST_S
+            self._recreate_at = self._down_since + self._recreate_wait
+            self._recreate_tries = 1
+            self._pending_reset = (reason, len(doomed) + len(others), time.perf_counter() - t0)
+            err = NixlError(f"read from a remote agent failed: the agent was reset because "
+                            f"another read failed ({reason})")
             for r, e in doomed:
                 self._fail(r.fut, e)
             for r in others:
@@ -556,6 +586,43 @@ class NixlWorker:
             self._fail(r.fut, NixlError(
                 f"read from remote agent {r.remote!r} failed: the agent was reset because "
                 f"another read failed ({reason})", remote=r.remote))
+
+    def _create_again(self) -> bytes:
+        """A fresh agent of the next generation with every registration made again;
+        returns its metadata. On failure nothing of the attempt is kept."""
+        self._gen += 1
+        self._name = f"{self._base_name}-g{self._gen}"
+        try:
+            self._agent = self._create_agent()
+            for reg_id, (regions, mem_type, dev_id) in self._reg_specs.items():
+                self._regs[reg_id] = self._register_descs(regions, mem_type, dev_id)
+            return bytes(self._agent.get_agent_metadata())
+        except BaseException:
+            self._regs.clear()
+            self._agent = None
+            gc.collect()
+            raise
+
+    def _recreate(self) -> None:
+        """Another try at creating the agent that a reset could not create again."""
+        try:
+            md = self._create_again()
+        except Exception as exc:
+            self._recreate_tries += 1
+            self._down = self.down_reason = f"{type(exc).__name__}: {exc}"
+            self._recreate_wait = min(self._recreate_wait * 2, _RECREATE_MAX_S)
+            self._recreate_at = time.monotonic() + self._recreate_wait
+            if self._recreate_tries <= 10 or self._recreate_tries % 100 == 0:
+                log.warning("NIXL agent %r still down after %d tries (%s); next try in %.1f s",
+                            self._base_name, self._recreate_tries, self._down,
+                            self._recreate_wait)
+            return
+        reason, n, teardown = self._pending_reset
+        down_s = time.monotonic() - self._down_since
+        self._down = self.down_reason = ""
+        log.warning("NIXL agent %r created again as %r after %.1f s down (%d tries)",
+                    self._base_name, self._name, down_s, self._recreate_tries)
+        self._post(self._reset_done, AgentReset(self._gen, self._name, md, reason, n, teardown))
 
     def _destroy_agent(self, reads: list[_Inflight]) -> None:
         """Drop every handle and the agent itself, on this thread: NIXL's agent goes
@@ -694,6 +761,11 @@ class NixlWorker:
         return descs
 
     def _do_deregister(self, reg_id: int, _fut: _Fut) -> None:
+        if self._agent is None and reg_id in self._reg_specs:
+            # Down after a reset: nothing is registered now; forget it so that the
+            # next agent does not register memory the owner is about to unmap.
+            del self._reg_specs[reg_id]
+            return
         descs = self._regs.get(reg_id)
         if descs is None:
             raise NixlError(f"unknown registration id {reg_id}")
