@@ -39,7 +39,14 @@ from kvsidecar.ipc.memory import (
     allocate_for_layout,
     attach_refs,
 )
-from kvsidecar.ipc.protocol import BAD_REQUEST, Completion, Completions, RegionRef, RequestError
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    Completion,
+    Completions,
+    ReaderReport,
+    RegionRef,
+    RequestError,
+)
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
@@ -117,7 +124,8 @@ class EngineRank:
         return any(c.request_id == request_id for _, c in self.completions)
 
     def hold_done(self, o: HoldOutcome) -> None:
-        self.complete(Completion(o.request_id, o.kind, o.reason))
+        self.complete(Completion(o.request_id, o.kind, o.reason, readers=[
+            ReaderReport(r.engine_id, list(r.ranks), r.finished, r.failure) for r in o.readers]))
         self.worker.set_hot(len(self.holds) > 0)
 
 

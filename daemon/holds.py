@@ -8,7 +8,9 @@ an *abandon* over the peer channel (its read failed or was aborted: nothing
 of it is in flight any more). A reading engine with any abandoning rank
 counts as finished but failed. The hold ends ``sent`` when every reader read,
 ``aborted`` (reason names the failures) when every reader finished and some
-gave up, ``expired`` at its deadline.
+gave up, ``expired`` at its deadline. Every outcome lists the reading engines
+that reported (:class:`ReaderOutcome`): which were served, which gave up,
+which had reported only some ranks.
 
 Leases (no clock sync): a reader claims the hold before it posts and renews
 while its read is pending; each claim or renewal moves the deadline to at
@@ -31,6 +33,7 @@ sockets or timers: the daemon feeds it events and calls
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -87,11 +90,23 @@ class _Early:
 
 
 @dataclass(frozen=True)
+class ReaderOutcome:
+    """One reading engine's part in a hold, as its outcome reports it."""
+
+    engine_id: str
+    ranks: tuple[int, ...]
+    finished: bool
+    failure: str = ""
+
+
+@dataclass(frozen=True)
 class HoldOutcome:
     engine_id: str
     request_id: str
     kind: Literal["sent", "expired", "aborted"]
     reason: str = ""
+    #: every reading engine that reported, in the order of its first report
+    readers: tuple[ReaderOutcome, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -299,7 +314,10 @@ class HoldBook:
 
     def _end(self, h: _Hold, outcome: HoldOutcome) -> None:
         self._remember_end((h.engine_id, h.request_id), outcome.kind)
-        self._on_done(outcome)
+        readers = tuple(ReaderOutcome(e, tuple(sorted(ranks)), e in h.done_engines,
+                                      h.failures.get(e, ""))
+                        for e, ranks in h.seen.items())
+        self._on_done(dataclasses.replace(outcome, readers=readers))
 
     def _remember_end(self, key: Key, why: str) -> None:
         self._ended[key] = why

@@ -427,7 +427,8 @@ class ReadTable:
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
-                c = Completion(req.request_id, "received", nbytes=out.nbytes)
+                c = Completion(req.request_id, "received", nbytes=out.nbytes,
+                               descriptors=out.descriptors)
                 log.debug("read %r of engine %r received %d bytes", req.request_id,
                           eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(

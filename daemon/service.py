@@ -68,6 +68,7 @@ from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     UNAVAILABLE,
     UNKNOWN_ENGINE,
@@ -285,7 +286,7 @@ class Sidecar:
         return Ok()
 
     async def _ping(self, req: Ping) -> Reply:
-        return Pong(version=PROTOCOL_VERSION,
+        return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
                     engines=sorted(e for e, eng in self._engines.items() if _mine(eng)))
 
     def _engine(self, engine_id: str) -> EngineRank:

@@ -35,6 +35,19 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
+PROTOCOL_MINOR: Final = 1
+"""Additions within major version 1 that a client may rely on, announced in
+:class:`Pong` (a daemon older than the field answers 0):
+
+* 0: the original protocol.
+* 1: a hold's completion lists its ``readers`` (:class:`ReaderReport`); a
+  ``received`` completion carries ``descriptors``.
+
+Additions are new reply fields with defaults, which a client of an older
+minor ignores (replies do not forbid unknown fields); anything an older
+daemon could misread is a new major version, refused with a ``version``
+error naming both.
+"""
 
 # Error codes (``Error.code``). Plain strings on the wire so that a newer
 # daemon's new code still decodes in an older client (as the base error).
@@ -288,11 +301,35 @@ class Held(_ReplyBase, tag="held"):
     timeout_s: float
 
 
+class ReaderReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one reading engine did with a hold (P knows it per engine and rank).
+
+    ``ranks``: the reading engine's ranks that reported to this P rank, by
+    their completion notification (read) or an abandon (gave up).
+    ``finished``: every rank the sharding rule makes report to this P rank
+    did (``D_tp / P_tp`` of them when D is wider, else 1). ``failure``: why
+    one of its ranks gave up ('' when none did).
+    """
+
+    engine_id: str
+    ranks: list[int]
+    finished: bool = False
+    failure: str = ""
+
+
 class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
     """The outcome of one read or hold.
 
     ``invalid_block_ids`` (per group) are local blocks whose contents cannot be
     trusted after a failed or partial read, so the engine recomputes them.
+    ``nbytes`` and ``descriptors`` (``received``): what the read moved, and in
+    how many NIXL descriptors (after coalescing), over all remote ranks.
+    ``readers`` (``sent``, ``expired``, ``aborted`` of a hold): every reading
+    engine that reported before the hold ended, in the order they first reported.
+    A hold for ``readers=n`` ends ``sent`` the moment ``n`` distinct engines
+    are ``finished`` without a failure; an engine that had reported only some
+    of its ranks by then is listed unfinished (its later reports are ignored:
+    the blocks may be reused). Empty from a daemon older than protocol minor 1.
     Defaults are left off the wire: most completions are just an id and a kind.
     """
 
@@ -301,6 +338,8 @@ class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
     reason: str = ""
     invalid_block_ids: list[list[int]] = []
     nbytes: int = 0
+    descriptors: int = 0
+    readers: list[ReaderReport] = []
 
 
 class Completions(_ReplyBase, tag="completions"):
@@ -313,8 +352,11 @@ class Completions(_ReplyBase, tag="completions"):
 
 
 class Pong(_ReplyBase, tag="pong"):
+    """``minor``: the daemon's :data:`PROTOCOL_MINOR` (0 from a daemon older than it)."""
+
     version: int
     engines: list[str] = []
+    minor: int = 0
 
 
 class Error(_ReplyBase, tag="error"):

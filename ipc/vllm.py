@@ -91,6 +91,10 @@ NULL_BLOCK = 0
 
 TESTED_VLLM = ("0.33.0",)
 
+NEEDS_MINOR = 1
+"""The sidecar protocol minor this connector relies on (``received`` completions
+carry their descriptor count); an older sidecar is refused at start-up."""
+
 
 # --------------------------------------------------------------------------
 # Settings and messages between the two sides
@@ -451,11 +455,17 @@ class _WorkerSide:
         self.socket = settings.socket_for(self.tp_rank, vllm_config.parallel_config.rank, device)
         self.client = SidecarClient(self.socket, timeout_s=settings.client_timeout_s)
         try:
-            self.client.ping()
+            pong = self.client.ping()
         except SidecarError as e:
             self.client.close()
             raise UnsupportedConfig(f"no kvsidecar answers at {self.socket} (tp rank "
                                     f"{self.tp_rank}): {e}") from e
+        if pong.minor < NEEDS_MINOR:
+            self.client.close()
+            raise UnsupportedConfig(
+                f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
+                f"this connector needs {pong.version}.{NEEDS_MINOR} or later (it reports "
+                "descriptor counts): upgrade the sidecar")
         self._pool: _ShmKVPool | None = None
         self.regions: list[ShmRegion] = []
         self.handshake: KvSidecarHandshake | None = None
@@ -558,7 +568,7 @@ class _WorkerSide:
                 self.stats.data["transfer_duration"].append(time.perf_counter() - t0)
                 self.stats.data["post_duration"].append(post_s)
                 self.stats.data["bytes_transferred"].append(c.nbytes)
-                self.stats.data["num_descriptors"].append(0)  # not reported by the sidecar
+                self.stats.data["num_descriptors"].append(c.descriptors)
                 out.finished_recving.add(c.request_id)
             return
         if c.kind == "aborted" and released:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsidecar.daemon import notifications
-from kvsidecar.daemon.holds import HoldBook, HoldOutcome, Lease, Report
+from kvsidecar.daemon.holds import HoldBook, HoldOutcome, Lease, ReaderOutcome, Report
 
 
 def note(req: str, engine: str, rank: int, tp: int, target: str = "P") -> notifications.ReadDone:
@@ -26,7 +26,8 @@ def test_wider_decode_engine_must_send_d_over_p_notifications() -> None:
     b.notify(note("r", "D", 1, 4), now=1)  # duplicate rank: not counted
     assert done == [] and b.duplicates == 1
     b.notify(note("r", "D", 3, 4), now=1)
-    assert done == [HoldOutcome("P", "r", "sent")]
+    assert done == [HoldOutcome("P", "r", "sent",
+                                readers=(ReaderOutcome("D", (0, 1, 2, 3), True),))]
 
 
 def test_two_reader_engines() -> None:
@@ -36,6 +37,38 @@ def test_two_reader_engines() -> None:
     assert done == []
     b.notify(note("r", "D2", 0, 2), now=1)
     assert [d.kind for d in done] == ["sent"]
+
+
+def test_sent_names_the_readers_served_and_one_still_reading() -> None:
+    """readers=2 with three reading engines: the hold ends ``sent`` when two are
+    finished; the third (one of its two ranks reported) is listed unfinished."""
+    b, done = book()
+    b.add("P", "r", p_tp=1, readers=2, timeout_s=None, now=0)
+    b.notify(note("r", "D3", 1, 2), now=1)
+    b.notify(note("r", "D1", 0, 1), now=1)
+    assert done == []
+    b.notify(note("r", "D2", 0, 1), now=1)
+    (out,) = done
+    assert out.kind == "sent"
+    assert out.readers == (ReaderOutcome("D3", (1,), False), ReaderOutcome("D1", (0,), True),
+                           ReaderOutcome("D2", (0,), True))
+    b.notify(note("r", "D3", 0, 2), now=1)  # late: the hold has ended
+    assert len(done) == 1
+
+
+def test_aborted_and_expired_name_who_gave_up_and_who_never_came() -> None:
+    b, done = book()
+    b.add("P", "a", p_tp=1, readers=2, timeout_s=None, now=0)
+    b.notify(note("a", "D1", 0, 1), now=1)
+    b.report("P", "a", Report("D2", 0, 1, "lease lost"), now=1)
+    b.add("P", "e", p_tp=1, readers=1, timeout_s=2, now=0)
+    b.notify(note("e", "D1", 0, 2), now=1)
+    b.expire(now=3)
+    assert [(d.request_id, d.kind, d.readers) for d in done] == [
+        ("a", "aborted", (ReaderOutcome("D1", (0,), True),
+                          ReaderOutcome("D2", (0,), True, "rank 0: lease lost"))),
+        ("e", "expired", (ReaderOutcome("D1", (0,), False),)),
+    ]
 
 
 def test_early_notifications_complete_a_later_hold_at_once() -> None:

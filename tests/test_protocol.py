@@ -14,6 +14,7 @@ from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.protocol import (
     BAD_MESSAGE,
     ERROR_CODES,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     VERSION,
     Completion,
@@ -27,6 +28,7 @@ from kvsidecar.ipc.protocol import (
     Pong,
     ProtocolError,
     Read,
+    ReaderReport,
     Register,
     Registered,
     Release,
@@ -66,11 +68,13 @@ REPLIES: list[Reply] = [
     Registered("d0", "10.0.0.2:7000", "agent-d0", id=3),
     Completions([], id=4),
     Completions([
-        Completion("a", "received", nbytes=1 << 20),
+        Completion("a", "received", nbytes=1 << 20, descriptors=12),
+        Completion("s", "sent", readers=[ReaderReport("d0", [0, 1], True),
+                                         ReaderReport("d1", [2], False, "lease lost")]),
         Completion("b", "failed", "peer gone", [[3, 4], []]),
         Completion("c", "sent"), Completion("d", "expired"), Completion("e", "aborted"),
     ], id=5),
-    Pong(PROTOCOL_VERSION, ["d0", "d1"], id=6),
+    Pong(PROTOCOL_VERSION, ["d0", "d1"], PROTOCOL_MINOR, id=6),
     Error(BAD_MESSAGE, "nope", id=-1),
 ]
 
@@ -103,6 +107,37 @@ def test_completion_defaults_stay_off_the_wire() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(Completion("r", "sent"))) == {
         "request_id": "r", "kind": "sent",
     }
+
+
+class _CompletionV1_0(msgspec.Struct, frozen=True):
+    """A completion as a minor-0 client declared it."""
+
+    request_id: str
+    kind: str
+    reason: str = ""
+    invalid_block_ids: list[list[int]] = []
+    nbytes: int = 0
+
+
+class _PongV1_0(msgspec.Struct, tag="pong", tag_field="op"):
+    id: int
+    version: int
+    engines: list[str] = []
+
+
+def test_minor_additions_are_compatible_both_ways() -> None:
+    """Minor 1 (readers, descriptors, Pong.minor): a minor-0 client reads a minor-1
+    daemon's replies, ignoring the new fields; a minor-1 client reads a minor-0
+    daemon's, seeing the defaults (and minor 0, so it knows they are absent)."""
+    new = Completion("s", "sent", readers=[ReaderReport("d0", [0], True)], descriptors=3)
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=_CompletionV1_0)
+    assert (old.request_id, old.kind) == ("s", "sent")
+    pong_old = msgspec.msgpack.encode(_PongV1_0(5, PROTOCOL_VERSION, ["e"]))
+    pong = decode_reply(pong_old)
+    assert isinstance(pong, Pong) and (pong.minor, pong.engines) == (0, ["e"])
+    plain = decode_reply(encode_reply(Completions([Completion("r", "received")])))
+    assert isinstance(plain, Completions)
+    assert (plain.items[0].readers, plain.items[0].descriptors) == ([], 0)
 
 
 def test_reply_id_defaults_so_handlers_can_leave_it_to_the_server() -> None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvsidecar.ipc.protocol import Completion, ReaderReport
 from kvsidecar.sim.cluster import SimEngine
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
@@ -19,13 +20,14 @@ PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 FAST = {(1, 2), (4, 1)}
 
 
-def assert_received(D: SimEngine, rids: list[str]) -> None:
+def assert_received(D: SimEngine, rids: list[str]) -> dict[str, dict[int, Completion]]:
     got = D.wait_for(rids)
     for rid in rids:
         kinds = {r: c.kind for r, c in got[rid].items()}
         assert set(kinds.values()) == {"received"}, (rid, got[rid])
         problems = D.verify(rid)
         assert not problems, f"{rid}: " + "; ".join(problems[:3])
+    return got
 
 
 def assert_sent(P: SimEngine, rids: list[str]) -> None:
@@ -71,14 +73,19 @@ def test_hold_for_two_decode_engines(pool) -> None:
     with pool.engines(hybrid, 1, 2, n_d=2) as (P, (D1, D2)):
         sent = P.prefill("shared", Request(seed=5, prompt_tokens=90), readers=2)
         D1.start_read(sent)
-        assert_received(D1, ["shared"])
+        # Every rank read bytes, in descriptors it reports with the completion.
+        for c in assert_received(D1, ["shared"])["shared"].values():
+            assert c.nbytes > 0 and c.descriptors > 0, c
         time.sleep(0.5)
         P.poll()
         assert not any(c.request_id == "shared" for cs in P.completions.values() for c in cs), \
             "released after one of two readers"
         D2.start_read(sent)
         assert_received(D2, ["shared"])
-        assert_sent(P, ["shared"])
+        got = P.wait_for(["shared"])["shared"]
+        # The sent completion says who was served: both engines, each from both ranks.
+        want = [ReaderReport(D.engine_id, [0, 1], finished=True) for D in (D1, D2)]
+        assert [(c.kind, c.readers) for c in got.values()] == [("sent", want)]
 
 
 def test_notification_before_hold_completes_hold_at_once(pool) -> None:
