@@ -18,7 +18,6 @@ import collections
 import hashlib
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -27,18 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+from kvsidecar.daemon import memory_kinds
 from kvsidecar.daemon.holds import HoldBook, HoldOutcome
+from kvsidecar.daemon.memory_kinds import Gpu, MemoryContext
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import HandshakeInfo
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
-from kvsidecar.ipc.memory import (
-    ENGINE_SHM_PREFIX,
-    RegionError,
-    ShmRegion,
-    allocate_for_layout,
-    attach_refs,
-)
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     Completion,
@@ -47,6 +41,7 @@ from kvsidecar.ipc.protocol import (
     RegionRef,
     RequestError,
 )
+from kvsidecar.ipc.regions import Region
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
@@ -57,7 +52,7 @@ class EngineRank:
     engine_id: str
     tp_rank: int
     layout: Layout
-    regions: list[ShmRegion]
+    regions: list[Region]
     owned: bool
     keep_on_exit: bool
     pid: int
@@ -80,6 +75,10 @@ class EngineRank:
     #: The uid that registered this rank (None: unknown, e.g. a direct call in
     #: a unit test); only that uid may use or deregister it.
     uid: int | None = None
+    #: the fd-socket token of this rank's exported fds ('' when none)
+    fd_token: str = ""
+    #: what allocate mode allocated (shm, memfd, cuda_malloc, cuda_vmm); '' in attach mode
+    memory: str = ""
     completions: collections.deque[tuple[int, Completion]] = field(
         default_factory=collections.deque)
     holds: HoldBook = field(init=False)
@@ -131,52 +130,33 @@ class EngineRank:
 
 def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
                 shm_prefix: str = "kvs", owner_uid: int | None = None,
-                ) -> tuple[list[ShmRegion], bool]:
+                memory: str = "shm", gpu: Gpu | None = None,
+                ) -> tuple[list[Region], bool]:
     """Map (attach) or create (allocate) the engine's regions; (regions, owned).
 
-    Allocated segments are named ``<shm_prefix>-<engine id>-...``, so a
+    Allocated host segments are named ``<shm_prefix>-<engine id>-...``, so a
     restarted sidecar can find (and remove) exactly its own leftovers.
 
-    Attach mode maps only what the engine could have mapped itself: objects
-    named ``ENGINE_SHM_PREFIX...``, owned by the registering engine's uid
-    (``owner_uid``, from its socket credentials), each exactly one layout
-    region long. The sidecar may run as a more privileged user than its
-    engines; without these checks an engine could have it map, and expose to
-    peers, another tenant's memory.
+    Attach mode maps only what the engine could have mapped itself: shared
+    memory named ``ENGINE_SHM_PREFIX...``, owned by the registering engine's
+    uid (``owner_uid``, from its socket credentials), each exactly one layout
+    region long (GPU memory: as the attach policy allows). The sidecar may run
+    as a more privileged user than its engines; without these checks an engine
+    could have it map, and expose to peers, another tenant's memory. Each kind
+    is served by an entry of :mod:`kvsidecar.daemon.memory_kinds`.
     """
-    need = layout.region_bytes
+    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu)
     if mode == "allocate":
         if refs:
             raise RequestError(BAD_REQUEST, "allocate mode takes no region references")
-        prefix = f"{shm_prefix}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:40]
-        try:
-            return allocate_for_layout(layout, prefix), True
-        except (RegionError, OSError) as e:
-            raise RequestError(BAD_REQUEST, f"cannot allocate {layout.num_regions} regions of "
-                                            f"{need} B: {e}") from None
+        return memory_kinds.allocate(memory, layout, ctx), True
     if len(refs) != layout.num_regions:
         raise RequestError(BAD_REQUEST, f"layout has {layout.num_regions} regions, "
                                         f"{len(refs)} region references were sent")
-    for i, ref in enumerate(refs):
-        if not ref.name.startswith(ENGINE_SHM_PREFIX):
-            raise RequestError(
-                BAD_REQUEST,
-                f"region {i}: attach mode maps only shared memory named "
-                f"{ENGINE_SHM_PREFIX}..., got {ref.name[:80]!r}",
-            )
-        if ref.nbytes != need:
-            raise RequestError(
-                BAD_REQUEST,
-                f"region {i} ({ref.name[:80]!r}) is {ref.nbytes} B; the layout needs exactly "
-                f"{layout.num_blocks} pages x {layout.page_bytes} B = {need} B",
-            )
-    try:
-        return attach_refs(refs, owner_uid=owner_uid), False
-    except (RegionError, OSError) as e:
-        raise RequestError(BAD_REQUEST, f"cannot map the engine's regions: {e}") from None
+    return memory_kinds.attach(refs, layout, ctx), False
 
 
-def release_regions(regions: list[ShmRegion], owned: bool) -> int:
+def release_regions(regions: list[Region], owned: bool) -> int:
     """Unmap (and, if this sidecar created them, unlink) an engine's regions.
 
     Blocking (hundreds of ms per GB to give the pages back): call it off the
@@ -190,7 +170,7 @@ def release_regions(regions: list[ShmRegion], owned: bool) -> int:
             if owned:
                 r.unlink()
         except Exception as e:
-            log.warning("releasing shared memory %r failed: %s", r.name, e)
+            log.warning("releasing region %r failed: %s", r.name, e)
             failures += 1
     return failures
 

@@ -186,12 +186,17 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
     gens = {p: peer.generation for p, peer in zip(cands, peers)}
+    infos = {p: peer.info for p, peer in zip(cands, peers)}
     ops: list[Coroutine[Any, Any, TransferStats | None]] = []
     for post in posts:
         if post.length.size:
+            far = infos[post.rank]
             ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
                                        notif=note, timeout_s=timeout_s,
-                                       generation=gens[post.rank]))
+                                       generation=gens[post.rank],
+                                       mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
+                                       remote_mem_type=far.mem_type,
+                                       remote_dev_id=far.dev_id))
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
     renewing = asyncio.ensure_future(leases.renew_forever()) if leases is not None else None

@@ -43,8 +43,10 @@ from kvsidecar.daemon.engines import (
     remove_stale_segments,
     shm_prefix_for,
 )
+from kvsidecar.daemon.fd_server import FdServer
 from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.holds import Report
+from kvsidecar.daemon.memory_kinds import Gpu
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
@@ -63,8 +65,8 @@ from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
+from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
-from kvsidecar.ipc.memory import ShmRegion
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -88,6 +90,7 @@ from kvsidecar.ipc.protocol import (
     Request,
     RequestError,
 )
+from kvsidecar.ipc.regions import FdExport, Region, uniform
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
@@ -147,6 +150,13 @@ class Sidecar:
             on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
                                                                  reason=reason).inc(),
         )
+        #: hands memfd / CUDA VMM fds to the engine that registered them (SCM_RIGHTS)
+        self._fds = FdServer(
+            fd_socket_for(settings.socket), self._server.access,
+            on_refuse=lambda reason: self.metrics.refused.labels(channel="fd",
+                                                                 reason=reason).inc())
+        #: the GPU of --device cuda:N (None: a host-memory sidecar)
+        self._gpu: Gpu | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         # engine id -> (the registration in progress, its reply), so that a
@@ -178,6 +188,12 @@ class Sidecar:
             await self._server.start()
         except BaseException:
             await self._hs_server.stop()  # e.g. SocketInUse: leave as if never started
+            raise
+        try:
+            await self._fds.start()  # beside the engine socket, whose lock we now hold
+        except BaseException:
+            await self._server.stop()
+            await self._hs_server.stop()
             raise
         # Only now: the engine server refuses to start while another live
         # sidecar serves this socket, so the prefix (a hash of the socket
@@ -215,6 +231,7 @@ class Sidecar:
         while time.monotonic() < deadline and any(e.completions for e in self._engines.values()):
             await asyncio.sleep(0.01)
         await self._server.stop()
+        await self._fds.stop()
         for t in self._tasks:
             t.cancel()
         if self._background:
@@ -342,7 +359,7 @@ class Sidecar:
         uid = peer.uid if peer is not None else None
         mapping = asyncio.get_running_loop().run_in_executor(
             None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix,
-            uid)
+            uid, req.memory, self._gpu)
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -353,9 +370,11 @@ class Sidecar:
         worker = NixlWorker(agent, backends=self.settings.backends,
                             on_notif=partial(self._on_notif, req.engine_id),
                             on_reset=partial(self._on_agent_reset, req.engine_id))
+        mem_type, device = uniform(regions)
         try:
             await worker.start()
-            reg_id = await worker.register([(r.address, layout.region_bytes) for r in regions])
+            reg_id = await worker.register([(r.address, layout.region_bytes) for r in regions],
+                                           mem_type, device.index)
             meta = await worker.metadata()
         except BaseException as e:
             with contextlib.suppress(Exception):
@@ -370,10 +389,12 @@ class Sidecar:
             peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link,
                             on_unload_failed=self.metrics.cleanup_failures.labels(
                                 what="remote_agent").inc,
-                            reader=(req.engine_id, req.tp_rank)),
+                            reader=(req.engine_id, req.tp_rank),
+                            readable=("DRAM", "VRAM") if self._gpu is not None else ("DRAM",)),
             info=make_handshake_info(
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
+                mem_type=mem_type, dev_id=device.index, device_uuid=device.uuid,
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
             hold_lease_s=self.settings.hold_lease_s,
@@ -381,8 +402,9 @@ class Sidecar:
             metrics=self.metrics,
             on_complete=self._traced_completion if self.tracing.enabled else None,
             instance=req.instance, pid_visible=self._pid_visible(req),
-            uid=uid,
+            uid=uid, memory=req.memory if req.mode == "allocate" else "",
         )
+        eng.fd_token = self._offer_fds(eng)
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
         self.metrics.engines.set(len(self._engines))
@@ -394,7 +416,20 @@ class Sidecar:
     def _registered(self, eng: EngineRank) -> Registered:
         return Registered(engine_id=eng.engine_id, handshake_address=self.handshake_address,
                           agent_name=eng.worker.agent_name,
-                          regions=[r.ref() for r in eng.regions] if eng.owned else [])
+                          regions=[r.ref() for r in eng.regions] if eng.owned else [],
+                          fd_socket=self._fds.path if eng.fd_token else "")
+
+    def _offer_fds(self, eng: EngineRank) -> str:
+        """Offer the fds of an allocation whose kind travels by fd (memfd, CUDA
+        VMM) on the fd socket, to the uid that registered; '' when none do."""
+        exported = [r for r in eng.regions if isinstance(r, FdExport)]
+        if not eng.owned or not exported:
+            return ""
+        token = self._fds.offer([r.fd for r in exported], eng.uid,
+                                f"engine {eng.engine_id!r} rank {eng.tp_rank}")
+        for i, r in enumerate(exported):
+            r.share(token, i)
+        return token
 
     def _pid_visible(self, req: Register) -> bool:
         """Whether ``req.pid`` can serve as a liveness signal: only a pid of this
@@ -784,13 +819,14 @@ class Sidecar:
         if eng.worker.cleanup_failures:  # NIXL deregistrations that failed (logged there)
             self.metrics.cleanup_failures.labels(what="nixl_deregister").inc(
                 eng.worker.cleanup_failures)
+        self._fds.withdraw(eng.fd_token)
         await self._release_regions(eng.regions, eng.owned)
         self.metrics.engines.set(len(self._engines))
         self.metrics.forget_engine(engine_id)
         log.info("engine %r released (%s)", engine_id, why)
 
 
-    async def _release_regions(self, regions: list[ShmRegion], owned: bool) -> None:
+    async def _release_regions(self, regions: list[Region], owned: bool) -> None:
         """Give the memory back off the event loop (hundreds of ms per GB)."""
         failures = await asyncio.get_running_loop().run_in_executor(
             None, release_regions, regions, owned)
@@ -804,14 +840,16 @@ def _same_process(a: Register | EngineRank, b: Register) -> bool:
 
 
 def _same_registration(a: Register, b: Register) -> bool:
-    return (a.tp_rank, a.layout, a.mode, a.regions) == (b.tp_rank, b.layout, b.mode, b.regions)
+    return ((a.tp_rank, a.layout, a.mode, a.regions, a.memory)
+            == (b.tp_rank, b.layout, b.mode, b.regions, b.memory))
 
 
 def _same_registration_of(eng: EngineRank, req: Register) -> bool:
     mode = "allocate" if eng.owned else "attach"
     refs = [] if eng.owned else [r.ref() for r in eng.regions]
-    return (eng.tp_rank, eng.layout, mode, refs) == (req.tp_rank, req.layout, req.mode,
-                                                     req.regions)
+    memory = req.memory if req.mode == "allocate" else ""
+    return (eng.tp_rank, eng.layout, mode, refs, eng.memory) == (req.tp_rank, req.layout,
+                                                                 req.mode, req.regions, memory)
 
 
 def _retrieve(f: asyncio.Future[Reply]) -> None:
@@ -827,7 +865,7 @@ def _own_pid_namespace() -> str:
         return ""
 
 
-def _release_late_mapping(f: asyncio.Future[tuple[list[ShmRegion], bool]]) -> None:
+def _release_late_mapping(f: asyncio.Future[tuple[list[Region], bool]]) -> None:
     if not f.cancelled() and f.exception() is None:
         release_regions(*f.result())
 

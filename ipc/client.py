@@ -31,7 +31,8 @@ import zmq
 import zmq.asyncio
 
 from .layout import Layout
-from .memory import ShmRegion, attach_refs
+from .mapping import map_refs
+from .memory import ShmRegion
 from .protocol import (
     BAD_MESSAGE,
     BAD_REQUEST,
@@ -48,6 +49,7 @@ from .protocol import (
     Error,
     Held,
     Hold,
+    MemoryKind,
     Ok,
     Ping,
     Poll,
@@ -63,6 +65,7 @@ from .protocol import (
     decode_reply,
     encode_request,
 )
+from .regions import Region
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +172,13 @@ def _expect(reply: Reply, kind: type[R]) -> R:
 class Registration:
     """What the engine keeps after registering: where peers reach it, and the
     regions its KV cache lives in (its own in attach mode, mapped from the
-    daemon's in allocate mode)."""
+    daemon's in allocate mode: shm, memfd or GPU regions, see
+    :class:`~kvsidecar.ipc.regions.Region`)."""
 
     engine_id: str
     handshake_address: str
     agent_name: str
-    regions: list[ShmRegion]
+    regions: list[Region]
 
 
 def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
@@ -211,8 +215,10 @@ def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:
 
 
 def _registration(reply: Registered, regions: Sequence[ShmRegion] | None) -> Registration:
-    """Map allocate-mode regions; the caller deregisters if this raises."""
-    mapped = list(regions) if regions is not None else attach_refs(reply.regions)
+    """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
+    memfd / CUDA VMM kinds); the caller deregisters if this raises."""
+    mapped: list[Region] = (list(regions) if regions is not None
+                            else map_refs(reply.regions, reply.fd_socket))
     return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped)
 
 
@@ -268,12 +274,12 @@ class ClientCore:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout,
                  regions: Sequence[ShmRegion] | None, allocate: bool,
-                 keep_on_exit: bool) -> Call[Registration]:
+                 keep_on_exit: bool, memory: MemoryKind = "shm") -> Call[Registration]:
         if allocate == (regions is not None):
             raise ValueError("register: pass either regions (attach mode) or allocate=True")
         req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
                        [r.ref() for r in regions or ()], keep_on_exit, os.getpid(),
-                       _pid_namespace(), process_instance(), id=self._next_id())
+                       _pid_namespace(), process_instance(), memory, id=self._next_id())
         reply = _expect((yield req), Registered)
         try:
             return _registration(reply, regions)
@@ -385,9 +391,11 @@ class SidecarClient:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                  regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
-                 keep_on_exit: bool = False) -> Registration:
+                 keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
+        """``memory`` (allocate mode): what the sidecar allocates, ``shm``/``memfd``
+        host memory or ``cuda_malloc``/``cuda_vmm`` on its GPU."""
         return self._run(self._core.register(engine_id, tp_rank, layout, regions, allocate,
-                                             keep_on_exit))
+                                             keep_on_exit, memory))
 
     def deregister(self, engine_id: str) -> None:
         self._run(self._core.deregister(engine_id))
@@ -527,9 +535,9 @@ class AsyncSidecarClient:
 
     async def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                        regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
-                       keep_on_exit: bool = False) -> Registration:
+                       keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
         return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
-                                                   allocate, keep_on_exit))
+                                                   allocate, keep_on_exit, memory))
 
     async def deregister(self, engine_id: str) -> None:
         await self._run(self._core.deregister(engine_id))

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from .layout import Layout
 from .protocol import RegionRef, ShmRef
+from .regions import HOST, Device, MemType
 
 if TYPE_CHECKING:
     import torch as _torch
@@ -176,6 +177,14 @@ class ShmRegion:
         return self._address
 
     @property
+    def mem_type(self) -> MemType:
+        return "DRAM"
+
+    @property
+    def device(self) -> Device:
+        return HOST
+
+    @property
     def owner(self) -> bool:
         """Created by this object: leaving its ``with`` block also unlinks it."""
         return self._owner
@@ -258,8 +267,9 @@ def attach_refs(refs: Sequence[RegionRef], *, owner_uid: int | None = None) -> l
     out: list[ShmRegion] = []
     try:
         for ref in refs:
-            if not isinstance(ref, ShmRef):
-                raise RegionError(f"cannot map a region of kind {type(ref).__name__} here")
+            if not isinstance(ref, ShmRef):  # callers use kvsidecar.ipc.mapping for others
+                raise RegionError(f"cannot map a region of kind {ref.__struct_config__.tag!r} "
+                                  "as POSIX shared memory")
             out.append(ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset,
                                         owner_uid=owner_uid))
     except BaseException:

@@ -133,14 +133,58 @@ class ShmRef(_RegionRefBase, tag="shm", frozen=True, forbid_unknown_fields=True)
     offset: NonNegative = 0
 
 
-# Future kinds go here and into RegionRef, e.g. GPU memory exported by
-# cudaIpcGetMemHandle or a VMM fd:
-#
-#   class CudaIpcRef(_RegionRefBase, tag="cuda_ipc", frozen=True):
-#       handle: bytes; device_uuid: str; nbytes: int; offset: int = 0
-#
-#   RegionRef: TypeAlias = ShmRef | CudaIpcRef
-RegionRef: TypeAlias = ShmRef
+#: A file-descriptor set is fetched once, by the token the ``Registered``
+#: reply carries, from the sidecar's fd socket (``Registered.fd_socket``).
+FdToken = Annotated[str, Meta(min_length=16, max_length=64, pattern="^[0-9a-f]+$")]
+#: ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi -L's form): devices
+#: are named by UUID because indices differ between processes
+#: (``CUDA_VISIBLE_DEVICES``).
+DeviceUuid = Annotated[str, Meta(pattern="^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-"
+                                         "[0-9a-f]{4}-[0-9a-f]{12}$")]
+CUDA_IPC_HANDLE_BYTES: Final = 64
+
+
+class MemfdRef(_RegionRefBase, tag="memfd", frozen=True, forbid_unknown_fields=True):
+    """Host memory in an anonymous ``memfd`` the sidecar created: no name in
+    ``/dev/shm`` (nothing to leak or guess); the file descriptor itself is
+    the capability. It is fd number ``index`` of the set fetched with
+    ``token`` from the sidecar's fd socket (SCM_RIGHTS)."""
+
+    token: FdToken
+    index: NonNegative
+    nbytes: Annotated[int, Meta(ge=1)]
+
+
+class CudaIpcRef(_RegionRefBase, tag="cuda_ipc", frozen=True, forbid_unknown_fields=True):
+    """GPU memory shared with a legacy CUDA IPC handle (``cuIpcGetMemHandle``
+    of a ``cuMemAlloc`` base): the region is ``nbytes`` at ``offset`` into
+    that allocation, on the GPU named ``device_uuid``. Sent by the sidecar
+    (allocate mode) or by an engine whose tensor it is (attach mode)."""
+
+    handle: Annotated[bytes, Meta(min_length=CUDA_IPC_HANDLE_BYTES,
+                                  max_length=CUDA_IPC_HANDLE_BYTES)]
+    device_uuid: DeviceUuid
+    nbytes: Annotated[int, Meta(ge=1)]
+    offset: NonNegative = 0
+
+
+class CudaVmmRef(_RegionRefBase, tag="cuda_vmm", frozen=True, forbid_unknown_fields=True):
+    """GPU memory from ``cuMemCreate`` exported as a POSIX file descriptor,
+    which travels like :class:`MemfdRef`'s (fd ``index`` of the set
+    ``token`` names). ``alloc_bytes`` is the allocation's size (``nbytes``
+    rounded up to the granularity): the importer maps all of it."""
+
+    token: FdToken
+    index: NonNegative
+    device_uuid: DeviceUuid
+    nbytes: Annotated[int, Meta(ge=1)]
+    alloc_bytes: Annotated[int, Meta(ge=1)]
+
+
+RegionRef: TypeAlias = ShmRef | MemfdRef | CudaIpcRef | CudaVmmRef
+#: What ``Register.memory`` may ask a sidecar to allocate (allocate mode).
+MemoryKind: TypeAlias = Literal["shm", "memfd", "cuda_malloc", "cuda_vmm"]
+MEMORY_KINDS: Final = ("shm", "memfd", "cuda_malloc", "cuda_vmm")
 
 
 # --------------------------------------------------------------------------
@@ -159,8 +203,9 @@ class Register(_RequestBase, tag="register", frozen=True):
     """Announce one engine rank and its KV memory.
 
     ``mode="attach"``: the engine allocated the regions and passes references.
-    ``mode="allocate"``: the daemon allocates them and returns references in
-    :class:`Registered` (the direction GPU memory will need).
+    ``mode="allocate"``: the daemon allocates them, of kind ``memory``
+    (``shm``/``memfd`` host memory, ``cuda_malloc``/``cuda_vmm`` on the
+    sidecar's GPU), and returns references in :class:`Registered`.
     ``keep_on_exit`` keeps the registration when the engine's process is
     gone, for engines that restart and reattach.
 
@@ -182,6 +227,7 @@ class Register(_RequestBase, tag="register", frozen=True):
     pid: Annotated[int, Meta(ge=0, le=PID_MAX)] = 0
     pid_ns: Annotated[str, Meta(max_length=64)] = ""
     instance: Annotated[str, Meta(max_length=64)] = ""
+    memory: MemoryKind = "shm"
 
 
 class Deregister(_RequestBase, tag="deregister", frozen=True):
@@ -288,6 +334,9 @@ class Registered(_ReplyBase, tag="registered"):
     handshake_address: str
     agent_name: str
     regions: list[RegionRef] = []
+    #: Where the file descriptors of ``memfd``/``cuda_vmm`` regions are fetched
+    #: (a Unix socket next to the engine socket); empty when none are needed.
+    fd_socket: str = ""
 
 
 class Held(_ReplyBase, tag="held"):

@@ -30,7 +30,7 @@ from typing import IO, Any
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
-from kvsidecar.ipc.protocol import Completion, RemoteEngine
+from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
 from kvsidecar.sim.models import MakeLayout
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
 
@@ -163,7 +163,7 @@ class SimEngine:
 
     def __init__(self, engine_id: str, make: MakeLayout, tp: int, num_blocks: int,
                  sidecars: Sequence[SidecarProcess | str], *, attach: bool = False,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, memory: MemoryKind = "shm") -> None:
         if len(sidecars) != tp:
             raise ValueError(f"engine {engine_id}: {tp} ranks need {tp} sidecars")
         self.engine_id = engine_id
@@ -181,7 +181,7 @@ class SimEngine:
                                                           regions=mine))
             else:
                 self.registrations.append(client.register(engine_id, rank, self.layout,
-                                                          allocate=True))
+                                                          allocate=True, memory=memory))
         self.buffers = [[r.numpy() for r in reg.regions] for reg in self.registrations]
         for bufs in self.buffers:
             for b in bufs:
@@ -320,16 +320,19 @@ class SimEngine:
 @contextlib.contextmanager
 def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarProcess],
             uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,
-            n_d: int = 1, attach: bool = False, blocks: int = 96
+            n_d: int = 1, attach: bool = False, blocks: int = 96,
+            memory: MemoryKind = "shm", d_memory: MemoryKind | None = None,
             ) -> Iterator[tuple[SimEngine, list[SimEngine]]]:
     """A P engine of ``p_tp`` ranks and ``n_d`` D engines of ``d_tp`` ranks, closed after."""
     made: list[SimEngine] = []
     try:
-        P = SimEngine(uid("P"), make, p_tp, blocks, p_sidecars[:p_tp], attach=attach)
+        P = SimEngine(uid("P"), make, p_tp, blocks, p_sidecars[:p_tp], attach=attach,
+                      memory=memory)
         made.append(P)
         ds = []
         for _ in range(n_d):
-            D = SimEngine(uid("D"), make, d_tp, blocks, d_sidecars[:d_tp], attach=attach)
+            D = SimEngine(uid("D"), make, d_tp, blocks, d_sidecars[:d_tp], attach=attach,
+                          memory=memory if d_memory is None else d_memory)
             made.append(D)
             ds.append(D)
         yield P, ds

@@ -50,13 +50,18 @@ def hybrid() -> Layout:
                                 num_blocks=8)
 
 
+GPU = "GPU-01234567-89ab-cdef-0123-456789abcdef"
+#: what a GPU sidecar reads; a host-memory one reads DRAM only
+GPU_READER = ("DRAM", "VRAM")
+
+
 def info_for(engine_id: str, tp_rank: int, layout: Layout | None = None) -> HandshakeInfo:
     layout = layout or attn()
     return make_handshake_info(
         engine_id=engine_id, tp_rank=tp_rank, agent_name=f"{engine_id}-{tp_rank}",
         agent_metadata=b"\x00nixl-md" * 64, layout=layout,
         bases=[0x7F00_0000_0000 + r * layout.region_bytes for r in range(layout.num_regions)],
-        daemon_id=new_daemon_id(), mem_type="VRAM", dev_id=tp_rank,
+        daemon_id=new_daemon_id(), mem_type="VRAM", dev_id=tp_rank, device_uuid=GPU,
     )
 
 
@@ -143,7 +148,7 @@ async def test_fetch_returns_the_registered_info(
     assert host == "127.0.0.1" and int(port) > 0
     got = await client.fetch(address, "prefill-0", 1)
     assert got == registry.infos[("prefill-0", 1)]
-    check_peer(got, "prefill-0", 2, attn())
+    check_peer(got, "prefill-0", 2, attn(), readable=GPU_READER)
     # tcp:// prefix is the same address.
     assert await client.fetch(f"tcp://{address}", "prefill-0", 1) is got
 
@@ -306,7 +311,7 @@ async def test_incompatible_layout_is_named(client: HandshakeClient) -> None:
     finally:
         await srv.stop()
     with pytest.raises(IncompatibleLayout) as ei:
-        check_peer(got, "p", 1, attn())
+        check_peer(got, "p", 1, attn(), readable=GPU_READER)
     assert ei.value.field == "family"
     assert "family" in str(ei.value)
 
@@ -333,16 +338,36 @@ def test_check_peer_names_the_field(field: str, mutate: Mutate) -> None:
     info = mutate(info_for("p", 0))
     expected = "q" if field == "engine_id" else "p"
     with pytest.raises(HandshakeFailed) as ei:
-        check_peer(info, expected, 1, attn())
+        check_peer(info, expected, 1, attn(), readable=GPU_READER)
     assert ei.value.field == field
     assert field in str(ei.value)
 
 
+def test_host_sidecar_refuses_a_vram_peer_and_names_why() -> None:
+    info = info_for("p", 0)
+    with pytest.raises(HandshakeFailed, match=f"peer serves VRAM on GPU {GPU}; this sidecar "
+                                              "reads DRAM only") as ei:
+        check_peer(info, "p", 1, attn())
+    assert ei.value.field == "mem_type"
+    check_peer(msgspec.structs.replace(info, mem_type="DRAM", device_uuid="", dev_id=0),
+               "p", 1, attn())  # the same peer with host memory is fine
+
+
+def test_vram_peer_must_name_its_gpu_and_type_must_be_known() -> None:
+    with pytest.raises(HandshakeFailed, match="without naming its GPU") as ei:
+        check_peer(msgspec.structs.replace(info_for("p", 0), device_uuid=""), "p", 1, attn(),
+                   readable=GPU_READER)
+    assert ei.value.field == "device_uuid"
+    with pytest.raises(HandshakeFailed, match="unknown type 'HBM'"):
+        check_peer(msgspec.structs.replace(info_for("p", 0), mem_type="HBM"), "p", 1, attn(),
+                   readable=GPU_READER)
+
+
 def test_check_peer_tp_size_as_announced() -> None:
     info = info_for("p", 1, attn(tp_size=2))
-    check_peer(info, "p", 2, attn(tp_size=4))  # hetero TP: 2 vs 4 is fine
+    check_peer(info, "p", 2, attn(tp_size=4), readable=GPU_READER)  # hetero TP: 2 vs 4 is fine
     with pytest.raises(HandshakeFailed, match="announced with tp_size 4") as ei:
-        check_peer(info, "p", 4, attn())
+        check_peer(info, "p", 4, attn(), readable=GPU_READER)
     assert ei.value.field == "tp_size"
 
 
@@ -350,7 +375,7 @@ def test_check_peer_model_fact_mismatch() -> None:
     other = attention_layout(model="m", num_layers=2, total_kv_heads=8, head_dim=128,
                              block_tokens=16, tp_size=1, num_blocks=8)
     with pytest.raises(IncompatibleLayout) as ei:
-        check_peer(info_for("p", 0, other), "p", 1, attn())
+        check_peer(info_for("p", 0, other), "p", 1, attn(), readable=GPU_READER)
     assert ei.value.field == "model.head_dim"
 
 

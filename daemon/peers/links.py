@@ -65,8 +65,11 @@ class PeerLinks:
     def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient, *,
                  on_link: Callable[[bool], None] | None = None,
                  on_unload_failed: Callable[[], None] | None = None,
-                 reader: tuple[str, int] | None = None) -> None:
+                 reader: tuple[str, int] | None = None,
+                 readable: tuple[str, ...] = ("DRAM",)) -> None:
         self._worker = worker
+        #: memory types this sidecar can read from (VRAM only with a GPU of its own)
+        self._readable = readable
         #: (engine id, rank) of the local engine rank: declared with the worker's
         #: agent name in every handshake, so peers accept its notifications
         self._reader = reader
@@ -100,7 +103,8 @@ class PeerLinks:
             raise
         if peer.info.tp_size != tp_size:
             # Cached from a request that described the engine differently.
-            check_peer(peer.info, engine_id, tp_size, self._layout, address=address)
+            check_peer(peer.info, engine_id, tp_size, self._layout, address=address,
+                       readable=self._readable)
         return peer
 
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
@@ -132,7 +136,8 @@ class PeerLinks:
             validate(info.layout)
         except LayoutError as e:
             raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
-        check_peer(info, engine_id, tp_size, self._layout, address=address)
+        check_peer(info, engine_id, tp_size, self._layout, address=address,
+                   readable=self._readable)
         generation = self._worker.generation
         agent = await self._worker.add_remote(info.agent_metadata)
         return Peer((address, engine_id, rank), info, agent,

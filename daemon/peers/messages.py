@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Literal
 
 import msgspec
@@ -53,6 +53,7 @@ __all__ = [
     "encode",
     "make_handshake_info",
     "new_daemon_id",
+    "refuse_mem_type",
     "salvage",
 ]
 
@@ -63,8 +64,12 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     Keyword-only so the field order can follow meaning rather than defaults.
     ``bases[r]`` is the base address of region ``r``; ``fingerprint`` is
     ``fingerprint(layout)``, sent so a peer can compare models without
-    rebuilding the fields. ``daemon_id`` changes on every daemon start, which is
-    how a client notices that the addresses it cached are stale.
+    rebuilding the fields. ``mem_type`` (``DRAM``/``VRAM``), ``dev_id`` (the
+    CUDA ordinal in the peer's process, what its NIXL descriptors carry) and
+    ``device_uuid`` (the GPU, '' for host memory) say what kind of memory the
+    regions are, so the reader builds remote descriptors of that type.
+    ``daemon_id`` changes on every daemon start, which is how a client notices
+    that the addresses it cached are stale.
     """
 
     engine_id: str
@@ -76,6 +81,7 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     bases: list[int]
     mem_type: str = "DRAM"
     dev_id: int = 0
+    device_uuid: str = ""
     fingerprint: str
     protocol: int = HANDSHAKE_VERSION
     daemon_id: str
@@ -185,6 +191,7 @@ def make_handshake_info(
     daemon_id: str,
     mem_type: str = "DRAM",
     dev_id: int = 0,
+    device_uuid: str = "",
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -198,6 +205,7 @@ def make_handshake_info(
         bases=list(bases),
         mem_type=mem_type,
         dev_id=dev_id,
+        device_uuid=device_uuid,
         fingerprint=fingerprint(layout),
         daemon_id=daemon_id,
     )
@@ -227,6 +235,7 @@ def check_peer(
     local_layout: Layout,
     *,
     address: str = "",
+    readable: Collection[str] = ("DRAM",),
 ) -> None:
     """Refuse a peer that is not the engine we were told about, or holds another model.
 
@@ -252,6 +261,10 @@ def check_peer(
             "tp_size",
             f"peer reports tp_size {info.tp_size} but its layout says {info.layout.tp_size}",
         )
+    if info.mem_type not in readable:
+        raise fail("mem_type", refuse_mem_type(info.mem_type, info.device_uuid, readable))
+    if info.mem_type == "VRAM" and not info.device_uuid:
+        raise fail("device_uuid", "peer serves VRAM without naming its GPU")
     if not 0 <= info.tp_rank < info.tp_size:
         raise fail("tp_rank", f"rank {info.tp_rank} outside tp_size {info.tp_size}")
     remote_fp = fingerprint(info.layout)
@@ -272,6 +285,21 @@ def check_peer(
             f"{len(info.bases)} base addresses for {info.layout.num_regions} regions",
         )
     check_bases(info.bases, info.layout.region_bytes, fail)
+
+
+def refuse_mem_type(mem_type: str, device_uuid: str, readable: Collection[str]) -> str:
+    """Why a sidecar that reads ``readable`` memory cannot serve a peer's ``mem_type``.
+
+    A host-memory sidecar has no CUDA context: UCX could at best stage GPU
+    bytes through a software path, silently 100x slower, or fail mid-read. It
+    refuses at the handshake instead, saying what would make it work.
+    """
+    where = f" on GPU {device_uuid}" if device_uuid else ""
+    if mem_type == "VRAM":
+        return (f"peer serves VRAM{where}; this sidecar reads {'/'.join(readable)} only "
+                "(run the reading side with --device cuda:N and the gpu extra)")
+    return f"peer serves memory of unknown type {mem_type!r}; this sidecar reads " \
+           f"{'/'.join(readable)}"
 
 
 #: Descriptors are int64 on the way into NIXL: a region must end below 2**63.

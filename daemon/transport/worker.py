@@ -342,11 +342,14 @@ class NixlWorker:
         remote_dev_id: int | None = None,
         timeout_s: float | None = None,
         generation: int | None = None,
+        remote_mem_type: str | None = None,
     ) -> TransferStats:
         """READ ``length[i]`` bytes from ``remote_addr[i]`` on the peer into ``local_addr[i]``.
 
         With zero descriptors only the notification (if any) is sent.
-        ``remote_dev_id`` defaults to ``dev_id``. A read still in progress
+        ``mem_type``/``dev_id`` describe the local memory (``DRAM``/``VRAM``
+        and the CUDA ordinal), ``remote_mem_type``/``remote_dev_id`` the
+        peer's as its handshake advertised them (default: the same). A read still in progress
         ``timeout_s`` after posting fails with NixlTimeout, and a read that ends
         in an error fails with NixlError, each only after the agent was reset
         (see the module docstring): a failed read never leaves a transfer
@@ -369,6 +372,7 @@ class NixlWorker:
         fn = functools.partial(
             self._do_read, remote_agent, local_addr, remote_addr, length, notif, mem_type,
             dev_id, dev_id if remote_dev_id is None else remote_dev_id, timeout_s, generation,
+            mem_type if remote_mem_type is None else remote_mem_type,
         )
         stats: TransferStats = await self._submit(
             f"read of {n} descriptors from remote agent {remote_agent!r}", fn, remote=remote_agent
@@ -830,6 +834,7 @@ class NixlWorker:
         remote_dev_id: int,
         timeout_s: float | None,
         generation: int | None,
+        remote_mem_type: str,
         fut: _Fut,
     ) -> object:
         if generation is not None and generation != self._gen:
@@ -852,10 +857,11 @@ class NixlWorker:
         far[:, 0] = _as_int64(remote_addr)
         far[:, 2] = remote_dev_id
         local_descs = self._agent.get_xfer_descs(local, mem_type)
-        remote_descs = self._agent.get_xfer_descs(far, mem_type)
+        remote_descs = self._agent.get_xfer_descs(far, remote_mem_type)
         if local_descs is None or remote_descs is None:
             raise NixlError(f"read from remote agent {remote!r}: NIXL rejected the descriptor "
-                            f"lists (mem_type={mem_type!r})", remote=remote)
+                            f"lists (local {mem_type!r}, remote {remote_mem_type!r})",
+                            remote=remote)
         t0 = time.perf_counter()
         try:
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote,

@@ -1,0 +1,189 @@
+"""How the sidecar obtains each kind of region: one table to allocate, one to attach.
+
+Allocate mode looks the requested ``Register.memory`` up in
+:data:`ALLOCATORS`; attach mode looks each reference's type up in
+:data:`ATTACHERS`. GPU kinds need the sidecar's device
+(:class:`Gpu`, ``--device cuda:N``): a
+sidecar without one refuses them with a reason that names what it serves,
+before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from kvsidecar.ipc.layout import Layout
+from kvsidecar.ipc.memfd import MemfdRegion
+from kvsidecar.ipc.memory import (
+    ENGINE_SHM_PREFIX,
+    RegionError,
+    ShmRegion,
+    allocate_for_layout,
+    unique_name,
+)
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    CudaIpcRef,
+    CudaVmmRef,
+    MemfdRef,
+    RegionRef,
+    RequestError,
+    ShmRef,
+)
+from kvsidecar.ipc.regions import Device, Region
+
+
+class Gpu(Protocol):
+    """The sidecar's GPU as the tables use it (``kvsidecar.daemon.cuda_device``)."""
+
+    @property
+    def device(self) -> Device: ...
+
+    def allocate(self, kind: str, count: int, nbytes: int) -> list[Region]:
+        """``count`` regions of ``kind`` (cuda_malloc, cuda_vmm), exported."""
+
+    def attach_ipc(self, refs: Sequence[CudaIpcRef], owner_uid: int | None) -> list[Region]:
+        """Open engine-allocated regions (legacy IPC handles) as the policy allows."""
+
+__all__ = ["ALLOCATORS", "ATTACHERS", "HOST_KINDS", "MemoryContext", "allocate", "attach",
+           "refusal"]
+
+
+@dataclass(frozen=True)
+class MemoryContext:
+    """What an allocator or attacher may use: this sidecar's naming prefix, the
+    registering engine's uid (attach mode maps only what it owns) and the GPU
+    (None on a host-only sidecar)."""
+
+    engine_id: str
+    shm_prefix: str = "kvs"
+    owner_uid: int | None = None
+    gpu: Gpu | None = None
+
+
+Allocator = Callable[[Layout, MemoryContext], list[Region]]
+Attacher = Callable[[Sequence[RegionRef], Layout, MemoryContext], list[Region]]
+
+#: Kinds every sidecar serves.
+HOST_KINDS: Final = ("shm", "memfd")
+
+
+def refusal(kind: str, ctx: MemoryContext) -> str:
+    """Why this sidecar cannot serve ``kind`` (a GPU kind without a GPU)."""
+    serves = ", ".join(HOST_KINDS + (("cuda_malloc", "cuda_vmm", "cuda_ipc")
+                                     if ctx.gpu is not None else ()))
+    return (f"memory kind {kind!r} needs a GPU sidecar (--device cuda:N with cuda-bindings "
+            f"installed: pip install 'kvsidecar[gpu]'); this sidecar serves {serves}")
+
+
+def _prefix(ctx: MemoryContext) -> str:
+    return f"{ctx.shm_prefix}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.engine_id)[:40]
+
+
+def _allocate_shm(layout: Layout, ctx: MemoryContext) -> list[Region]:
+    return list(allocate_for_layout(layout, _prefix(ctx)))
+
+
+def _allocate_memfd(layout: Layout, ctx: MemoryContext) -> list[Region]:
+    out: list[Region] = []
+    try:
+        for _ in range(layout.num_regions):
+            out.append(MemfdRegion.create(unique_name(_prefix(ctx)), layout.region_bytes))
+    except BaseException:
+        for r in out:
+            r.close()
+        raise
+    return out
+
+
+def _allocate_cuda(kind: str) -> Allocator:
+    def alloc(layout: Layout, ctx: MemoryContext) -> list[Region]:
+        if ctx.gpu is None:
+            raise RequestError(BAD_REQUEST, refusal(kind, ctx))
+        return ctx.gpu.allocate(kind, layout.num_regions, layout.region_bytes)
+    return alloc
+
+
+def _attach_shm(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
+    out: list[Region] = []
+    try:
+        for i, ref in enumerate(refs):
+            assert isinstance(ref, ShmRef)  # the table routed it here by type
+            if not ref.name.startswith(ENGINE_SHM_PREFIX):
+                raise RequestError(
+                    BAD_REQUEST,
+                    f"region {i}: attach mode maps only shared memory named "
+                    f"{ENGINE_SHM_PREFIX}..., got {ref.name[:80]!r}")
+            out.append(ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset,
+                                        owner_uid=ctx.owner_uid))
+    except BaseException:
+        for r in out:
+            r.close()
+        raise
+    return out
+
+
+def _attach_cuda_ipc(refs: Sequence[RegionRef], layout: Layout,
+                     ctx: MemoryContext) -> list[Region]:
+    if ctx.gpu is None:
+        raise RequestError(BAD_REQUEST, refusal("cuda_ipc", ctx))
+    ipc = [r for r in refs if isinstance(r, CudaIpcRef)]
+    return ctx.gpu.attach_ipc(ipc, ctx.owner_uid)
+
+
+def _not_attachable(kind: str) -> Attacher:
+    def refuse(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
+        raise RequestError(BAD_REQUEST, f"attach mode cannot take {kind!r} regions: they are "
+                                        "the sidecar's own exports (use allocate mode)")
+    return refuse
+
+
+ALLOCATORS: Final[dict[str, Allocator]] = {
+    "shm": _allocate_shm,
+    "memfd": _allocate_memfd,
+    "cuda_malloc": _allocate_cuda("cuda_malloc"),
+    "cuda_vmm": _allocate_cuda("cuda_vmm"),
+}
+
+ATTACHERS: Final[dict[type[RegionRef], Attacher]] = {
+    ShmRef: _attach_shm,
+    CudaIpcRef: _attach_cuda_ipc,
+    MemfdRef: _not_attachable("memfd"),
+    CudaVmmRef: _not_attachable("cuda_vmm"),
+}
+
+
+def allocate(kind: str, layout: Layout, ctx: MemoryContext) -> list[Region]:
+    """Allocate ``layout.num_regions`` regions of ``kind`` (all or none)."""
+    alloc = ALLOCATORS.get(kind)
+    if alloc is None:
+        raise RequestError(BAD_REQUEST, f"unknown memory kind {kind!r} "
+                                        f"(known: {', '.join(ALLOCATORS)})")
+    try:
+        return alloc(layout, ctx)
+    except (RegionError, OSError) as e:
+        raise RequestError(BAD_REQUEST, f"cannot allocate {layout.num_regions} {kind} regions "
+                                        f"of {layout.region_bytes} B: {e}") from None
+
+
+def attach(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
+    """Map the engine's regions, all of one kind, each exactly one layout region."""
+    kinds = {type(r) for r in refs}
+    if len(kinds) != 1:
+        tags = sorted(str(k.__struct_config__.tag) for k in kinds)
+        raise RequestError(BAD_REQUEST, "attach mode needs the regions of one rank to be of one "
+                                        f"kind, got {tags}")
+    need = layout.region_bytes
+    for i, ref in enumerate(refs):
+        if ref.nbytes != need:
+            raise RequestError(
+                BAD_REQUEST,
+                f"region {i} is {ref.nbytes} B; the layout needs exactly {layout.num_blocks} "
+                f"pages x {layout.page_bytes} B = {need} B")
+    try:
+        return ATTACHERS[kinds.pop()](refs, layout, ctx)
+    except (RegionError, OSError) as e:
+        raise RequestError(BAD_REQUEST, f"cannot map the engine's regions: {e}") from None

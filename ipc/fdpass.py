@@ -1,0 +1,139 @@
+"""Fetching a registration's file descriptors from the sidecar (SCM_RIGHTS).
+
+Why a second socket: the engine socket is ZMQ ``ipc://``, and ZMQ carries
+bytes only, never ancillary data, so file descriptors (memfd host memory,
+CUDA VMM POSIX-fd handles) need a plain Unix socket. It sits next to the
+engine socket (``<socket>.fds``, same directory, same mode) and is guarded
+the same way: the kernel's ``SO_PEERCRED`` of the connection is checked
+against the sidecar's access policy *and* against the uid that made the
+registration, before anything is read.
+
+Exchange (``SOCK_SEQPACKET``: each send is one message)::
+
+    engine -> sidecar   b"KVSFD/1 <token>"
+    sidecar -> engine   b"KVFD" u32 first u32 total   + up to 250 fds (SCM_RIGHTS)
+                        ... repeated until ``total`` fds were sent
+                      | b"KVER" <utf-8 reason>
+
+The token comes in the ``Registered`` reply over the engine socket, so only
+the engine that registered learns it; it stays valid while the registration
+lives (a retried registration gets the same token).
+
+This module holds the message format (pure) and the engine's side
+(:func:`fetch_fds`); ``kvsidecar.daemon.fd_server`` is the sidecar's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import struct
+import time
+from typing import Final
+
+__all__ = ["FD_SOCKET_SUFFIX", "MAX_FDS_PER_MESSAGE", "FdPassError", "batches",
+           "encode_error", "encode_header", "encode_request", "fd_socket_for", "fetch_fds",
+           "parse_reply", "parse_request"]
+
+FD_SOCKET_SUFFIX: Final = ".fds"
+#: The kernel takes at most SCM_MAX_FD (253) descriptors per message.
+MAX_FDS_PER_MESSAGE: Final = 250
+_REQUEST: Final = b"KVSFD/1 "
+_HEADER: Final = struct.Struct("<4sII")
+_FDS_MAGIC: Final = b"KVFD"
+_ERR_MAGIC: Final = b"KVER"
+_TOKEN = re.compile(rb"^[0-9a-f]{16,64}$")
+MAX_REQUEST_BYTES: Final = 128
+MAX_ERROR_BYTES: Final = 1024
+
+
+class FdPassError(OSError):
+    """File descriptors could not be fetched; the message says why."""
+
+
+def fd_socket_for(engine_socket: str) -> str:
+    """The fd socket that belongs to an engine socket path."""
+    return os.path.abspath(engine_socket) + FD_SOCKET_SUFFIX
+
+
+def encode_request(token: str) -> bytes:
+    return _REQUEST + token.encode("ascii")
+
+
+def parse_request(data: bytes) -> str:
+    """The token of a request; FdPassError for anything else."""
+    if len(data) > MAX_REQUEST_BYTES or not data.startswith(_REQUEST):
+        raise FdPassError("not a KVSFD/1 request")
+    token = data[len(_REQUEST):]
+    if not _TOKEN.match(token):
+        raise FdPassError("malformed token")
+    return token.decode("ascii")
+
+
+def encode_header(first: int, total: int) -> bytes:
+    return _HEADER.pack(_FDS_MAGIC, first, total)
+
+
+def encode_error(reason: str) -> bytes:
+    return _ERR_MAGIC + reason.encode()[:MAX_ERROR_BYTES]
+
+
+def parse_reply(data: bytes) -> tuple[int, int]:
+    """``(first, total)`` of one batch; FdPassError with the sidecar's reason
+    for an error reply, or for bytes that are neither."""
+    if data.startswith(_ERR_MAGIC):
+        raise FdPassError("the sidecar refused to pass file descriptors: "
+                          + data[len(_ERR_MAGIC):].decode(errors="replace"))
+    if len(data) != _HEADER.size or not data.startswith(_FDS_MAGIC):
+        raise FdPassError(f"unexpected reply on the fd socket ({len(data)} bytes)")
+    _, first, total = _HEADER.unpack(data)
+    return int(first), int(total)
+
+
+def batches(total: int, per_message: int = MAX_FDS_PER_MESSAGE) -> list[tuple[int, int]]:
+    """``(first, count)`` of each message that carries ``total`` fds."""
+    return [(i, min(per_message, total - i)) for i in range(0, total, per_message)]
+
+
+def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> list[int]:
+    """Fetch the ``expect`` fds ``token`` names from the fd socket at ``path``.
+
+    All or none: on any error every fd received so far is closed. The caller
+    owns the returned fds.
+    """
+    deadline = time.monotonic() + timeout_s
+    got: list[int] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+            sock.sendall(encode_request(token))
+            while len(got) < expect:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                data, fds, flags, _ = socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
+                got.extend(fds)
+                if not data:
+                    raise FdPassError(f"the sidecar closed the fd socket after {len(got)} of "
+                                      f"{expect} file descriptors")
+                if flags & socket.MSG_CTRUNC:
+                    raise FdPassError("file descriptors were cut off (MSG_CTRUNC): the "
+                                      "process's fd limit (ulimit -n) is too low")
+                first, total = parse_reply(data)
+                if total != expect or first != len(got) - len(fds):
+                    raise FdPassError(f"the sidecar sent fds {first}.. of {total}; expected "
+                                      f"{expect}, had {len(got) - len(fds)}")
+        except FdPassError:
+            raise
+        except OSError as e:
+            raise FdPassError(f"cannot fetch file descriptors from {path}: {e}") from e
+    except BaseException:
+        for fd in got:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    finally:
+        sock.close()
+    return got

@@ -1,0 +1,97 @@
+"""Host memory in an anonymous memfd, shared by passing its file descriptor.
+
+Why next to POSIX shm: a memfd has no name, so nothing in ``/dev/shm`` can be
+guessed, opened by another tenant or leaked by a crash (the pages go with the
+last fd or mapping), and it needs no shared ``/dev/shm`` between containers,
+only a Unix socket to pass the fd over (``SCM_RIGHTS``, see
+:mod:`kvsidecar.ipc.fdpass`). It is also the host-memory twin of the CUDA VMM
+path, whose exported handle is a file descriptor too, so one fd channel
+serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+from .memory import RegionError, ShmRegion
+from .protocol import MemfdRef
+
+__all__ = ["MemfdRegion"]
+
+
+class MemfdRegion(ShmRegion):
+    """A mapped memfd. :meth:`ref` works once :meth:`share` named the fd set
+    (the token) it travels in; views and lazy unmapping are ShmRegion's."""
+
+    def __init__(self, label: str, nbytes: int, mm: mmap.mmap, fd: int, owner: bool) -> None:
+        super().__init__(label, nbytes, 0, mm, 0, owner=owner)
+        self._fd: int | None = fd
+        self._share: tuple[str, int] | None = None
+
+    @classmethod
+    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> MemfdRegion:
+        """A new zero-filled memfd of ``nbytes`` (``reserve``: pages allocated now,
+        so a full memory cgroup fails here, not with SIGBUS on first touch)."""
+        if nbytes < 1:
+            raise RegionError(f"memfd {name!r}: nbytes must be >= 1, got {nbytes}")
+        try:
+            fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
+        except (OSError, AttributeError) as e:
+            raise RegionError(f"cannot create a memfd: {e}") from e
+        try:
+            os.ftruncate(fd, nbytes)
+            if reserve:
+                os.posix_fallocate(fd, 0, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except (OSError, OverflowError) as e:
+            os.close(fd)
+            raise RegionError(f"cannot create a memfd of {nbytes} B: {e}") from e
+        return cls(name, nbytes, mm, fd, owner=True)
+
+    @classmethod
+    def from_fd(cls, fd: int, nbytes: int, label: str = "memfd") -> MemfdRegion:
+        """Map a received memfd (takes ownership of ``fd``), checking it holds ``nbytes``."""
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes or nbytes < 1:
+                raise RegionError(f"{label}: the received fd holds {size} B, "
+                                  f"the region needs {nbytes} B")
+            try:
+                mm = mmap.mmap(fd, nbytes)
+            except OSError as e:
+                raise RegionError(f"cannot map {label}: {e}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(label, nbytes, mm, fd, owner=False)
+
+    @property
+    def fd(self) -> int:
+        """The memfd (to pass to another process); an error once closed."""
+        if self._fd is None:
+            raise RegionError(f"memfd {self.name!r} is closed in this process")
+        return self._fd
+
+    def share(self, token: str, index: int) -> None:
+        """This region travels as fd ``index`` of the set ``token`` names."""
+        self._share = (token, index)
+
+    def ref(self) -> MemfdRef:  # type: ignore[override]
+        if self._share is None:
+            raise RegionError(f"memfd {self.name!r} has not been offered on the fd socket")
+        return MemfdRef(self._share[0], self._share[1], self.nbytes)
+
+    def close(self) -> None:
+        super().close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def unlink(self) -> None:
+        """Nothing to unlink: a memfd has no name; its pages go with the last fd."""
+
+    def __repr__(self) -> str:
+        return f"MemfdRegion({self.name!r}, nbytes={self.nbytes})"

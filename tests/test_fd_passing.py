@@ -1,0 +1,197 @@
+"""fd passing (SCM_RIGHTS) between the sidecar's fd socket and an engine: real
+Unix sockets, real memfds, real mappings; no sidecar process (see
+tests/e2e/test_memfd.py for transfers through real sidecars)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvsidecar.daemon.engine_access import AccessPolicy
+from kvsidecar.daemon.fd_server import FdServer
+from kvsidecar.ipc.fdpass import (
+    FdPassError,
+    batches,
+    encode_error,
+    encode_header,
+    encode_request,
+    fetch_fds,
+    parse_reply,
+    parse_request,
+)
+from kvsidecar.ipc.mapping import map_refs
+from kvsidecar.ipc.memfd import MemfdRegion
+from kvsidecar.ipc.memory import RegionError
+from kvsidecar.ipc.protocol import MemfdRef
+
+NOBODY = 65534
+TOKEN = "ab" * 16
+
+
+def test_messages_round_trip() -> None:
+    assert parse_request(encode_request(TOKEN)) == TOKEN
+    assert parse_reply(encode_header(250, 600)) == (250, 600)
+    assert batches(600) == [(0, 250), (250, 250), (500, 100)]
+    assert batches(3) == [(0, 3)]
+
+
+@pytest.mark.parametrize("data", [b"", b"KVSFD/1 ", b"KVSFD/1 XYZ" + b"0" * 20,
+                                  b"KVSFD/2 " + TOKEN.encode(), b"KVSFD/1 " + b"a" * 200])
+def test_malformed_requests_are_refused(data: bytes) -> None:
+    with pytest.raises(FdPassError):
+        parse_request(data)
+
+
+def test_error_reply_carries_the_reason() -> None:
+    with pytest.raises(FdPassError, match="refused to pass file descriptors: go away"):
+        parse_reply(encode_error("go away"))
+    with pytest.raises(FdPassError, match="unexpected reply"):
+        parse_reply(b"junk")
+
+
+async def _serving(tmp_path: Path, access: AccessPolicy,
+                   body: Callable[[FdServer], Any]) -> Any:
+    server = FdServer(str(tmp_path / "e.sock.fds"), access, timeout_s=5)
+    await server.start()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, body, server)
+    finally:
+        await server.stop()
+
+
+async def test_memfd_pages_are_shared_zero_copy(tmp_path: Path) -> None:
+    """The engine maps the sidecar's memfds: writes on either side are seen by the other."""
+    own = [MemfdRegion.create(f"kvs-test-{i}", 8192 + i) for i in range(3)]
+    for i, r in enumerate(own):
+        r.numpy()[:] = i + 1
+    srv = FdServer(str(tmp_path / "e.sock.fds"), AccessPolicy.own_uid())
+    await srv.start()
+    try:
+        token = srv.offer([r.fd for r in own], os.geteuid(), "test")
+        refs = [MemfdRef(token, i, r.nbytes) for i, r in enumerate(own)]
+        mapped = await asyncio.get_running_loop().run_in_executor(
+            None, map_refs, refs, srv.path)
+        assert srv.served == 1
+    finally:
+        await srv.stop()
+    for i, (a, b) in enumerate(zip(own, mapped)):
+        assert b.nbytes == a.nbytes and b.mem_type == "DRAM"
+        assert np.all(b.numpy() == i + 1)
+        b.numpy()[7] = 200  # the engine writes ...
+        assert a.numpy()[7] == 200  # ... into the sidecar's pages: one copy of the memory
+        assert b.address != a.address  # two mappings of the same pages
+    for r in own + mapped:
+        r.close()
+
+
+async def test_more_fds_than_one_message_holds(tmp_path: Path) -> None:
+    own = [MemfdRegion.create(f"kvs-many-{i}", 4096) for i in range(260)]
+    try:
+        def fetch(srv: FdServer) -> list[int]:
+            token = srv.offer([r.fd for r in own], os.geteuid(), "many")
+            return fetch_fds(srv.path, token, len(own))
+
+        fds = await _serving(tmp_path, AccessPolicy.own_uid(), fetch)
+        assert len(fds) == 260
+        same = [os.fstat(f).st_ino == os.fstat(r.fd).st_ino for f, r in zip(fds, own)]
+        assert all(same)  # the very files, in order
+        for f in fds:
+            os.close(f)
+    finally:
+        for r in own:
+            r.close()
+
+
+async def test_unknown_token_gets_a_reason_and_no_fds(tmp_path: Path) -> None:
+    def fetch(srv: FdServer) -> str:
+        srv.offer([0], os.geteuid(), "stdin")
+        with pytest.raises(FdPassError, match="unknown token") as e:
+            fetch_fds(srv.path, "cd" * 16, 1)
+        return str(e.value)
+
+    await _serving(tmp_path, AccessPolicy.own_uid(), fetch)
+
+
+async def test_withdrawn_offer_is_gone(tmp_path: Path) -> None:
+    def fetch(srv: FdServer) -> None:
+        token = srv.offer([0], os.geteuid(), "stdin")
+        srv.withdraw(token)
+        with pytest.raises(FdPassError, match="unknown token"):
+            fetch_fds(srv.path, token, 1)
+        assert srv.refused == 1
+
+    await _serving(tmp_path, AccessPolicy.own_uid(), fetch)
+
+
+def test_memfd_mapping_checks_the_size() -> None:
+    r = MemfdRegion.create("kvs-small", 4096)
+    try:
+        with pytest.raises(RegionError, match="holds 4096 B, the region needs 8192 B"):
+            MemfdRegion.from_fd(os.dup(r.fd), 8192)
+        with pytest.raises(RegionError, match="not been offered"):
+            r.ref()
+    finally:
+        r.close()
+
+
+def _fetch_as_nobody(path: str, token: str) -> dict[str, Any]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                fds = fetch_fds(path, token, 1, timeout_s=10)
+                out = {"fds": len(fds)}
+            except FdPassError as e:
+                out = {"error": str(e)}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    got: dict[str, Any] = json.loads(data)
+    return got
+
+
+@pytest.mark.parametrize(("allow_nobody", "refusal"), [
+    (False, "may not use this sidecar"),  # SO_PEERCRED fails the access policy
+    (True, "unknown token"),  # allowed in, but the registration is another uid's
+])
+async def test_another_user_gets_no_fds(tmp_path: Path, allow_nobody: bool,
+                                        refusal: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the other user (nobody) is made by setuid in a child")
+    # A directory nobody can traverse to (pytest's own tmp dirs are 0700).
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-fd-", dir="/tmp"))
+    os.chmod(workdir, 0o755)
+    access = (AccessPolicy.of(gids=[NOBODY]) if allow_nobody else AccessPolicy.own_uid())
+    region = MemfdRegion.create("kvs-secret", 4096)
+    try:
+        def attack(srv: FdServer) -> dict[str, Any]:
+            # File modes would stop nobody at connect(); open them so that the
+            # SO_PEERCRED check is what is tested (root ignores file modes anyway).
+            os.chmod(srv.path, 0o666)
+            token = srv.offer([region.fd], os.geteuid(), "root's engine")
+            return _fetch_as_nobody(srv.path, token)
+
+        got = await _serving(workdir, access, attack)
+    finally:
+        region.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert "fds" not in got, got
+    assert refusal in got.get("error", ""), got
