@@ -110,7 +110,9 @@ def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> li
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
-            sock.sendall(encode_request(token))
+            # Refused before the request arrived: the reason still waits to be read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(encode_request(token))
             while len(got) < expect:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 data, fds, flags, _ = socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
