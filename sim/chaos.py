@@ -53,6 +53,7 @@ import numpy as np
 
 from kvsidecar.daemon.engines import shm_prefix_for
 from kvsidecar.ipc.client import SidecarClient, SidecarError
+from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
@@ -129,6 +130,44 @@ def problems(r: Report) -> list[str]:
     return out
 
 
+class Endings:
+    """Which requests each engine has seen end, to tell a second ending from an early one.
+
+    A completion polled while the driver waits for *other* requests belongs either
+    to a request that already ended (a second ending: counted and dropped) or to
+    one that is still running in the driver's view (it simply ended first, e.g. a
+    0.05 s hold that expired while the driver waited for a killed engine's holds).
+    The second kind is kept for the wait that asks for it. Counting it as a
+    duplicate and dropping it (as this driver once did) left that wait without
+    its completion: the "hold that never ended" of seed 11 at ~1,355 requests.
+    """
+
+    def __init__(self) -> None:
+        self._ended: dict[str, set[str]] = {}
+        self.duplicates = 0
+
+    def wait(self, e: SimEngine, rids: list[str], timeout_s: float = 120.0
+             ) -> dict[str, dict[int, Completion]]:
+        """Every rank's completion of each of ``rids``; they count as ended from now."""
+        got = e.wait_for(rids, timeout_s=timeout_s)
+        self._ended.setdefault(e.engine_id, set()).update(got)
+        self.sweep(e)
+        return got
+
+    def sweep(self, e: SimEngine) -> int:
+        """Poll ``e``; drop (and count) completions of requests that already ended, keep
+        the rest for their wait. Returns the duplicates found now."""
+        e.poll()
+        ended = self._ended.get(e.engine_id, set())
+        found = 0
+        for rank, items in e.completions.items():
+            keep = [c for c in items if c.request_id not in ended]
+            found += len(items) - len(keep)
+            e.completions[rank] = keep
+        self.duplicates += found
+        return found
+
+
 class Chaos:
     def __init__(self, workdir: Path, *, seed: int = 7, wave: int = 24,
                  log: Any = None) -> None:
@@ -146,6 +185,7 @@ class Chaos:
         self.report = Report()
         self.watch: list[tuple[SimEngine, str, list[list[int]]]] = []  # sentinel checks
         self.killed: set[int] = set()  # D sidecars killed during the current wave
+        self.endings = Endings()
         self._ids = 0
 
     # ------------------------------------------------------------ set-up
@@ -388,8 +428,7 @@ class Chaos:
         """)
         subprocess.run([sys.executable, "-c", script, json.dumps(spec)], timeout=120,
                        capture_output=True, check=False)
-        got = pair.P.wait_for([s.request_id for s in sents], timeout_s=120)
-        self._count_duplicates(pair.P)
+        got = self._wait(pair.P, [s.request_id for s in sents])
         for s in sents:
             for c in got[s.request_id].values():
                 self.report.hold_outcomes[c.kind] += 1
@@ -418,12 +457,7 @@ class Chaos:
     def _collect_d(self, pair: Pair, rids: list[str]) -> None:
         D = pair.D
         assert D is not None
-        try:
-            got = D.wait_for(rids, timeout_s=120)
-        except TimeoutError as e:
-            self.report.missing_completions += 1
-            raise AssertionError(str(e)) from None
-        self._count_duplicates(D)
+        got = self._wait(D, rids)
         for rid, by_rank in got.items():
             kinds = {c.kind for c in by_rank.values()}
             kind = "received" if kinds == {"received"} else sorted(kinds - {"received"})[0]
@@ -444,20 +478,22 @@ class Chaos:
     def _collect_p(self, pair: Pair, rids: list[str], sents: dict[str, Sent]) -> None:
         P = pair.P
         assert P is not None
-        got = P.wait_for(rids, timeout_s=120)
-        self._count_duplicates(P)
+        got = self._wait(P, rids)
         for rid, by_rank in got.items():
             for c in by_rank.values():
                 self.report.hold_outcomes[c.kind] += 1
             P.free(sents[rid].block_ids)
 
-    def _count_duplicates(self, e: SimEngine) -> None:
-        """Completions polled later for requests that already ended (a second ending)."""
-        e.poll()
-        for rank, items in e.completions.items():
-            if items:
-                self.report.duplicate_completions += len(items)
-                e.completions[rank] = []
+    def _wait(self, e: SimEngine, rids: list[str]) -> dict[str, dict[int, Completion]]:
+        before = self.endings.duplicates
+        try:
+            got = self.endings.wait(e, rids)
+        except TimeoutError as exc:
+            self.report.missing_completions += 1
+            raise AssertionError(str(exc)) from None
+        finally:
+            self.report.duplicate_completions += self.endings.duplicates - before
+        return got
 
     def _sentinel(self, D: SimEngine, rid: str, ids: list[list[int]]) -> None:
         page = D.layout.page_bytes
@@ -517,8 +553,12 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the sidecars' sockets and logs here (default: a fresh temp dir)")
     args = ap.parse_args(argv)
-    report = run(args.requests, seed=args.seed, verbose=True)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    report = run(args.requests, args.workdir, seed=args.seed, verbose=True)
     print(json.dumps(report.as_dict(), indent=1, default=str))
     bad = problems(report)
     for p in bad:
