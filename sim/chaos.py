@@ -61,7 +61,7 @@ from kvsidecar.sim.oracle import Request
 SENTINEL = 0x5C
 HOUSEKEEPING_BOUND_S = 1.0
 """How late (past its deadline) a hold may still be found alive on a running sidecar."""
-SIDECAR_ARGS = ["--hold-lease", "2", "--hold-timeout", "8", "--engine-lease", "10",
+SIDECAR_ARGS = ["--hold-lease", "2", "--hold-timeout", "8", "--engine-lease", "60",
                 "--read-timeout", "10", "--handshake-timeout", "3", "--metrics-port", "0"]
 BLOCKS = 192
 
