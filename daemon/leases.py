@@ -9,6 +9,13 @@ was sent: P's deadline is at least as late, so while ``now <= bound`` P has
 not freed the blocks. A read whose transfers finish after the bound (or whose
 renewal P refused) is reported failed, never received. A read that fails or
 is aborted *abandons* every rank it linked to, so P stops waiting at once.
+
+Every renewal has an end, so a hold ends by its lease bound whatever D's
+read does: renewals stop at the read's own deadline (``until``: its post
+time plus ``--read-timeout``) even if a transfer is still pending there,
+and a lease that lapsed once (no grant arrived before its bound, e.g. P was
+paused) is lost for good: renewing it later would vouch for blocks that P
+was free to reuse in between, so the read is reported failed.
 """
 
 from __future__ import annotations
@@ -65,22 +72,39 @@ class ReaderLeases:
         if problems:
             raise LeaseRefused(problems[0][1], answered=problems[0][0], stale_link=self._stale)
 
-    async def renew_forever(self) -> None:
-        """Renew every rank each third of the lease until cancelled (the read ended)."""
+    async def renew_forever(self, until: float = math.inf) -> None:
+        """Renew every rank each third of the lease until cancelled (the read ended),
+        until the lease lapses (lost) or until ``until`` (this clock; the read's
+        own deadline), whichever comes first. After that the last grant runs out
+        on its own, so P's hold ends at most one lease after ``until``."""
         while True:
             await asyncio.sleep(max(0.05, self.lease_s / 3))
+            now = time.monotonic()
+            if now > self.bound:
+                if not self.lost:
+                    self.lost = (f"the lease ran out {now - self.bound:.3f} s before a renewal "
+                                 "was granted (the prefill side did not answer in time); "
+                                 "renewing it now would vouch for blocks it may have reused")
+                    log.warning("lease lapsed: %s", self.lost)
+                return
+            if now >= until:
+                log.warning("read still pending at its deadline: lease renewals stop, the "
+                            "prefill side frees its blocks when the last lease runs out")
+                return
             outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
             for refused, why in outcomes:
                 # Refused: P no longer holds the blocks. Unanswered: the bound
                 # simply stops moving and runs out on its own.
                 if refused and not self.lost:
-                    self.lost = why
+                    self.lost = f"the prefill side refused to renew the lease: {why}"
                     log.warning("lease renewal refused: %s", why)
+            if self.lost:
+                return
 
     def check(self, now: float) -> None:
         """Raise :class:`LeaseLost` unless every rank's lease is valid at ``now``."""
         if self.lost:
-            raise LeaseLost(f"the prefill side refused to renew the lease: {self.lost}")
+            raise LeaseLost(self.lost)
         if now > self.bound:
             late = now - self.bound
             raise LeaseLost(f"the read ended {late:.3f} s after its lease on the prefill "

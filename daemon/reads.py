@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Executor
@@ -199,7 +200,11 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                                        remote_dev_id=far.dev_id))
         else:
             ops.append(eng.worker.notify(agents[post.rank], note))
-    renewing = asyncio.ensure_future(leases.renew_forever()) if leases is not None else None
+    # Renewals end at the read's own deadline (its transfers time out there):
+    # whatever happens to a transfer, P's hold ends one lease later at most.
+    until = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    renewing = (asyncio.ensure_future(leases.renew_forever(until)) if leases is not None
+                else None)
     try:
         results = await asyncio.gather(*ops, return_exceptions=True)
     finally:
@@ -373,7 +378,40 @@ class ReadTable:
 
     def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
         if task.cancelled():
-            self._finish(eng, job, _aborted_before_posting(job))
+            c = _aborted_before_posting(job)
+            self._tell_p(eng, job, c)
+            self._finish(eng, job, c)
+
+    def _tell_p(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        """A read that did not receive abandons every P rank it would have read, at
+        once and in the background, so P ends the hold (``aborted``) instead of
+        waiting for its deadline. Called only when nothing of the read is in flight.
+        Without claims yet (it ended while linking, or before its first step) the
+        abandon names no agent unless the link is known (P skips the check then)."""
+        if c.kind == "received":
+            return
+        leases = job.leases or self._unclaimed(eng, job)
+        if leases is None:
+            return
+        for t in leases.abandon(f"{c.kind}: {c.reason}"):
+            self._abandons.add(t)
+            t.add_done_callback(self._abandons.discard)
+
+    def _unclaimed(self, eng: EngineRank, job: ReadJob) -> ReaderLeases | None:
+        req = job.req
+        r = req.remote
+        try:
+            cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+        except PlanError:
+            return None
+        agents = {peer.key[2]: peer.agent for peer in job.peers}
+        rid = req.remote_request_id or req.request_id
+        return ReaderLeases(self._handshakes, [
+            (r.handshake[p], Claim(
+                engine_id=r.engine_id, tp_rank=p, agent_name=agents.get(p, ""),
+                request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+                reader_tp=eng.layout.tp_size))
+            for p in cands if p < len(r.handshake)])
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
         if job.tracing is not None:
@@ -438,11 +476,7 @@ class ReadTable:
                           eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(
                     time.perf_counter() - t0, {"request_id": req.request_id[:64]})
-        if c.kind != "received" and job.leases is not None:
-            # Nothing of this read is in flight any more: P may release at once.
-            for t in job.leases.abandon(f"{c.kind}: {c.reason}"):
-                self._abandons.add(t)
-                t.add_done_callback(self._abandons.discard)
+        self._tell_p(eng, job, c)  # nothing of this read is in flight any more
         self._finish(eng, job, c)
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:

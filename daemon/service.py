@@ -50,7 +50,7 @@ from kvsidecar.daemon.memory_kinds import Gpu
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.control import Claim, ControlReply, ControlRequest
+from kvsidecar.daemon.peers.control import Abandon, Claim, ControlReply, ControlRequest
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
     HandshakeInfo,
@@ -638,7 +638,8 @@ class Sidecar:
             return ControlReply(granted=False, stale_link=True,
                                 reason=f"engine {msg.engine_id[:200]!r} rank {msg.tp_rank} is "
                                        "not registered here")
-        if msg.agent_name != eng.worker.agent_name:
+        unlinked_abandon = isinstance(msg, Abandon) and not msg.agent_name
+        if msg.agent_name != eng.worker.agent_name and not unlinked_abandon:
             return ControlReply(granted=False, stale_link=True, reason=(
                 f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "
                 "it (its memory is not the memory the reader would read)"))

@@ -41,7 +41,9 @@ Tp = Annotated[int, Meta(ge=1, le=1 << 16)]
 class _Control(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     engine_id: Name
     tp_rank: Rank
-    agent_name: Name
+    #: the P rank's agent the reader linked to; empty only in an abandon from a
+    #: reader that gave up before it linked (P then skips the agent check)
+    agent_name: Annotated[str, Meta(max_length=256)]
     request_id: Annotated[str, Meta(max_length=1024)]
     reader_engine: Name
     reader_rank: Rank

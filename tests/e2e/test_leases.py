@@ -5,8 +5,11 @@ reads, and abandons on failure; P refuses claims for holds that ended."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
+from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 
@@ -46,3 +49,33 @@ def test_the_hold_reply_carries_the_lease_for_the_decode_side(pool) -> None:
         held = P.clients[0].hold(P.engine_id, "h", ids, timeout_s=5)
         assert held.lease_s == 10.0 and held.timeout_s == 5
         P.clients[0].release(P.engine_id, "h")
+
+
+def test_a_read_aborted_before_its_first_claim_still_tells_p(pool) -> None:
+    """The read links to both P ranks before it claims; P rank 1's address is a
+    socket that never answers, so the read is still linking when the engine
+    releases it. It ends ``aborted`` and abandons every P rank at once: the
+    hold on rank 0 (which would live 1000 s) ends ``aborted`` naming the abort,
+    not by its deadline."""
+    with pool.engines(attn(8), 2, 1) as (P, (D,)):
+        sent = P.prefill("early-abort", Request(seed=3, prompt_tokens=24), timeout_s=1000)
+        silent = socket.socket()  # accepts TCP connections, never speaks ZMQ
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        try:
+            good = sent.remote
+            sent.remote = RemoteEngine(good.engine_id, 2,
+                                       [good.handshake[0], f"127.0.0.1:{silent.getsockname()[1]}"])
+            rec = D.start_read(sent)
+            D.clients[0].release(D.engine_id, "early-abort")
+            got = D.wait_for(["early-abort"])["early-abort"][0]
+            assert got.kind == "aborted" and "nothing had been posted" in got.reason, got
+            assert got.invalid_block_ids == rec.block_ids
+            # Rank 1's abandon went to the silent socket: the engine releases that rank.
+            P.clients[1].release(P.engine_id, "early-abort")
+            held = P.wait_for(["early-abort"], timeout_s=60)["early-abort"]
+            assert held[0].kind == "aborted", held[0]
+            assert "gave up" in held[0].reason and "aborted" in held[0].reason, held[0]
+            assert held[1].kind == "aborted" and "released by the engine" in held[1].reason
+        finally:
+            silent.close()
