@@ -43,12 +43,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvsidecar.ipc.layout import (
-    Group,
     Layout,
     check_compatible,
     segment_regions,
     unit_bytes,
     unit_range,
+    view_offsets,
 )
 
 I64 = NDArray[np.int64]
@@ -208,12 +208,6 @@ def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local")
     return arrs
 
 
-def _kernel_offsets(ids: I64, page_bytes: int, g: Group) -> I64:
-    ks = np.arange(g.sub_blocks, dtype=np.int64) * g.kernel_block_bytes
-    out: I64 = (ids[:, None] * page_bytes + ks[None, :]).reshape(-1)
-    return out
-
-
 def pair_group(
     gi: int,
     local: Layout,
@@ -233,7 +227,7 @@ def pair_group(
                 f"group {gi} (mamba): {lids.size} local pages vs {rids.size} remote pages; "
                 "Mamba state pairs page to page and is never trimmed"
             )
-        return lids * local.page_bytes, rids * remote.page_bytes
+        return view_offsets(local, lg, lids), view_offsets(remote, rg, rids)
     kbs = lg.block_tokens
     if skip_tokens is None:
         if lg.sub_blocks == rg.sub_blocks:
@@ -259,8 +253,8 @@ def pair_group(
                 f"({logical} tokens)"
             )
         skip_k = skip_tokens // kbs
-    lk = _kernel_offsets(lids, local.page_bytes, lg)
-    rk = _kernel_offsets(rids, remote.page_bytes, rg)
+    lk = view_offsets(local, lg, lids)
+    rk = view_offsets(remote, rg, rids)
     if skip_k > rk.size:
         raise PairingError(
             f"group {gi}: skip of {skip_k * kbs} tokens exceeds the {rk.size * kbs} tokens "

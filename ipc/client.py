@@ -416,6 +416,11 @@ class SidecarClient:
         turns the exception into a failed read itself (``kvsidecar.ipc.vllm``
         does).
 
+        Units (one convention for read, hold and the vLLM adapter, defined in
+        :mod:`kvsidecar.ipc.layout`, "Units and offsets"): block ids name pages
+        (vLLM's logical blocks), never kernel blocks; ``skip_tokens`` and
+        ``num_tokens`` count tokens.
+
         ``skip_tokens``: leading tokens D already holds (a prefix hit); a whole
         number of the local group's logical blocks (``sub_blocks *
         block_tokens``), the granularity of a prefix-cache hit. Leave it out

@@ -18,6 +18,27 @@ downstream branches on the family.
 
 Every segment is ``[units_local][unit_bytes]``; which units a rank holds is
 the sharding rule (:func:`unit_range`), shared by all families.
+
+Units and offsets: the one convention (the client, the daemon and the vLLM
+adapter all follow it; nothing else defines it):
+
+* **Block ids** (``read``, ``hold``, completions' ``invalid_block_ids``, vLLM's
+  block tables) name **pages**: vLLM's logical blocks, ``0 <= id <
+  num_blocks``. Never kernel blocks.
+* **Tokens** (``skip_tokens``, ``num_tokens``) count tokens of the request;
+  ``skip_tokens`` is a whole number of the local side's pages
+  (``sub_blocks * block_tokens`` tokens), the grain of a prefix-cache hit.
+* **A view** is what one segment list describes: a kernel block of an
+  attention group (``sub_blocks`` per page, ``kernel_block_bytes`` each), or
+  the whole page of a mamba group (one view per page). View ``k`` of page
+  ``b`` starts at ``b * page_bytes + k * view_bytes`` in every region
+  (:func:`view_offsets`).
+* **Segment offsets** are relative to the start of their view, for every
+  group kind: ``region base + view start + segment offset + unit * unit_bytes``
+  is the address of a unit.
+
+P and D may differ in ``sub_blocks`` (it follows per-rank Mamba state size):
+attention views pair by token, mamba views page to page (LAYOUT.md section 5).
 """
 
 from __future__ import annotations
@@ -28,6 +49,8 @@ import math
 from typing import Literal
 
 import msgspec
+import numpy as np
+from numpy.typing import NDArray
 
 Sharding = Literal["split", "replicated"]
 GroupKind = Literal["attention", "mamba"]
@@ -55,9 +78,10 @@ class IncompatibleLayout(ValueError):
 class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A run of ``[units_local][unit_bytes]`` bytes inside a view.
 
-    ``offset`` is relative to the kernel block (attention view) or the page
-    (mamba view). ``regions`` limits the segment to some regions (K and V kept
-    in separate tensors); empty means every region.
+    ``offset`` is relative to the start of the view (a kernel block of an
+    attention group, the page of a mamba group: see "Units and offsets"
+    above). ``regions`` limits the segment to some regions (K and V kept in
+    separate tensors); empty means every region.
     """
 
     name: str
@@ -108,6 +132,20 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         out = msgspec.structs.replace(self, num_blocks=num_blocks)
         validate(out)
         return out
+
+
+def view_bytes(layout: Layout, group: Group) -> int:
+    """Bytes of one view of ``group``: a kernel block, or the whole page (mamba)."""
+    return group.kernel_block_bytes if group.kind == "attention" else layout.page_bytes
+
+
+def view_offsets(layout: Layout, group: Group, block_ids: NDArray[np.int64]) -> NDArray[np.int64]:
+    """Region-relative start of every view the pages ``block_ids`` hold, in token
+    order (page by page, kernel block by kernel block): the one place that turns
+    block ids into byte offsets. Add a segment's ``offset`` to reach the segment."""
+    ks = np.arange(group.sub_blocks, dtype=np.int64) * view_bytes(layout, group)
+    out: NDArray[np.int64] = (block_ids[:, None] * layout.page_bytes + ks[None, :]).reshape(-1)
+    return out
 
 
 # --------------------------------------------------------------------------

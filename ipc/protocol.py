@@ -254,7 +254,9 @@ class Read(_RequestBase, tag="read", frozen=True):
     hybrid model's page can hold thousands of tokens) that is most of the
     last page.
     The result arrives later through :class:`Poll` as a ``received`` or
-    ``failed`` completion.
+    ``failed`` completion. Block ids name pages, never kernel blocks; tokens
+    count tokens (the one convention: :mod:`kvsidecar.ipc.layout`, "Units and
+    offsets").
     """
 
     engine_id: EngineId
@@ -272,7 +274,8 @@ class Hold(_RequestBase, tag="hold", frozen=True):
 
     The engine must not reuse the blocks until a ``sent`` or ``expired``
     completion for ``request_id`` comes back; ``timeout_s`` (None: the daemon's
-    default) bounds how long an unread hold lives.
+    default) bounds how long an unread hold lives. ``block_ids`` name pages,
+    as in :class:`Read`.
     """
 
     engine_id: EngineId

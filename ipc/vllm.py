@@ -110,8 +110,9 @@ class Settings:
     ``sidecar_sockets``: one socket per tp rank instead.
     ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
     sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
-    ``kernel_block_size``: tokens per attention kernel block, when the backend
-    splits vLLM's blocks (default: the block size).
+    ``kernel_block_size``: tokens per attention kernel block. Not needed: the
+    worker reads it from the attention views vLLM registers (and refuses a
+    setting that disagrees); it only shapes the scheduler's start-up check.
     """
 
     sidecar_socket: str | None = None
@@ -441,6 +442,7 @@ class _WorkerSide:
         assert kt is not None and kt.engine_id is not None
         self.engine_id: str = kt.engine_id
         self.settings = settings
+        self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(vllm_config)
@@ -495,6 +497,11 @@ class _WorkerSide:
                 "inside KvSidecarConnector.get_mem_pool_context() (vLLM >= 0.33 does this "
                 f"for connectors; tested: {', '.join(TESTED_VLLM)})"
             )
+        kbs = self._kernel_block_size(kv_caches)
+        if kbs is not None:
+            # The layout follows the attention backend's kernel blocks as vLLM
+            # allocated them, so sub_blocks is what the kernels use.
+            self.vl = layout_for(self.vllm_config, self.kv_cache_config, kbs)
         base = pool.region
         self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
                         for r in self.vl.regions]
@@ -505,6 +512,29 @@ class _WorkerSide:
         log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
                  "(handshake %s)", self.engine_id, self.tp_rank, len(self.regions),
                  self.vl.layout.region_bytes, self.socket, reg.handshake_address)
+
+    def _kernel_block_size(self, kv_caches: dict[str, Any]) -> int | None:
+        """Tokens per kernel block of the attention views vLLM registered
+        (``[kernel blocks, heads, tokens, K|V]``), checked against the setting."""
+        sizes: set[int] = set()
+        for g in self.kv_cache_config.transfer_groups:
+            if _group_kind(g.kv_cache_spec) != "attention":
+                continue
+            for name in g.layer_names:
+                t = kv_caches.get(name)
+                if isinstance(t, torch.Tensor) and t.dim() == 4:
+                    sizes.add(int(t.shape[2]))
+        if not sizes:
+            return self.settings.kernel_block_size
+        if len(sizes) > 1:
+            raise UnsupportedConfig(f"attention layers use different kernel block sizes "
+                                    f"{sorted(sizes)}; kvsidecar needs one")
+        kbs = sizes.pop()
+        if self.settings.kernel_block_size not in (None, kbs):
+            raise UnsupportedConfig(
+                f"kernel_block_size {self.settings.kernel_block_size} is set, but vLLM's "
+                f"attention backend uses kernel blocks of {kbs} tokens; drop the setting")
+        return kbs
 
     # ------------------------------------------------------------ transfers
 

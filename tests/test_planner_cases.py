@@ -26,6 +26,8 @@ from kvsidecar.ipc.layout import (
     fingerprint,
     mamba2_hybrid_layout,
     nemotron_h_like,
+    view_bytes,
+    view_offsets,
 )
 
 
@@ -128,6 +130,29 @@ def test_different_sub_blocks_pair_by_token() -> None:
     kb_p, kb_d = P.groups[0].kernel_block_bytes, D.groups[0].kernel_block_bytes
     assert starts[1 * D.page_bytes] == 5 * P.page_bytes + 5 * kb_p
     assert kb_d <= kb_p
+
+
+def test_view_offsets_one_convention_for_both_group_kinds() -> None:
+    """Block ids name pages; view k of page b starts at b*page + k*view bytes, with
+    a kernel block as the attention view and the page as the mamba view; segment
+    offsets are relative to the view (ipc/layout.py "Units and offsets"). Checked
+    at P and D sides whose sub_blocks differ (9 vs 5), against LAYOUT.md 2's
+    token rule: kernel block k of the i-th page holds tokens (i*sub + k)*kbs..."""
+    for L in (small_hybrid(1), small_hybrid(4)):
+        attn_g, mamba_g = L.groups
+        ids = np.array([3, 0, 7], dtype=np.int64)
+        views = view_offsets(L, attn_g, ids)
+        sub, kb = attn_g.sub_blocks, attn_g.kernel_block_bytes
+        assert views.size == 3 * sub
+        for pos, b in enumerate(ids):
+            for k in range(sub):
+                first_token = (pos * sub + k) * attn_g.block_tokens
+                assert views[first_token // attn_g.block_tokens] == b * L.page_bytes + k * kb
+        assert view_offsets(L, mamba_g, ids).tolist() == [b * L.page_bytes for b in ids]
+        assert view_bytes(L, mamba_g) == L.page_bytes and view_bytes(L, attn_g) == kb
+        # Every segment lies inside its view, whatever the kind.
+        for g in L.groups:
+            assert all(s.offset + s.nbytes_local <= view_bytes(L, g) for s in g.segments)
 
 
 # ---------------------------------------------------------------- bad input

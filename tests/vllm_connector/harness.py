@@ -63,15 +63,20 @@ EOS = 2
 init_none_hash(sha256)
 
 # Model shapes: 2 attention layers, 2 KV heads of 16 (bf16). Hybrid adds 2
-# Mamba2 layers: 4 heads x 8 dims, 2 groups, d_state 8, conv kernel 4.
-KV_HEADS, HEAD = 2, 16
+# Mamba2 layers: 4 heads x 8 dims, 2 groups, d_state 8, conv kernel 4, and has
+# one KV head: replicated at tp 2, so an attention kernel block keeps its size
+# while the Mamba state halves. vLLM then sizes the page as 2 kernel blocks
+# (32 tokens) at tp 1 and 1 (16 tokens) at tp 2: P and D differ in sub_blocks,
+# as Nemotron-H does in production (261 vs 131).
+KV_HEADS, HYBRID_KV_HEADS, HEAD = 2, 1, 16
 M_HEADS, M_HEAD_DIM, M_GROUPS, D_STATE, CONV_ROWS = 4, 8, 2, 8, 3
 
 
 def write_model(d: Path, hybrid: bool) -> str:
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
+        "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": HYBRID_KV_HEADS if hybrid else KV_HEADS,
         "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": HEAD,
     }
@@ -101,7 +106,7 @@ def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequenc
 
 def kv_cache_config(tp: int, num_blocks: int, hybrid: bool) -> KVCacheConfig:
     """What vLLM's engine core would hand a rank: one backing buffer, layer-outermost."""
-    heads = max(1, KV_HEADS // tp)
+    heads = max(1, (HYBRID_KV_HEADS if hybrid else KV_HEADS) // tp)
     if not hybrid:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD,
                                  dtype=torch.bfloat16)
@@ -227,7 +232,9 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
         wcfg.parallel_config.rank = rank
         kcc = kv_cache_config(tp, num_blocks, hybrid)
         conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
-        kernel = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+        # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
+        kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
+                  else g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
         with conn.get_mem_pool_context():
             kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel)
         conn.register_kv_caches(kv)

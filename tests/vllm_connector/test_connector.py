@@ -143,6 +143,11 @@ def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, s
     seeds = {"r1": 11, "r2": 12}
     P, D = pair(sidecars, models, p_tp, d_tp, hybrid, seeds)
     try:
+        # Hybrid: vLLM's pages hold different numbers of kernel blocks on P and D
+        # (the connector reads the kernel block size from vLLM's views); the
+        # read pairs them by token.
+        subs = {P.layout.groups[0].sub_blocks, D.layout.groups[0].sub_blocks}
+        assert subs == ({1, 2} if hybrid else {1})
         for rid, tokens in (("r1", 70), ("r2", 33)):
             params = prefill(P, rid, tokens, seeds[rid])
             # Mamba: P computed N-1 tokens (D recomputes the last from its state).
