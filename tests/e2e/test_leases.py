@@ -5,11 +5,18 @@ reads, and abandons on failure; P refuses claims for holds that ended."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 
@@ -79,3 +86,71 @@ def test_a_read_aborted_before_its_first_claim_still_tells_p(pool) -> None:
             assert held[1].kind == "aborted" and "released by the engine" in held[1].reason
         finally:
             silent.close()
+
+
+def _big(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB (seconds over TCP)."""
+    return attention_layout(model="lease", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+def _sample(sidecar: SidecarProcess, sample: str, engine: str) -> float:
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == sample and s.labels.get("engine") == engine)
+
+
+def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_path) -> None:
+    """Over TCP P's sidecar is stopped once D posted a 384 MiB read; P grants 1 s
+    leases, so D's renewals go unanswered and the lease runs out mid-read. When
+    P resumes the transfer finishes (well inside D's 60 s read timeout), but D
+    reports ``failed`` naming the lease, never ``received``; P's hold (60 s
+    timeout) ends with the transfer, not at its deadline."""
+    env = {"UCX_TLS": "tcp,self"}
+    p = SidecarProcess(tmp_path, "lease-p", env=env, args=["--hold-lease", "1"]).start()
+    d = SidecarProcess(tmp_path, "lease-d", env=env, args=[
+        "--read-timeout", "60", "--handshake-timeout", "1", "--metrics-port", "0"]).start()
+    P = SimEngine("lease-P", _big, 1, 100, [p], timeout_s=60)
+    D = SimEngine("lease-D", _big, 1, 100, [d], timeout_s=60)
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        assert D.verify("warm") == []
+        D.finish("warm")
+        big = Request(seed=2, prompt_tokens=64 * 96)  # P's pages stay POISON (no oracle fill)
+        sent = Sent("lapse", P.remote, P.blocks_for(big.prompt_tokens), big)
+        P.clients[0].hold(P.engine_id, "lapse", sent.block_ids, readers=1, timeout_s=60)
+        assert p.proc is not None
+        D.start_read(sent)
+        deadline = time.monotonic() + 60
+        while _sample(d, "kvsidecar_read_queue_seconds_count", "lease-D") < 2:  # posted
+            assert time.monotonic() < deadline, "the read was never posted"
+            time.sleep(0.005)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while "lease lapsed" not in d.log_path.read_text():
+                assert time.monotonic() < deadline, "D never noticed its lease ran out"
+                time.sleep(0.05)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        got = D.wait_for(["lapse"], timeout_s=120)["lapse"][0]
+        assert got.kind == "failed", got
+        assert "lease ran out" in got.reason, got.reason
+        assert got.invalid_block_ids == D.receiving["lapse"].block_ids
+        # P's hold ends with the read: NIXL sends the completion notification inside
+        # D's check_xfer_state when it sees the transfer DONE, before D's event loop
+        # learns of it, judges the lease and sends its abandon (then a late
+        # duplicate). So P's outcome is "sent": the blocks were read and are free.
+        held = P.wait_for(["lapse"], timeout_s=60)["lapse"][0]
+        assert held.kind == "sent", held
+        assert _sample(d, "kvsidecar_leases_lost_total", "lease-D") == 1
+        assert _sample(d, "kvsidecar_agent_resets_total", "lease-D") == 0  # it finished
+        D.finish("lapse")
+    finally:
+        D.close()
+        P.close()
+        assert d.stop() == 0
+        p.stop()
