@@ -20,7 +20,9 @@ Who may send is decided before anything is decoded: each message carries the
 sender's kernel credentials and a sender outside the :class:`AccessPolicy`
 gets one ``forbidden`` reply (see :mod:`~kvsidecar.daemon.engine_access` for
 the socket's directory, mode and lock). Messages over ``max_message_bytes``
-never reach Python: libzmq drops the connection (``ZMQ_MAXMSGSIZE``), and
+get one ``bad_message`` reply and are counted; those over twice that never
+reach Python: libzmq drops the connection (``ZMQ_MAXMSGSIZE``; see
+:mod:`~kvsidecar.daemon.message_limit` for why the two levels), and
 connections beyond ``max_connections`` are shut as they arrive
 (:class:`~kvsidecar.daemon.conn_guard.ConnectionGuard`).
 """
@@ -34,6 +36,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -60,6 +63,7 @@ from .engine_access import (
     prepare_socket_dir,
     restricted_umask,
 )
+from .message_limit import SizeLimit
 
 __all__ = ["EngineServer", "RequestError", "RequestHandler"]
 
@@ -102,6 +106,7 @@ class EngineServer:
         self.handler = handler
         self.access = access if access is not None else AccessPolicy.own_uid()
         self.max_message_bytes = max_message_bytes
+        self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
         self.max_connections = max_connections
         self.messages = 0
         self.errors = 0
@@ -133,7 +138,7 @@ class EngineServer:
         self._lock_fd = claim_socket(self.socket_path)  # SocketInUse: nothing was touched
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
         try:
             with restricted_umask():
                 sock.bind(self.endpoint)
@@ -239,6 +244,10 @@ class EngineServer:
             return encode_reply(Error(INTERNAL, f"unencodable reply: {e}", id=reply.id))
 
     async def _reply_to(self, frames: list[bytes]) -> Reply:
+        too_large = self.size_limit.check(frames[1:])
+        if too_large is not None:
+            self.bad_messages += 1
+            return Error(BAD_MESSAGE, f"{too_large} (--max-message-bytes)", id=_salvage_id(frames))
         if len(frames) != 2:
             self.bad_messages += 1
             return Error(
@@ -265,6 +274,22 @@ class EngineServer:
             reply = Error(INTERNAL, f"handler returned {type(reply).__name__}, not a reply")
         reply.id = req.id
         return reply
+
+
+class _Id(msgspec.Struct):
+    id: int = -1
+
+
+_id_decoder = msgspec.msgpack.Decoder(_Id)
+
+
+def _salvage_id(frames: list[bytes]) -> int:
+    """The request id of a message refused unread, if it has one (msgspec skips
+    the rest without building it), so the engine can match the error."""
+    try:
+        return _id_decoder.decode(frames[-1]).id if len(frames) == 2 else -1
+    except Exception:  # any bytes at all: no id
+        return -1
 
 
 def _log_death(task: asyncio.Task[None]) -> None:

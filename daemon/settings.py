@@ -221,7 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engine socket (env KVSIDECAR_ALLOW_GID)")
     p.add_argument("--max-message-bytes", type=_number(int, "MAX_MESSAGE_BYTES"),
                    default=_env("MAX_MESSAGE_BYTES", str(16 << 20)),
-                   help="largest engine message; a larger one drops the connection "
+                   help="largest engine message; a larger one gets a bad_message reply "
+                        "and is counted, one over twice this drops the connection "
                         "(env KVSIDECAR_MAX_MESSAGE_BYTES)")
     p.add_argument("--max-engine-connections", type=_number(int, "MAX_ENGINE_CONNECTIONS"),
                    default=_env("MAX_ENGINE_CONNECTIONS", "256"),

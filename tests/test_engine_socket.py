@@ -174,6 +174,36 @@ async def test_oversized_messages_never_reach_python(tmp_path: Path, handler: Ha
         await s.stop()
 
 
+async def test_a_message_over_the_limit_is_refused_counted_and_answered(
+        tmp_path: Path, handler: Handler) -> None:
+    """Over the limit but under libzmq's cap (twice the limit): one bad_message reply
+    with the request's id, counted as refused 'too_large', the sender still served."""
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), handler, max_message_bytes=64 << 10,
+                     on_refuse=refused.append)
+    await s.start()
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(s.endpoint)
+    try:
+        big = msgspec.msgpack.encode({"op": "ping", "id": 42, "v": 1, "pad": "x" * (100 << 10)})
+        await sock.send(big)
+        assert await sock.poll(10_000)
+        err = msgspec.msgpack.decode(await sock.recv())
+        assert err["op"] == "error" and err["code"] == "bad_message" and err["id"] == 42
+        assert f"message of {len(big)} bytes is over this sidecar's limit of 65536" \
+            in err["message"]
+        assert await sock.poll(300) == 0  # exactly one reply
+        assert refused == ["too_large"] and s.size_limit.refused == 1
+        await sock.send(msgspec.msgpack.encode({"op": "ping", "id": 43, "v": 1}))
+        assert await sock.poll(10_000)  # the same connection is still served
+        assert msgspec.msgpack.decode(await sock.recv())["op"] == "pong"
+    finally:
+        sock.close(0)
+        ctx.term()
+        await s.stop()
+
+
 async def test_connections_beyond_the_limit_are_shut_and_the_first_stay(
         tmp_path: Path, handler: Handler) -> None:
     s = EngineServer(str(tmp_path / "e.sock"), handler, max_connections=4)

@@ -178,6 +178,33 @@ async def test_an_oversize_request_is_dropped_and_others_are_served(
         await cli.close()
 
 
+async def test_a_request_over_the_limit_is_refused_counted_and_answered() -> None:
+    """Over the limit, under libzmq's cap (twice it): one bad_message naming the limit,
+    counted as refused 'too_large'; the connection stays and is served."""
+    refused: list[str] = []
+    srv = HandshakeServer("127.0.0.1:0", lookup, max_message_bytes=64 << 10,
+                          on_refuse=refused.append)
+    await srv.start()
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://{srv.address}")
+    dec = msgspec.msgpack.Decoder(HandshakeError)
+    try:
+        await sock.send(b"\x00" * (100 << 10))
+        assert await sock.poll(10_000)
+        err = dec.decode(await sock.recv())
+        assert err.code == "bad_message" and "over this sidecar's limit of 65536" in err.message
+        assert await sock.poll(300) == 0
+        assert refused == ["too_large"] and srv.size_limit.refused == 1
+        await sock.send(msgspec.msgpack.encode(HandshakeRequest("prefill-0", 0, req_id=9)))
+        assert await sock.poll(10_000)
+        assert msgspec.msgpack.decode(await sock.recv())["type"] == "reply"
+    finally:
+        sock.close(0)
+        ctx.term()
+        await srv.stop()
+
+
 @pytest.mark.parametrize("frame", [
     b"\x81\xa2op\xa2\xff\xfe",  # a non-UTF-8 op
     b"\x83\xa2op\xa5claim\xa9engine_id\xa2\xff\xfe\xa6req_id\x05",  # a non-UTF-8 id in a claim

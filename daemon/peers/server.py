@@ -7,7 +7,9 @@ especially) is the expensive part to encode.
 With :class:`~kvsidecar.daemon.peer_auth.PeerKeys` the port speaks CURVE and
 admits only authorized keys (the daemon's default); without, it is plain ZMQ
 (unit tests, ``--insecure-peers``). Either way requests are bounded
-(``max_message_bytes``: libzmq drops the connection beyond it), connections
+(``max_message_bytes``: a larger one gets a ``bad_message`` reply and is
+counted; libzmq drops the connection of one over twice that, see
+:mod:`~kvsidecar.daemon.message_limit`), connections
 are capped, any undecodable input gets one ``bad_message`` reply, and error
 replies name neither other engines nor more of the input than a short prefix.
 """
@@ -24,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.daemon.conn_guard import ConnectionGuard
+from kvsidecar.daemon.message_limit import SizeLimit
 from kvsidecar.daemon.peer_auth import PeerKeys, ZapHandler
 from kvsidecar.daemon.peers import control
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
@@ -44,8 +47,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "MAX_REQUEST_BYTES", "HandshakeServer"]
 
-#: Requests are a few hundred bytes.
-MAX_REQUEST_BYTES = 1 << 20
+#: Requests and control messages are a few hundred bytes (ids are bounded:
+#: control messages stay under 4 KiB).
+MAX_REQUEST_BYTES = 64 << 10
 DEFAULT_MAX_CONNECTIONS = 1024
 
 
@@ -81,7 +85,7 @@ class HandshakeServer:
         #: told (target engine, reader) for every request that declares its reader
         self._on_reader = on_reader
         self._keys = keys
-        self._max_message_bytes = max_message_bytes
+        self.size_limit = SizeLimit("handshake", max_message_bytes, on_refuse)
         self._max_connections = max_connections
         self._on_refuse = on_refuse
         self._zap: ZapHandler | None = None
@@ -103,7 +107,7 @@ class HandshakeServer:
             raise RuntimeError("handshake server already started")
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
         if ipv6(self._host):
             sock.setsockopt(zmq.IPV6, 1)
         if self._keys is not None:
@@ -204,6 +208,9 @@ class HandshakeServer:
             body = body[1:]
         if len(body) != 1:
             return [*envelope, self._error(0, "bad_message", f"expected 1 frame, got {len(body)}")]
+        too_large = self.size_limit.check(body)
+        if too_large is not None:
+            return [*envelope, self._error(0, "bad_message", too_large)]
         return [*envelope, self._answer(body[0])]
 
     def _answer(self, frame: bytes) -> bytes:

@@ -195,7 +195,8 @@ class _Channel:
         assert self.sock.poll(30_000), f"no reply to {frame[:80]!r}"
         reply = self.sock.recv()
         msg = msgspec.msgpack.decode(reply)
-        kind = f"{msg['type']}:{msg['code']}" if msg["type"] == "error" else str(msg["type"])
+        tag = msg.get("type", msg.get("op"))  # peer replies are tagged "type", engine ones "op"
+        kind = f"{tag}:{msg['code']}" if tag == "error" else str(tag)
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         assert kind != "error:internal", (frame[:200], msg)
         return reply
@@ -219,6 +220,8 @@ def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, 
     target.behave()
     before = _proc_stats(target.pid())
     count = {"n": 0}
+    last = {"t": time.monotonic()}
+    t0 = time.monotonic()
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -226,10 +229,16 @@ def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, 
     def one(frame: bytes) -> None:
         chan.roundtrip(frame)
         count["n"] += 1
-        if count["n"] % 250 == 0:
+        # Like a real engine, the well-behaved one talks at least every 2 s (an engine
+        # silent for --engine-lease is taken for dead): every 250 inputs or 2 s.
+        if count["n"] % 250 == 0 or time.monotonic() - last["t"] > 2.0:
             target.behave()
+            last["t"] = time.monotonic()
+        if count["n"] % 10_000 == 0:
+            print(f"fuzz {label}: {count['n']} inputs, {time.monotonic() - t0:.0f} s, "
+                  f"daemon {_proc_stats(target.pid())}, load {os.getloadavg()[0]:.1f}",
+                  flush=True)
 
-    t0 = time.monotonic()
     one()
     chan.close()
     target.behave()
