@@ -34,6 +34,7 @@ async def _serve(s: settings_mod.Settings) -> int:
     from kvsidecar.daemon.health import verdict
     from kvsidecar.daemon.service import Sidecar
     from kvsidecar.daemon.transport.worker import transport_note
+    from kvsidecar.ipc.cuda import CudaError
     from kvsidecar.metrics.registry import Metrics
     from kvsidecar.metrics.server import MetricsServer
 
@@ -57,15 +58,15 @@ async def _serve(s: settings_mod.Settings) -> int:
     except (PermissionError, NotADirectoryError, FileExistsError) as e:
         print(f"kvsidecar: cannot serve {s.socket}: {e}", file=sys.stderr, flush=True)
         return 2
+    except CudaError as e:
+        print(f"kvsidecar: --device {s.device}: {e}", file=sys.stderr, flush=True)
+        return 2
     probes = {"/healthz": lambda: verdict(sidecar.liveness()),
               "/readyz": lambda: verdict(sidecar.readiness())}
     http = (MetricsServer(metrics, s.metrics_host, s.metrics_port, probes=probes)
             if s.metrics_port >= 0 else None)
     metrics_port = http.start() if http is not None else -1
     log.info("transport: %s", transport_note())
-    if s.device != "cpu":
-        log.warning("device %s: GPU memory (CUDA IPC) is not supported yet; engines register "
-                    "host shared-memory regions, and the device only names the socket", s.device)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.conn_guard import fd_budget
+from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines import (
@@ -46,7 +47,6 @@ from kvsidecar.daemon.engines import (
 from kvsidecar.daemon.fd_server import FdServer
 from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.holds import Report
-from kvsidecar.daemon.memory_kinds import Gpu
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
@@ -65,6 +65,7 @@ from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
+from kvsidecar.ipc.cuda_handles import attach_policy, parse_cuda_device
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.protocol import (
@@ -156,7 +157,7 @@ class Sidecar:
             on_refuse=lambda reason: self.metrics.refused.labels(channel="fd",
                                                                  reason=reason).inc())
         #: the GPU of --device cuda:N (None: a host-memory sidecar)
-        self._gpu: Gpu | None = None
+        self._gpu: CudaDevice | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         # engine id -> (the registration in progress, its reply), so that a
@@ -180,6 +181,13 @@ class Sidecar:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        ordinal = parse_cuda_device(self.settings.device)
+        if ordinal is not None:
+            # Before anything listens: a GPU sidecar without its GPU must not start
+            # (CudaError, which the CLI prints as one line).
+            gpu = CudaDevice(ordinal, attach_policy(self.settings.cuda_attach))
+            await asyncio.get_running_loop().run_in_executor(None, gpu.open)
+            self._gpu = gpu
         bound = await self._hs_server.start()
         self._hs_bound = bound
         port = bound.rsplit(":", 1)[1]
@@ -369,7 +377,8 @@ class Sidecar:
         agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
         worker = NixlWorker(agent, backends=self.settings.backends,
                             on_notif=partial(self._on_notif, req.engine_id),
-                            on_reset=partial(self._on_agent_reset, req.engine_id))
+                            on_reset=partial(self._on_agent_reset, req.engine_id),
+                            thread_init=self._gpu.make_current if self._gpu else None)
         mem_type, device = uniform(regions)
         try:
             await worker.start()

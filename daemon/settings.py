@@ -51,6 +51,9 @@ class Settings:
     otlp_endpoint: str = ""
     peer_keys: str = ""
     insecure_peers: bool = False
+    #: engine-allocated GPU memory (attach mode): serve, warn (serve loudly unless the
+    #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
+    cuda_attach: str = "warn"
 
     @property
     def bind_host(self) -> str:
@@ -209,6 +212,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start-up loopback READ that proves the data path: "
                         "require-zero-copy (tcp fails /readyz), allow-tcp, off "
                         "(env KVSIDECAR_TRANSPORT_CHECK)")
+    p.add_argument("--cuda-attach", default=_env("CUDA_ATTACH", "warn"),
+                   help="engine-allocated GPU memory (attach mode with CUDA IPC handles): "
+                        "warn (served with a warning unless the VRAM transport check failed), "
+                        "serve, refuse (env KVSIDECAR_CUDA_ATTACH)")
     p.add_argument("--health-timeout", type=_number(float, "HEALTH_TIMEOUT"),
                    default=_env("HEALTH_TIMEOUT", "10"),
                    help="seconds the event loop or a NIXL worker thread may be silent before "
@@ -277,6 +284,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if ns.transport_check not in _CHECK_MODES:
         raise ConfigError(f"--transport-check (env KVSIDECAR_TRANSPORT_CHECK) must be one of "
                           f"{', '.join(_CHECK_MODES)}, got {ns.transport_check!r}")
+    if ns.cuda_attach not in ("serve", "warn", "refuse"):
+        raise ConfigError(f"--cuda-attach (env KVSIDECAR_CUDA_ATTACH) must be one of serve, "
+                          f"warn, refuse, got {ns.cuda_attach!r}")
     for name in ("max_reads_per_engine", "max_holds_per_engine", "max_completions_per_engine",
                  "max_early_notifications"):
         if getattr(ns, name) < 1:
@@ -313,4 +323,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         otlp_endpoint=ns.otlp_endpoint,
         peer_keys=ns.peer_keys,
         insecure_peers=ns.insecure_peers,
+        cuda_attach=ns.cuda_attach,
     )

@@ -13,7 +13,8 @@ from typing import Final, Literal, TypeAlias
 
 from .protocol import CUDA_IPC_HANDLE_BYTES, CudaIpcRef
 
-__all__ = ["ATTACH_POLICIES", "AttachDecision", "AttachPolicy", "check_ipc_handle",
+__all__ = ["ATTACH_POLICIES", "AttachDecision", "AttachPolicy", "attach_policy",
+           "check_ipc_handle",
            "decide_attach", "parse_cuda_device", "uuid_from_bytes", "vmm_alloc_bytes"]
 
 _UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -64,6 +65,14 @@ def vmm_alloc_bytes(nbytes: int, granularity: int) -> int:
 
 AttachPolicy: TypeAlias = Literal["serve", "warn", "refuse"]
 ATTACH_POLICIES: Final[tuple[AttachPolicy, ...]] = ("serve", "warn", "refuse")
+
+
+def attach_policy(value: str) -> AttachPolicy:
+    """A ``--cuda-attach`` value, checked."""
+    for p in ATTACH_POLICIES:
+        if p == value:
+            return p
+    raise ValueError(f"--cuda-attach must be one of {', '.join(ATTACH_POLICIES)}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,8 @@ def test_wildcard_bind_advertises_a_dialable_host() -> None:
     (["--metrics-port", "70000"], {}, "--metrics-port (env KVSIDECAR_METRICS_PORT) must be"),
     ([], {"KVSIDECAR_LOG_LEVEL": "loud"}, "must be one of DEBUG, INFO, WARNING, ERROR"),
     (["--transport-check", "maybe"], {}, "must be one of require-zero-copy, allow-tcp, off"),
+    ([], {"KVSIDECAR_CUDA_ATTACH": "yes"},
+     "--cuda-attach (env KVSIDECAR_CUDA_ATTACH) must be one of serve, warn, refuse"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str],
                                               msg: str) -> None:

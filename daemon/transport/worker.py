@@ -185,6 +185,7 @@ class NixlWorker:
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         telemetry: bool = True,
         stop_timeout_s: float = _STOP_WAIT_S,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
@@ -208,6 +209,9 @@ class NixlWorker:
         self._hot_poll_s = hot_poll_s
         self._telemetry = telemetry
         self._stop_timeout_s = stop_timeout_s
+        #: runs first on the worker thread: a GPU sidecar makes its CUDA context
+        #: current there, before the agent registers VRAM or transfers
+        self._thread_init = thread_init
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -410,6 +414,8 @@ class NixlWorker:
 
     def _run(self) -> None:
         try:
+            if self._thread_init is not None:
+                self._thread_init()
             self._agent = self._create_agent()
         except BaseException as exc:  # a failed start must still resolve start()
             with self._lock:
