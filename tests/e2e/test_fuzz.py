@@ -160,9 +160,16 @@ class Target:
         return name
 
 
+@pytest.fixture(autouse=True)
+def sidecars_alive() -> Iterator[None]:
+    """Overrides conftest's: the fuzz target is its own sidecar, so the shared pool
+    (8 more sidecars) is not started for nothing; `make fuzz` runs only this module."""
+    yield
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    side = SidecarProcess(tmp_path_factory.mktemp("fuzz"), "fz").start()
+    side = SidecarProcess(tmp_path_factory.mktemp("fuzz"), "fz").start(timeout_s=600)
     good = SidecarClient(side.socket, timeout_s=60)
     good.register(GOOD, 0, LAYOUT, allocate=True)
     owner = SidecarClient(side.socket, timeout_s=60)
