@@ -88,12 +88,17 @@ def write_model(d: Path, hybrid: bool) -> str:
 
 
 def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequence[str],
-                hybrid: bool, **extra: Any) -> VllmConfig:
+                hybrid: bool, *, mamba_prefix_caching: bool = False,
+                **extra: Any) -> VllmConfig:
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=MAX_LEN,
                          is_encoder_decoder=False, enable_chunked_prefill=True)
-    # Mamba without cache mode "align" has no prefix caching (vLLM refuses it).
-    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=not hybrid)
+    # Mamba has prefix caching only in cache mode "align" (states kept at block
+    # boundaries).
+    if hybrid and mamba_prefix_caching:
+        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, mamba_cache_mode="align")
+    else:
+        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=not hybrid)
     kt = KVTransferConfig(
         kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.ipc.vllm",
         kv_role=role, engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -104,7 +109,8 @@ def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequenc
                       parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
-def kv_cache_config(tp: int, num_blocks: int, hybrid: bool) -> KVCacheConfig:
+def kv_cache_config(tp: int, num_blocks: int, hybrid: bool,
+                    mamba_cache_mode: str = "none") -> KVCacheConfig:
     """What vLLM's engine core would hand a rank: one backing buffer, layer-outermost."""
     heads = max(1, (HYBRID_KV_HEADS if hybrid else KV_HEADS) // tp)
     if not hybrid:
@@ -129,7 +135,8 @@ def kv_cache_config(tp: int, num_blocks: int, hybrid: bool) -> KVCacheConfig:
     page = attn.page_size_bytes
     mamba = MambaSpec(block_size=attn_block, shapes=(conv, temporal),
                       dtypes=(torch.bfloat16, torch.float32), page_size_padded=page,
-                      mamba_type=MambaAttentionBackendEnum.MAMBA2)
+                      mamba_type=MambaAttentionBackendEnum.MAMBA2,
+                      mamba_cache_mode=mamba_cache_mode)
     attn_layers = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
     mamba_layers = ["model.layers.1.mixer", "model.layers.3.mixer"]
     place = {"size": 2 * num_blocks * page, "layer_stride": num_blocks * page,
@@ -191,6 +198,9 @@ class Engine:
             for new in so.scheduled_new_reqs:
                 self.fill(self, self.sched.requests[new.req_id])
         req_ids = list(so.num_scheduled_tokens)
+        # As vLLM's runner: a token is sampled once a request's prompt is all
+        # computed; a partial prefill chunk samples nothing.
+        sampled = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in req_ids]
         for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
@@ -206,7 +216,7 @@ class Engine:
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(
                 req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[[7] for _ in req_ids], logprobs=None,
+                sampled_token_ids=sampled, logprobs=None,
                 prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
         agg = self.aggregator.aggregate(outs)
         assert agg is not None
@@ -224,13 +234,15 @@ class Engine:
 
 
 def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str],
-                num_blocks: int, hybrid: bool) -> Engine:
-    cfg = vllm_config(model, role, name, tp, sockets, hybrid)
+                num_blocks: int, hybrid: bool, *, mamba_prefix_caching: bool = False) -> Engine:
+    cfg = vllm_config(model, role, name, tp, sockets, hybrid,
+                      mamba_prefix_caching=mamba_prefix_caching)
+    mode = "align" if hybrid and mamba_prefix_caching else "none"
     workers, caches = [], []
     for rank in range(tp):
         wcfg = copy.deepcopy(cfg)
         wcfg.parallel_config.rank = rank
-        kcc = kv_cache_config(tp, num_blocks, hybrid)
+        kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
         conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
         # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
         kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
@@ -240,7 +252,7 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
         conn.register_kv_caches(kv)
         workers.append(conn)
         caches.append(kv)
-    kcc = kv_cache_config(tp, num_blocks, hybrid)
+    kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
     cfg.cache_config.num_gpu_blocks = num_blocks
     block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)  # as vLLM's engine core
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,

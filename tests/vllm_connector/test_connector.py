@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 
 from vllm.v1.request import RequestStatus
 
+from kvsidecar.ipc.protocol import Completion, ReaderReport
 from kvsidecar.ipc.vllm import KvSidecarConnector, UnsupportedConfig
 from kvsidecar.sim.cluster import SidecarProcess
 from kvsidecar.sim.oracle import POISON, check_received
@@ -208,6 +209,76 @@ def test_prefix_hit_reads_only_the_tail(sidecars: Sidecars, models: dict[bool, s
                                   ignore_blocks=set(cached) | D.dirty)  # "a"'s pages
         assert not problems, problems
         run_until(P, lambda: not P.sched.requests)  # both holds released by D's notifications
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+def record_completions(eng: Engine) -> dict[str, list[Completion]]:
+    """Every completion rank 0's worker polls from its sidecar, by request (a
+    pass-through wrapper around the real client)."""
+    w = eng.workers[0].worker
+    assert w is not None
+    seen: dict[str, list[Completion]] = {}
+    poll = w.client.poll
+
+    def recording(engine_id: str) -> list[Completion]:
+        items = poll(engine_id)
+        for c in items:
+            seen.setdefault(c.request_id, []).append(c)
+        return items
+
+    w.client.poll = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_full_prefix_hit_notifies_only(tmp_path: Path, sidecars: Sidecars,
+                                       models: dict[bool, str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """D already holds every token P computed: vLLM's scheduler finds the whole
+    remote span in D's prefix cache, the connector asks for no blocks and sends
+    only the notification; P's hold ends ``sent`` naming D, no byte moves into D,
+    and D computes the last token at once.
+
+    Only a hybrid model gets here: vLLM caps a local hit at N-1 tokens and P
+    computes N-1 with Mamba state (N with attention alone, which always leaves
+    D a token to read). Mamba prefix caching is vLLM's "align" mode."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    n = next(_ids)
+    P = make_engine(f"P{n}", models[True], "kv_producer", 1, [sidecars.p[0].socket], 64, True,
+                    mamba_prefix_caching=True)
+    D = make_engine(f"D{n}", models[True], "kv_consumer", 1, [sidecars.d[0].socket], 64, True,
+                    mamba_prefix_caching=True)
+    P.fill = oracle_fill(lambda rid: 31)
+    p_seen, d_seen = record_completions(P), record_completions(D)
+    tokens = 65  # P computes 64: two whole 32-token pages, which D's cache then holds
+    try:
+        params = prefill(P, "a", tokens, 31)
+        D.sched.add_request(request(D, "a", tokens, params, seed=31))
+        run_until(D, lambda: "a" in D.sched.finished_recving_kv_req_ids
+                  or D.sched.requests["a"].status == RequestStatus.RUNNING)
+        verify(D, "a", tokens - 1, 31)
+        run_until(D, lambda: "a" in D.outputs and D.outputs["a"][-1].finished)
+        run_until(P, lambda: "a" not in P.sched.requests)
+
+        params = prefill(P, "b", tokens, 31)  # the same prompt again
+        snapshot = [b.copy() for b in D.buffers(0)]
+        D.sched.add_request(request(D, "b", tokens, params, seed=31))
+        so, _ = D.step()
+        (job,) = so.kv_connector_metadata.reads
+        assert job.local_block_ids == [[], []] and not job.awaited  # notify only
+        # D's cache held all 64 tokens P computed: it computes only the last one,
+        # without waiting for remote KV.
+        assert so.num_scheduled_tokens == {"b": 1}
+        assert D.sched.requests["b"].num_computed_tokens == tokens
+        run_until(P, lambda: "b" not in P.sched.requests)
+        assert [(c.kind, c.readers) for c in p_seen["b"]] == [
+            ("sent", [ReaderReport(D.name, [0], True)])]
+        run_until(D, lambda: "b" in d_seen)
+        assert [(c.kind, c.nbytes) for c in d_seen["b"]] == [("received", 0)]
+        assert all((a == b).all() for a, b in zip(snapshot, D.buffers(0))), "bytes moved"
+        run_until(D, lambda: "b" in D.outputs and D.outputs["b"][-1].finished)
+        assert sum(len(o.new_token_ids) for o in D.outputs["b"]) == 4  # max_tokens
     finally:
         P.shutdown()
         D.shutdown()
