@@ -69,6 +69,8 @@ class ReadJob:
     posted: bool = False
     abort_reason: str | None = None
     peers: list[Peer] = field(default_factory=list)
+    #: links this read holds (PeerLinks.get(user=...)); released when it ends
+    links: list[tuple[str, str, int]] = field(default_factory=list)
     leases: ReaderLeases | None = None
     task: asyncio.Task[None] | None = None
     #: the request's kvsidecar.read span and its tracer (None when tracing is off)
@@ -147,7 +149,8 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     tr = job.tracing
     with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _nothing():
         peers: list[Peer] = await asyncio.gather(
-            *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p)
+            *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
+                            user=job.links)
               for p in cands))
     job.peers = peers
     layout = peers[0].info.layout
@@ -414,6 +417,7 @@ class ReadTable:
             for p in cands if p < len(r.handshake)])
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        eng.peers.release(job.links)
         if job.tracing is not None:
             job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
         key = (eng.engine_id, job.req.request_id)

@@ -399,7 +399,11 @@ class Sidecar:
                             on_unload_failed=self.metrics.cleanup_failures.labels(
                                 what="remote_agent").inc,
                             reader=(req.engine_id, req.tp_rank),
-                            readable=("DRAM", "VRAM") if self._gpu is not None else ("DRAM",)),
+                            readable=("DRAM", "VRAM") if self._gpu is not None else ("DRAM",),
+                            max_links=self.settings.max_peer_links_per_engine,
+                            on_evict=self.metrics.peer_links_evicted.labels(req.engine_id).inc,
+                            on_refused=self.metrics.limit_refusals.labels(
+                                req.engine_id, "peer_links").inc),
             info=make_handshake_info(
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,

@@ -98,6 +98,10 @@ class Metrics:
             "kvsidecar_peer_cache_evictions_total", "Least recently used entries dropped from "
             "the handshake client at its bounds (handshake answers, peer connections)",
             ("cache",))
+        self.peer_links_evicted = c(
+            "kvsidecar_peer_links_evicted_total", "Idle links to remote ranks dropped (their "
+            "NIXL remote agent unloaded) because an engine rank reached "
+            "--max-peer-links-per-engine", ENGINE)
         self.declared_readers_evicted = c(
             "kvsidecar_declared_readers_evicted_total", "Reader agents declared in handshakes "
             "forgotten because the table was full (their notifications are then rejected "

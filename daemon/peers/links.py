@@ -14,6 +14,11 @@ fails. Any failure to link therefore evicts the cached handshake and fetches
 once more; if the peer now answers with another daemon id, agent name or
 metadata, that fresh answer is linked. Links that are dropped unload their
 remote agent, retried while reads over it are still in flight.
+
+Bounded: at most ``max_links`` links per local engine rank (each is a remote
+agent loaded into NIXL). A new link first evicts the least recently used
+links that no read holds (counted); when every link is held by a read, the
+new one is refused with :class:`PeerLinkLimit` naming the flag.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +65,10 @@ class Peer:
     generation: int = 0
 
 
+class PeerLinkLimit(RuntimeError):
+    """Every link of this engine rank is held by a read: no room for a new remote rank."""
+
+
 class PeerLinks:
     """The remote ranks one local engine rank has linked to."""
 
@@ -66,8 +76,19 @@ class PeerLinks:
                  on_link: Callable[[bool], None] | None = None,
                  on_unload_failed: Callable[[], None] | None = None,
                  reader: tuple[str, int] | None = None,
-                 readable: tuple[str, ...] = ("DRAM",)) -> None:
+                 readable: tuple[str, ...] = ("DRAM",),
+                 max_links: int = 1024,
+                 on_evict: Callable[[], None] | None = None,
+                 on_refused: Callable[[], None] | None = None) -> None:
+        if max_links < 1:
+            raise ValueError("max_links must be >= 1")
         self._worker = worker
+        self.max_links = max_links
+        #: told once per idle link evicted at the bound / per link refused at it (metrics)
+        self._on_evict = on_evict
+        self._on_refused = on_refused
+        #: reads holding each link (see get(user=...) and release())
+        self._users: dict[Key, int] = {}
         #: memory types this sidecar can read from (VRAM only with a GPU of its own)
         self._readable = readable
         #: (engine id, rank) of the local engine rank: declared with the worker's
@@ -79,16 +100,26 @@ class PeerLinks:
         self._on_link = on_link
         self._layout = layout
         self._client = client
-        self._links: dict[Key, asyncio.Task[Peer]] = {}
+        self._links: OrderedDict[Key, asyncio.Task[Peer]] = OrderedDict()  # LRU first
         self._unloading: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._links)
 
-    async def get(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
+    async def get(self, address: str, engine_id: str, tp_size: int, rank: int,
+                  user: list[Key] | None = None) -> Peer:
+        """The link to ``rank`` of ``engine_id`` at ``address``, made if needed.
+
+        With ``user`` (a read's list of held links) the link is held for that
+        read, so it is not evicted under it, until :meth:`release`.
+        """
         key = (address, engine_id, rank)
         task = self._links.get(key)
+        if task is not None:
+            self._links.move_to_end(key)
         if task is None or (task.done() and (task.cancelled() or task.exception())):
+            if task is None:
+                self._make_room()
             task = asyncio.ensure_future(self._link(address, engine_id, tp_size, rank))
             self._links[key] = task
             if self._on_link is not None:
@@ -105,7 +136,39 @@ class PeerLinks:
             # Cached from a request that described the engine differently.
             check_peer(peer.info, engine_id, tp_size, self._layout, address=address,
                        readable=self._readable)
+        if user is not None:
+            self._users[key] = self._users.get(key, 0) + 1
+            user.append(key)
         return peer
+
+    def release(self, keys: list[Key]) -> None:
+        """A read is done with these links (each once per get(user=...))."""
+        for key in keys:
+            left = self._users.get(key, 0) - 1
+            if left > 0:
+                self._users[key] = left
+            else:
+                self._users.pop(key, None)
+        keys.clear()
+
+    def _make_room(self) -> None:
+        """Evict least recently used links no read holds until one more fits, or
+        raise :class:`PeerLinkLimit` (counted) when every link is held."""
+        while len(self._links) >= self.max_links:
+            key = next((k for k, t in self._links.items()
+                        if t.done() and not self._users.get(k)), None)
+            if key is None:
+                if self._on_refused is not None:
+                    self._on_refused()
+                raise PeerLinkLimit(
+                    f"this engine rank already links to {len(self._links)} remote ranks, all in "
+                    f"use by reads in flight; the limit is {self.max_links} "
+                    "(--max-peer-links-per-engine)")
+            task = self._links.pop(key)
+            if self._on_evict is not None:
+                self._on_evict()
+            if not task.cancelled() and task.exception() is None:
+                self._spawn_unload(task.result().agent, key)
 
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
         reader = (None if self._reader is None
@@ -160,16 +223,31 @@ class PeerLinks:
         if (task is not None and task.done() and not task.cancelled()
                 and task.exception() is None and task.result() is peer):
             del self._links[peer.key]
-        unload = asyncio.ensure_future(self._unload(peer.agent))
+        self._spawn_unload(peer.agent, peer.key)
+
+    def _spawn_unload(self, agent: str, key: Key) -> None:
+        unload = asyncio.ensure_future(self._unload(agent, key))
         self._unloading.add(unload)
         unload.add_done_callback(self._unloading.discard)
 
-    async def _unload(self, agent: str) -> None:
+    def _relinked(self, agent: str, key: Key) -> bool:
+        """Whether a newer link to the same rank uses (or may load) this agent again:
+        loading identical metadata is a no-op, so unloading would break it."""
+        task = self._links.get(key)
+        if task is None:
+            return False
+        if not task.done():
+            return True
+        return not task.cancelled() and task.exception() is None and task.result().agent == agent
+
+    async def _unload(self, agent: str, key: Key) -> None:
         """Remove the remote agent once no read uses it (NIXL refuses while one does)."""
         last: Exception | None = None
         for _ in range(_UNLOAD_TRIES):
             if not self._worker.running:
                 return  # the remote agent goes with the local one
+            if self._relinked(agent, key):
+                return
             try:
                 await self._worker.remove_remote(agent)
                 return

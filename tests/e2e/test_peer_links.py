@@ -1,0 +1,71 @@
+"""End to end: the links one engine rank keeps to remote ranks are bounded
+(``--max-peer-links-per-engine``): idle ones are evicted first, and when
+every link is held by a read in flight a new one is refused with a clear
+error, counted."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.sim.models import attn
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+
+def _sample(sidecar: SidecarProcess, sample: str, **labels: str) -> float:
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_path) -> None:
+    d = SidecarProcess(tmp_path, "links-d", args=[
+        "--max-peer-links-per-engine", "2", "--handshake-timeout", "60",
+        "--metrics-port", "0"]).start()
+    A = SimEngine(pool.uid("A"), attn(8), 2, 96, pool.p[:2])
+    B = SimEngine(pool.uid("B"), attn(8), 1, 96, pool.p[2:3])
+    D = SimEngine(pool.uid("D"), attn(8), 1, 96, [d])
+    silent = socket.socket()  # accepts TCP connections, never speaks ZMQ
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        # Read X holds both links: A rank 0 (linked) and rank 1 (a handshake that
+        # never answers, so X stays in flight).
+        x = A.prefill("x", Request(seed=1, prompt_tokens=24), timeout_s=60)
+        x.remote = RemoteEngine(x.remote.engine_id, 2,
+                                [x.remote.handshake[0], f"127.0.0.1:{silent.getsockname()[1]}"])
+        D.start_read(x)
+        # Read Y needs a third link: none is idle, so it is refused, naming the flag.
+        D.start_read(B.prefill("y", Request(seed=2, prompt_tokens=24)))
+        y = D.wait_for(["y"])["y"][0]
+        assert y.kind == "failed" and "--max-peer-links-per-engine" in y.reason, y
+        assert "PeerLinkLimit" in y.reason and "the limit is 2" in y.reason
+        assert _sample(d, "kvsidecar_limit_refusals_total", engine=D.engine_id,
+                       limit="peer_links") == 1
+        D.finish("y")
+        B.wait_for(["y"])  # its hold ended (the failed read abandoned it)
+        # X ends (aborted): its links are idle now, and the next read evicts them.
+        D.clients[0].release(D.engine_id, "x")
+        assert D.wait_for(["x"])["x"][0].kind == "aborted"
+        D.finish("x")
+        A.clients[1].release(A.engine_id, "x")  # X's abandon for rank 1 went to the silent socket
+        A.wait_for(["x"])
+        D.start_read(B.prefill("y2", Request(seed=3, prompt_tokens=24)))
+        got = D.wait_for(["y2"])["y2"][0]
+        assert got.kind == "received", got
+        assert D.verify("y2") == []
+        assert _sample(d, "kvsidecar_peer_links_evicted_total", engine=D.engine_id) >= 1
+    finally:
+        silent.close()
+        for e in (D, B, A):
+            e.close()
+        assert d.stop() == 0
