@@ -182,7 +182,9 @@ class FdServer:
 
     def _refuse(self, conn: socket.socket, reason: str, message: str) -> None:
         self.refused += 1
-        log.warning("fd socket: refused a connection (%s)", reason)
+        if self.refused <= 10 or self.refused % 1000 == 0:  # a flood must not flood the log
+            log.warning("fd socket: refused a connection (%s; %d refused so far)", reason,
+                        self.refused)
         if self._on_refuse is not None:
             self._on_refuse(reason)
         with contextlib.suppress(OSError):

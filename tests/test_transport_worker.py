@@ -507,3 +507,72 @@ async def test_transport_note_names_ucx_tls() -> None:
     note = transport_note()
     assert "UCX_TLS" in note
     assert "cma" in note or "tcp" in note
+
+
+@pytest.mark.timeout(180)
+async def test_an_agent_that_cannot_be_created_again_is_retried_and_registrations_follow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read to a dead peer resets the agent. The first two re-creations fail (a
+    named fake for UCX finding no usable device, which the netns test causes for
+    real by cutting the link): the read is still reported at once (the old agent
+    is gone), new work fails naming why, the engine reads as not ready
+    (``down_reason``), and a registration dropped meanwhile is forgotten, so the
+    agent created on the third try registers only what is still registered."""
+    resets: list[Any] = []
+    w = NixlWorker(f"down-{uuid.uuid4().hex[:8]}", on_reset=resets.append)
+    await w.start()
+    keep, drop = ShmBuf(MiB), ShmBuf(MiB)
+    name = f"peer-{uuid.uuid4().hex[:8]}"
+    region = ShmBuf(65536)
+    p = Peer(name)
+    try:
+        reg_keep = await w.register([(keep.addr, keep.nbytes)])
+        reg_drop = await w.register([(drop.addr, drop.nbytes)])
+        md, addr, _ = await p.call("register", region.path, timeout=60.0)
+        assert await w.add_remote(md) == name
+        p.proc.kill()
+        p.proc.wait()
+        p.conn.close()
+
+        real = w._create_agent
+        failures = {"left": 2}
+        registered: list[int] = []
+
+        def flaky() -> Any:  # FAKE: the device is gone for two tries
+            if failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("Failed to create UCX context: No such device (fake)")
+            return real()
+
+        real_register = w._register_descs
+
+        def counting(regions: Any, mem_type: str, dev_id: int) -> Any:
+            registered.append(regions[0][0])
+            return real_register(regions, mem_type, dev_id)
+
+        monkeypatch.setattr(w, "_create_agent", flaky)
+        monkeypatch.setattr(w, "_register_descs", counting)
+        with pytest.raises(NixlError, match=name):
+            await asyncio.wait_for(w.read(name, i64([keep.addr]), i64([addr]), i64([4096]),
+                                          timeout_s=5.0), 60)
+        assert "No such device" in w.down_reason and w.running
+        with pytest.raises(NixlError, match="agent is down since"):
+            await w.metadata()
+        await w.deregister(reg_drop)  # while down: forgotten, never registered again
+        drop.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not resets:
+            assert loop.time() < deadline, "the agent was never created again"
+            await asyncio.sleep(0.05)
+        assert w.down_reason == "" and failures["left"] == 0
+        assert registered == [keep.addr]  # only what is still registered
+        assert resets[0].agent_name == w.agent_name and w.agent_name.endswith("-g3")
+        assert await w.metadata() == resets[0].metadata
+        await w.deregister(reg_keep)
+    finally:
+        if p.proc.poll() is None:
+            p.close()
+        await w.stop()
+        keep.close()
+        region.close()
