@@ -121,6 +121,10 @@ def _proc_stats(pid: int) -> dict[str, int]:
 class Target:
     side: SidecarProcess
     good: SidecarClient
+    #: the fuzzed engine's own client: it keeps talking, so the target engine stays
+    #: registered (an engine silent for --engine-lease is released) and mutated
+    #: requests reach its hold book instead of 'unknown_engine'
+    owner: SidecarClient
     sent: int = 0
     answered: int = 0
     checks: int = 0
@@ -137,6 +141,7 @@ class Target:
         """The well-behaved engine's turn: served, promptly enough to not time out."""
         assert self.good.ping().version == 1
         assert self.good.poll(GOOD) == []
+        self.owner.poll(TARGET)  # whatever the fuzzed holds ended with; it must answer
         self.checks += 1
         if self.good_peer is not None:
             self.behave_as_peer()
@@ -174,7 +179,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     good.register(GOOD, 0, LAYOUT, allocate=True)
     owner = SidecarClient(side.socket, timeout_s=60)
     owner.register(TARGET, 0, LAYOUT, allocate=True)
-    t = Target(side, good)
+    t = Target(side, good, owner)
     try:
         yield t
     finally:
