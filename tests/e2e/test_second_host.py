@@ -1,7 +1,7 @@
 """A real second host: P and D sidecars in two network namespaces joined by a
 veth pair, UCX over TCP on that link, every byte checked by the oracle; then
 the link is cut (veth down) while the sidecars are linked, and the reads
-that follow fail within the read timeout while P's holds are released.
+that follow fail (their lease claims go unanswered) while P's holds expire.
 Second test: the link is cut while a 384 MiB read is on the wire; D reports
 exactly that read failed, no byte lands after the report (not even once the
 link is back), P's hold ends at its lease bound, and D reads oracle-exact
@@ -133,10 +133,11 @@ def test_every_byte_crosses_the_link_then_a_cut_fails_the_reads(link: Link,
             assert all(k == {"failed"} for k in kinds.values()), kinds
             print(f"\nlink cut: {len(cut)}/{len(cut)} reads failed, the last {waited:.1f} s "
                   f"after the cut (read timeout {READ_TIMEOUT_S} s)")
-            # P's holds of the failed reads are released (expired), never sent.
+            # P's holds of the failed reads are released, never sent: `expired` at
+            # their deadline, since nothing D sends (claim, abandon) crosses the cut.
             p_got = P.wait_for(cut, timeout_s=120)
             for rid in cut:
-                assert {c.kind for c in p_got[rid].values()} <= {"expired", "aborted"}, p_got[rid]
+                assert {c.kind for c in p_got[rid].values()} == {"expired"}, p_got[rid]
         assert p.alive() and d.alive()
     finally:
         p.stop()
