@@ -64,6 +64,7 @@ class EngineRank:
     hold_timeout_s: float
     notif_grace_s: float
     hold_lease_s: float = 10.0
+    hold_max_life_s: float = 600.0
     max_early_notifications: int = 4096
     instance: str = ""
     pid_visible: bool = False
@@ -92,6 +93,7 @@ class EngineRank:
     def __post_init__(self) -> None:
         self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
                               on_done=self.hold_done, lease_s=self.hold_lease_s,
+                              max_life_s=self.hold_max_life_s,
                               max_early=self.max_early_notifications)
 
     def complete(self, c: Completion) -> None:

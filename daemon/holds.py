@@ -17,7 +17,10 @@ while its read is pending; each claim or renewal moves the deadline to at
 least ``receipt + lease_s`` on this clock. The reader noted its own send time
 ``t0`` and treats the lease as valid until ``t0 + lease_s`` on its clock,
 which is never later than this deadline. So P frees blocks only after every
-lease a reader may still rely on has run out.
+lease a reader may still rely on has run out. Renewals have an end whatever
+a reader does: no lease reaches past ``max(timeout_s, max_life_s)`` after
+the hold was placed (``--hold-max-life``); near it leases are granted short,
+then refused, and the reader's read fails.
 
 Asynchronous scheduling: notifications, claims and abandons may arrive
 before the engine calls ``hold``; they wait ``grace_s`` seconds in a bounded
@@ -79,6 +82,7 @@ class _Hold:
     done_engines: set[str] = field(default_factory=set)
     failures: dict[str, str] = field(default_factory=dict)  # reading engine -> first failure
     lease_until: float = 0.0  # the latest lease granted to any reader
+    cap: float = math.inf  # no lease reaches past this (placed + max(timeout, max life))
     released: str = ""  # the engine released it while a lease still ran: ends at lease_until
 
 
@@ -123,8 +127,10 @@ class HoldBook:
 
     def __init__(self, *, default_timeout_s: float, grace_s: float,
                  on_done: Callable[[HoldOutcome], None], lease_s: float = 10.0,
-                 max_early: int = 4096, max_ended: int = 65536) -> None:
+                 max_early: int = 4096, max_ended: int = 65536,
+                 max_life_s: float = math.inf) -> None:
         self.default_timeout_s = default_timeout_s
+        self.max_life_s = max_life_s
         self.grace_s = grace_s
         self.lease_s = lease_s
         self.max_early = max_early
@@ -160,8 +166,9 @@ class HoldBook:
         key = (engine_id, request_id)
         if key in self._holds:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
-        h = _Hold(engine_id, request_id, p_tp, readers,
-                  now + (timeout_s if timeout_s is not None else self.default_timeout_s))
+        timeout = timeout_s if timeout_s is not None else self.default_timeout_s
+        h = _Hold(engine_id, request_id, p_tp, readers, now + timeout,
+                  cap=now + max(timeout, self.max_life_s))
         self._ended.pop(key, None)  # the engine holds this id again: a new hold
         self._holds[key] = h
         early = self._early.pop(key, None)
@@ -210,9 +217,13 @@ class HoldBook:
         if h is not None:
             if h.released:
                 return Lease(False, reason=f"the hold of {request_id!r} was {h.released}")
-            h.deadline = max(h.deadline, now + self.lease_s)
-            h.lease_until = max(h.lease_until, now + self.lease_s)
-            return Lease(True, self.lease_s)
+            lease = min(self.lease_s, h.cap - now)
+            if lease <= 0:
+                return Lease(False, reason=f"the hold of {request_id!r} reached its longest "
+                                           f"life ({self.max_life_s:g} s, --hold-max-life)")
+            h.deadline = max(h.deadline, now + lease)
+            h.lease_until = max(h.lease_until, now + lease)
+            return Lease(True, lease)
         ended = self._ended.get(key)
         if ended is not None:
             return Lease(False, reason=f"the hold of {request_id!r} has ended ({ended})")

@@ -410,7 +410,7 @@ class Sidecar:
                 mem_type=mem_type, dev_id=device.index, device_uuid=device.uuid,
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
-            hold_lease_s=self.settings.hold_lease_s,
+            hold_lease_s=self.settings.hold_lease_s, hold_max_life_s=self.settings.hold_max_life_s,
             max_early_notifications=self.settings.max_early_notifications,
             metrics=self.metrics,
             on_complete=self._traced_completion if self.tracing.enabled else None,

@@ -30,6 +30,7 @@ class Settings:
     read_timeout_s: float = 60.0
     engine_lease_s: float = 30.0
     hold_lease_s: float = 10.0
+    hold_max_life_s: float = 600.0
     max_reads_per_engine: int = 4096
     max_holds_per_engine: int = 65536
     max_completions_per_engine: int = 65536
@@ -179,6 +180,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("HOLD_LEASE", "10"),
                    help="seconds each claim or renewal by a reader keeps a hold alive; readers "
                         "renew every third of it while they read (env KVSIDECAR_HOLD_LEASE)")
+    p.add_argument("--hold-max-life", type=_number(float, "HOLD_MAX_LIFE"),
+                   default=_env("HOLD_MAX_LIFE", "600"),
+                   help="seconds after which no renewal keeps a hold alive any more, whatever "
+                        "its readers do (a hold with a longer timeout_s keeps that) "
+                        "(env KVSIDECAR_HOLD_MAX_LIFE)")
     p.add_argument("--max-reads-per-engine", type=_number(int, "MAX_READS_PER_ENGINE"),
                    default=_env("MAX_READS_PER_ENGINE", "4096"),
                    help="reads one engine rank may have in flight (env "
@@ -266,7 +272,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not backends:
         raise ConfigError("--backends (env KVSIDECAR_BACKENDS) names no backend; e.g. UCX")
     for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout",
-                 "engine_lease", "health_timeout", "hold_lease"):
+                 "engine_lease", "health_timeout", "hold_lease", "hold_max_life"):
         value = getattr(ns, name)
         if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
@@ -311,6 +317,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         read_timeout_s=ns.read_timeout,
         engine_lease_s=ns.engine_lease,
         hold_lease_s=ns.hold_lease,
+        hold_max_life_s=ns.hold_max_life,
         max_reads_per_engine=ns.max_reads_per_engine,
         max_holds_per_engine=ns.max_holds_per_engine,
         max_completions_per_engine=ns.max_completions_per_engine,

@@ -234,3 +234,33 @@ def test_a_release_without_readers_ends_at_once() -> None:
     b, done = leased()
     b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
     assert b.release("P", "r", now=1) and [d.kind for d in done] == ["aborted"]
+
+
+def test_renewals_cannot_keep_a_hold_past_its_longest_life() -> None:
+    """Whatever a reader does (a D that renews forever), a hold's leases end at
+    placement + max(timeout_s, max_life_s): granted short near the cap, then refused."""
+    done: list[HoldOutcome] = []
+    b = HoldBook(default_timeout_s=10, grace_s=5, on_done=done.append, lease_s=4,
+                 max_life_s=30)
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
+    for t in range(0, 28, 2):
+        assert b.claim("P", "r", now=t) == Lease(True, 4)
+    assert b.claim("P", "r", now=28) == Lease(True, 2)  # only up to the cap
+    refused = b.claim("P", "r", now=30)
+    assert not refused.granted and "--hold-max-life" in refused.reason
+    b.expire(29.9)
+    assert done == []
+    b.expire(30)
+    assert [d.kind for d in done] == ["expired"]
+
+
+def test_a_long_timeout_is_kept_beyond_the_longest_life() -> None:
+    done: list[HoldOutcome] = []
+    b = HoldBook(default_timeout_s=10, grace_s=5, on_done=done.append, lease_s=4,
+                 max_life_s=30)
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=100, now=0)
+    assert b.claim("P", "r", now=90) == Lease(True, 4)
+    assert b.claim("P", "r", now=99) == Lease(True, 1)
+    assert not b.claim("P", "r", now=100).granted
+    b.expire(100)
+    assert [d.kind for d in done] == ["expired"]
