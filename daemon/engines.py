@@ -133,6 +133,7 @@ class EngineRank:
 def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
                 shm_prefix: str = "kvs", owner_uid: int | None = None,
                 memory: str = "shm", gpu: Gpu | None = None,
+                reserved: Region | None = None,
                 ) -> tuple[list[Region], bool]:
     """Map (attach) or create (allocate) the engine's regions; (regions, owned).
 
@@ -147,11 +148,11 @@ def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef]
     could have it map, and expose to peers, another tenant's memory. Each kind
     is served by an entry of :mod:`kvsidecar.daemon.memory_kinds`.
     """
-    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu)
+    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu, reserved)
     if mode == "allocate":
         if refs:
             raise RequestError(BAD_REQUEST, "allocate mode takes no region references")
-        return memory_kinds.allocate(memory, layout, ctx), True
+        return memory_kinds.allocate(memory, layout.num_regions, layout.region_bytes, ctx), True
     if len(refs) != layout.num_regions:
         raise RequestError(BAD_REQUEST, f"layout has {layout.num_regions} regions, "
                                         f"{len(refs)} region references were sent")

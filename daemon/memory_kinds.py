@@ -21,7 +21,6 @@ from kvsidecar.ipc.memory import (
     ENGINE_SHM_PREFIX,
     RegionError,
     ShmRegion,
-    allocate_for_layout,
     unique_name,
 )
 from kvsidecar.ipc.protocol import (
@@ -31,9 +30,10 @@ from kvsidecar.ipc.protocol import (
     MemfdRef,
     RegionRef,
     RequestError,
+    ReservedRef,
     ShmRef,
 )
-from kvsidecar.ipc.regions import Device, Region
+from kvsidecar.ipc.regions import Device, Region, RegionView
 
 
 class Gpu(Protocol):
@@ -62,9 +62,12 @@ class MemoryContext:
     shm_prefix: str = "kvs"
     owner_uid: int | None = None
     gpu: Gpu | None = None
+    #: the allocation this engine made with ``Reserve`` (``reserved`` views map into it)
+    reserved: Region | None = None
 
 
-Allocator = Callable[[Layout, MemoryContext], list[Region]]
+Allocator = Callable[[int, int, MemoryContext], list[Region]]
+"""(count, nbytes, context) -> ``count`` regions of ``nbytes``, all or none."""
 Attacher = Callable[[Sequence[RegionRef], Layout, MemoryContext], list[Region]]
 
 #: Kinds every sidecar serves.
@@ -83,15 +86,24 @@ def _prefix(ctx: MemoryContext) -> str:
     return f"{ctx.shm_prefix}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.engine_id)[:40]
 
 
-def _allocate_shm(layout: Layout, ctx: MemoryContext) -> list[Region]:
-    return list(allocate_for_layout(layout, _prefix(ctx)))
-
-
-def _allocate_memfd(layout: Layout, ctx: MemoryContext) -> list[Region]:
+def _allocate_shm(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
     out: list[Region] = []
     try:
-        for _ in range(layout.num_regions):
-            out.append(MemfdRegion.create(unique_name(_prefix(ctx)), layout.region_bytes))
+        for _ in range(count):
+            out.append(ShmRegion.create(unique_name(_prefix(ctx)), nbytes))
+    except BaseException:
+        for r in out:
+            r.close()
+            r.unlink()
+        raise
+    return out
+
+
+def _allocate_memfd(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
+    out: list[Region] = []
+    try:
+        for _ in range(count):
+            out.append(MemfdRegion.create(unique_name(_prefix(ctx)), nbytes))
     except BaseException:
         for r in out:
             r.close()
@@ -100,10 +112,10 @@ def _allocate_memfd(layout: Layout, ctx: MemoryContext) -> list[Region]:
 
 
 def _allocate_cuda(kind: str) -> Allocator:
-    def alloc(layout: Layout, ctx: MemoryContext) -> list[Region]:
+    def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
         if ctx.gpu is None:
             raise RequestError(BAD_REQUEST, refusal(kind, ctx))
-        return ctx.gpu.allocate(kind, layout.num_regions, layout.region_bytes)
+        return ctx.gpu.allocate(kind, count, nbytes)
     return alloc
 
 
@@ -134,6 +146,22 @@ def _attach_cuda_ipc(refs: Sequence[RegionRef], layout: Layout,
     return ctx.gpu.attach_ipc(ipc, ctx.owner_uid)
 
 
+def _attach_reserved(refs: Sequence[RegionRef], layout: Layout,
+                     ctx: MemoryContext) -> list[Region]:
+    parent = ctx.reserved
+    if parent is None:
+        raise RequestError(BAD_REQUEST, f"engine {ctx.engine_id[:200]!r} has no reservation "
+                                        "here (send Reserve first, from the same user)")
+    out: list[Region] = []
+    for i, ref in enumerate(refs):
+        assert isinstance(ref, ReservedRef)
+        if ref.offset + ref.nbytes > parent.nbytes:
+            raise RequestError(BAD_REQUEST, f"region {i} ({ref.nbytes} B at {ref.offset}) ends "
+                                            f"past the {parent.nbytes} B reservation")
+        out.append(RegionView(parent, ref.offset, ref.nbytes))
+    return out
+
+
 def _not_attachable(kind: str) -> Attacher:
     def refuse(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
         raise RequestError(BAD_REQUEST, f"attach mode cannot take {kind!r} regions: they are "
@@ -151,22 +179,23 @@ ALLOCATORS: Final[dict[str, Allocator]] = {
 ATTACHERS: Final[dict[type[RegionRef], Attacher]] = {
     ShmRef: _attach_shm,
     CudaIpcRef: _attach_cuda_ipc,
+    ReservedRef: _attach_reserved,
     MemfdRef: _not_attachable("memfd"),
     CudaVmmRef: _not_attachable("cuda_vmm"),
 }
 
 
-def allocate(kind: str, layout: Layout, ctx: MemoryContext) -> list[Region]:
-    """Allocate ``layout.num_regions`` regions of ``kind`` (all or none)."""
+def allocate(kind: str, count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
+    """Allocate ``count`` regions of ``nbytes`` of ``kind`` (all or none)."""
     alloc = ALLOCATORS.get(kind)
     if alloc is None:
         raise RequestError(BAD_REQUEST, f"unknown memory kind {kind!r} "
                                         f"(known: {', '.join(ALLOCATORS)})")
     try:
-        return alloc(layout, ctx)
+        return alloc(count, nbytes, ctx)
     except (RegionError, OSError) as e:
-        raise RequestError(BAD_REQUEST, f"cannot allocate {layout.num_regions} {kind} regions "
-                                        f"of {layout.region_bytes} B: {e}") from None
+        raise RequestError(BAD_REQUEST, f"cannot allocate {count} {kind} regions "
+                                        f"of {nbytes} B: {e}") from None
 
 
 def attach(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvsidecar.daemon import notifications
+from kvsidecar.daemon import memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
@@ -47,6 +47,7 @@ from kvsidecar.daemon.engines import (
 from kvsidecar.daemon.fd_server import FdServer
 from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.holds import Report
+from kvsidecar.daemon.memory_kinds import MemoryContext
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
@@ -61,6 +62,7 @@ from kvsidecar.daemon.peers.messages import (
 from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
+from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
@@ -90,6 +92,8 @@ from kvsidecar.ipc.protocol import (
     Reply,
     Request,
     RequestError,
+    Reserve,
+    Reserved,
 )
 from kvsidecar.ipc.regions import FdExport, Region, uniform
 from kvsidecar.metrics.registry import Metrics
@@ -103,7 +107,7 @@ MAX_DECLARED_READERS = 65536
 #: How often the event loop samples its own lag and the state gauges.
 SAMPLE_PERIOD_S = 0.5
 
-_REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold})
+_REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``."""
 
 
@@ -176,7 +180,10 @@ class Sidecar:
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
+            Reserve: self._reserve,
         }
+        #: allocations engines reserved before registering (vLLM's KV pool)
+        self._reservations = Reservations()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -246,6 +253,8 @@ class Sidecar:
             await asyncio.wait(list(self._background), timeout=60)
         for engine_id in list(self._engines):
             await self._drop_engine(engine_id, "daemon shutting down")
+        for engine_id in self._reservations.engine_ids():
+            await self._drop_reservation(engine_id)
         await self._hs_server.stop()
         await self._hs_client.close()
         self._planner.shutdown(wait=False, cancel_futures=True)
@@ -303,6 +312,11 @@ class Sidecar:
         return self._engine(req.engine_id).poll(req.ack, req.epoch)
 
     async def _deregister(self, req: Deregister) -> Reply:
+        peer = current_peer.get()
+        if (req.engine_id not in self._engines
+                and self._reservations.of(req.engine_id, peer.uid if peer else None)):
+            await self._drop_reservation(req.engine_id)  # reserved, never registered
+            return Ok()
         self._engine(req.engine_id)
         # Shielded: a caller that gives up (or a shutdown) must not cut the
         # release short between forgetting the engine and freeing its memory.
@@ -365,9 +379,10 @@ class Sidecar:
         # off the loop, so other engines keep being served meanwhile.
         peer = current_peer.get()
         uid = peer.uid if peer is not None else None
+        reserved = self._reservations.of(req.engine_id, uid)
         mapping = asyncio.get_running_loop().run_in_executor(
             None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix,
-            uid, req.memory, self._gpu)
+            uid, req.memory, self._gpu, reserved.region if reserved else None)
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -433,16 +448,51 @@ class Sidecar:
                           fd_socket=self._fds.path if eng.fd_token else "")
 
     def _offer_fds(self, eng: EngineRank) -> str:
+        return self._offer(eng.regions, eng.uid, f"engine {eng.engine_id!r} rank "
+                                                 f"{eng.tp_rank}") if eng.owned else ""
+
+    def _offer(self, regions: list[Region], uid: int | None, what: str) -> str:
         """Offer the fds of an allocation whose kind travels by fd (memfd, CUDA
-        VMM) on the fd socket, to the uid that registered; '' when none do."""
-        exported = [r for r in eng.regions if isinstance(r, FdExport)]
-        if not eng.owned or not exported:
+        VMM) on the fd socket, to the uid that made it; '' when none do."""
+        exported = [r for r in regions if isinstance(r, FdExport)]
+        if not exported:
             return ""
-        token = self._fds.offer([r.fd for r in exported], eng.uid,
-                                f"engine {eng.engine_id!r} rank {eng.tp_rank}")
+        token = self._fds.offer([r.fd for r in exported], uid, what)
         for i, r in enumerate(exported):
             r.share(token, i)
         return token
+
+    async def _reserve(self, req: Reserve) -> Reply:
+        """One allocation of ``nbytes`` for an engine that learns its layout from
+        its own allocator (see daemon/reservations.py)."""
+        peer = current_peer.get()
+        uid = peer.uid if peer is not None else None
+        if req.engine_id in self._engines:
+            raise RequestError(DUPLICATE, f"engine {req.engine_id[:200]!r} is registered "
+                                          "already; reserve before registering")
+        again = self._reservations.check_room(req.engine_id, uid, req.nbytes, req.memory)
+        if again is None:
+            ctx = MemoryContext(req.engine_id, self._shm_prefix, uid, self._gpu)
+            (region,) = await asyncio.get_running_loop().run_in_executor(
+                None, memory_kinds.allocate, req.memory, 1, req.nbytes, ctx)
+            if self._reservations.of(req.engine_id, uid) is not None:  # raced by a retry
+                await self._release_regions([region], True)
+                again = self._reservations.of(req.engine_id, uid)
+            else:
+                again = Reservation(req.engine_id, uid, req.memory, region)
+                again.fd_token = self._offer([region], uid, f"reservation {req.engine_id!r}")
+                self._reservations.add(again)
+                log.info("reserved %d B of %s for engine %r", req.nbytes, req.memory,
+                         req.engine_id)
+        assert again is not None
+        return Reserved(region=again.region.ref(),
+                        fd_socket=self._fds.path if again.fd_token else "")
+
+    async def _drop_reservation(self, engine_id: str) -> None:
+        r = self._reservations.pop(engine_id)
+        if r is not None:
+            self._fds.withdraw(r.fd_token)
+            await self._release_regions([r.region], True)
 
     def _pid_visible(self, req: Register) -> bool:
         """Whether ``req.pid`` can serve as a liveness signal: only a pid of this
@@ -835,6 +885,7 @@ class Sidecar:
                 eng.worker.cleanup_failures)
         self._fds.withdraw(eng.fd_token)
         await self._release_regions(eng.regions, eng.owned)
+        await self._drop_reservation(engine_id)  # views into it were just released
         self.metrics.engines.set(len(self._engines))
         self.metrics.forget_engine(engine_id)
         log.info("engine %r released (%s)", engine_id, why)

@@ -32,7 +32,6 @@ import zmq.asyncio
 
 from .layout import Layout
 from .mapping import map_refs
-from .memory import ShmRegion
 from .protocol import (
     BAD_MESSAGE,
     BAD_REQUEST,
@@ -62,6 +61,8 @@ from .protocol import (
     RemoteEngine,
     Reply,
     Request,
+    Reserve,
+    Reserved,
     decode_reply,
     encode_request,
 )
@@ -214,7 +215,7 @@ def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:
         raise TypeError(f"block ids: expected an integer array, got dtype {a.dtype}")
 
 
-def _registration(reply: Registered, regions: Sequence[ShmRegion] | None) -> Registration:
+def _registration(reply: Registered, regions: Sequence[Region] | None) -> Registration:
     """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
     memfd / CUDA VMM kinds); the caller deregisters if this raises."""
     mapped: list[Region] = (list(regions) if regions is not None
@@ -273,7 +274,7 @@ class ClientCore:
     # ---- calls
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout,
-                 regions: Sequence[ShmRegion] | None, allocate: bool,
+                 regions: Sequence[Region] | None, allocate: bool,
                  keep_on_exit: bool, memory: MemoryKind = "shm") -> Call[Registration]:
         if allocate == (regions is not None):
             raise ValueError("register: pass either regions (attach mode) or allocate=True")
@@ -294,6 +295,12 @@ class ClientCore:
 
     def deregister(self, engine_id: str) -> Call[None]:
         _expect((yield Deregister(engine_id, id=self._next_id())), Ok)
+
+    def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind) -> Call[Region]:
+        reply = _expect((yield Reserve(engine_id, nbytes, memory, id=self._next_id())),
+                        Reserved)
+        (region,) = map_refs([reply.region], reply.fd_socket)
+        return region
 
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike,
@@ -390,7 +397,7 @@ class SidecarClient:
         self._core.timeout_s = value
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
-                 regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
+                 regions: Sequence[Region] | None = None, allocate: bool = False,
                  keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
         """``memory`` (allocate mode): what the sidecar allocates, ``shm``/``memfd``
         host memory or ``cuda_malloc``/``cuda_vmm`` on its GPU."""
@@ -399,6 +406,13 @@ class SidecarClient:
 
     def deregister(self, engine_id: str) -> None:
         self._run(self._core.deregister(engine_id))
+
+    def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind = "memfd") -> Region:
+        """Have the sidecar allocate one region of ``nbytes`` for ``engine_id`` and
+        map it here; register ``RegionView``s into it later (attach mode). For
+        engines that learn their layout from their own allocation (vLLM: see
+        :mod:`kvsidecar.ipc.kv_pool`). ``deregister(engine_id)`` drops it."""
+        return self._run(self._core.reserve(engine_id, nbytes, memory))
 
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
@@ -539,13 +553,17 @@ class AsyncSidecarClient:
         self._core.timeout_s = value
 
     async def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
-                       regions: Sequence[ShmRegion] | None = None, allocate: bool = False,
+                       regions: Sequence[Region] | None = None, allocate: bool = False,
                        keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
         return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
                                                    allocate, keep_on_exit, memory))
 
     async def deregister(self, engine_id: str) -> None:
         await self._run(self._core.deregister(engine_id))
+
+    async def reserve(self, engine_id: str, nbytes: int,
+                      memory: MemoryKind = "memfd") -> Region:
+        return await self._run(self._core.reserve(engine_id, nbytes, memory))
 
     async def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,

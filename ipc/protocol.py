@@ -35,13 +35,16 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 1
+PROTOCOL_MINOR: Final = 2
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
 * 0: the original protocol.
 * 1: a hold's completion lists its ``readers`` (:class:`ReaderReport`); a
   ``received`` completion carries ``descriptors``.
+* 2: region kinds (``memfd``, ``cuda_ipc``, ``cuda_vmm``), ``Register.memory``,
+  ``Registered.fd_socket``, and :class:`Reserve` with ``reserved`` region
+  views (a fixed-size allocation the engine's allocator carves its KV from).
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields); anything an older
@@ -181,7 +184,16 @@ class CudaVmmRef(_RegionRefBase, tag="cuda_vmm", frozen=True, forbid_unknown_fie
     alloc_bytes: Annotated[int, Meta(ge=1)]
 
 
-RegionRef: TypeAlias = ShmRef | MemfdRef | CudaIpcRef | CudaVmmRef
+class ReservedRef(_RegionRefBase, tag="reserved", frozen=True, forbid_unknown_fields=True):
+    """``nbytes`` at ``offset`` into the allocation the registering engine made
+    with :class:`Reserve` (attach mode): the sidecar's own memory, so it
+    registers its own pointer and nothing is imported or re-exported."""
+
+    offset: NonNegative
+    nbytes: Annotated[int, Meta(ge=1)]
+
+
+RegionRef: TypeAlias = ShmRef | MemfdRef | CudaIpcRef | CudaVmmRef | ReservedRef
 #: What ``Register.memory`` may ask a sidecar to allocate (allocate mode).
 MemoryKind: TypeAlias = Literal["shm", "memfd", "cuda_malloc", "cuda_vmm"]
 MEMORY_KINDS: Final = ("shm", "memfd", "cuda_malloc", "cuda_vmm")
@@ -228,6 +240,23 @@ class Register(_RequestBase, tag="register", frozen=True):
     pid_ns: Annotated[str, Meta(max_length=64)] = ""
     instance: Annotated[str, Meta(max_length=64)] = ""
     memory: MemoryKind = "shm"
+
+
+#: Largest reservation one request may ask for (a GPU's memory is well below).
+MAX_RESERVE_BYTES: Final = 1 << 42
+
+
+class Reserve(_RequestBase, tag="reserve", frozen=True):
+    """Allocate one region of ``nbytes`` of kind ``memory`` for ``engine_id``
+    before it knows its layout (vLLM allocates its KV cache as one buffer and
+    learns the layout from it). Answered with :class:`Reserved`; the engine
+    then registers (attach mode) :class:`ReservedRef` views into it. One
+    reservation per engine id; it goes with the registration, or with a
+    ``Deregister`` of the engine id if it never registers."""
+
+    engine_id: EngineId
+    nbytes: Annotated[int, Meta(ge=1, le=MAX_RESERVE_BYTES)]
+    memory: MemoryKind = "memfd"
 
 
 class Deregister(_RequestBase, tag="deregister", frozen=True):
@@ -310,8 +339,8 @@ class Ping(_RequestBase, tag="ping", frozen=True):
     """Liveness and version check; answered with :class:`Pong`."""
 
 
-Request: TypeAlias = Register | Deregister | Read | Hold | Release | Poll | Ping
-REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping)
+Request: TypeAlias = Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
+REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve)
 
 
 # --------------------------------------------------------------------------
@@ -339,6 +368,13 @@ class Registered(_ReplyBase, tag="registered"):
     regions: list[RegionRef] = []
     #: Where the file descriptors of ``memfd``/``cuda_vmm`` regions are fetched
     #: (a Unix socket next to the engine socket); empty when none are needed.
+    fd_socket: str = ""
+
+
+class Reserved(_ReplyBase, tag="reserved"):
+    """The reservation: map ``region`` (fds from ``fd_socket`` where its kind needs them)."""
+
+    region: RegionRef
     fd_socket: str = ""
 
 
@@ -418,8 +454,8 @@ class Error(_ReplyBase, tag="error"):
     message: str
 
 
-Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error
-REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error)
+Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error | Reserved
+REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error, Reserved)
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Final, Literal, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from .protocol import CudaIpcRef, CudaVmmRef, MemfdRef, RegionRef, ShmRef
+from .protocol import CudaIpcRef, CudaVmmRef, MemfdRef, RegionRef, ReservedRef, ShmRef
 
 MemType: TypeAlias = Literal["DRAM", "VRAM"]
 MEM_TYPES: Final[tuple[MemType, ...]] = ("DRAM", "VRAM")
@@ -86,6 +86,7 @@ REF_MEM_TYPE: Final[dict[type[RegionRef], MemType]] = {
     CudaIpcRef: "VRAM",
     CudaVmmRef: "VRAM",
 }
+# ReservedRef has no memory type of its own: it is its reservation's.
 
 #: Kinds whose references carry file descriptors fetched over the fd socket.
 FD_REFS: Final[frozenset[type[RegionRef]]] = frozenset({MemfdRef, CudaVmmRef})
@@ -109,6 +110,12 @@ def uniform(regions: list[Region], what: str = "regions") -> tuple[MemType, Devi
     return first.mem_type, first.device
 
 
+class Referable(Protocol):
+    """Anything attach mode can send: it names its memory with a reference."""
+
+    def ref(self) -> RegionRef: ...
+
+
 @runtime_checkable
 class FdExport(Protocol):
     """A region shared by passing a file descriptor (memfd, CUDA VMM POSIX fd)."""
@@ -118,3 +125,48 @@ class FdExport(Protocol):
 
     def share(self, token: str, index: int) -> None:
         """Record that the fd travels as number ``index`` of the set ``token`` names."""
+
+
+class RegionView:
+    """``nbytes`` at ``offset`` into another region (a reservation): same memory
+    type and device; the parent's owner frees it, so :meth:`close` only
+    forgets the view."""
+
+    def __init__(self, parent: Region, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 1 or offset + nbytes > parent.nbytes:
+            raise ValueError(f"view of {nbytes} B at {offset} does not fit {parent.nbytes} B")
+        self.parent = parent
+        self.offset = offset
+        self._nbytes = nbytes
+
+    @property
+    def address(self) -> int:
+        return self.parent.address + self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def mem_type(self) -> MemType:
+        return self.parent.mem_type
+
+    @property
+    def device(self) -> Device:
+        return self.parent.device
+
+    @property
+    def name(self) -> str:
+        return f"{self.parent.name}[{self.offset}:+{self._nbytes}]"
+
+    def ref(self) -> RegionRef:
+        return ReservedRef(self.offset, self._nbytes)
+
+    def numpy(self) -> npt.NDArray[np.uint8]:
+        return self.parent.numpy()[self.offset:self.offset + self._nbytes]
+
+    def close(self) -> None:
+        """The parent's owner frees the memory."""
+
+    def unlink(self) -> None:
+        """Nothing of its own to unlink."""

@@ -31,6 +31,7 @@ from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
+from kvsidecar.ipc.regions import Region, RegionView
 from kvsidecar.sim.models import MakeLayout
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
 
@@ -163,7 +164,8 @@ class SimEngine:
 
     def __init__(self, engine_id: str, make: MakeLayout, tp: int, num_blocks: int,
                  sidecars: Sequence[SidecarProcess | str], *, attach: bool = False,
-                 timeout_s: float = 30.0, memory: MemoryKind = "shm") -> None:
+                 timeout_s: float = 30.0, memory: MemoryKind = "shm",
+                 reserve: bool = False) -> None:
         if len(sidecars) != tp:
             raise ValueError(f"engine {engine_id}: {tp} ranks need {tp} sidecars")
         self.engine_id = engine_id
@@ -173,8 +175,20 @@ class SimEngine:
                         for s in sidecars]
         self.registrations: list[Registration] = []
         self._own: list[list[ShmRegion]] = []
+        self._reserved: list[Region] = []
         for rank, client in enumerate(self.clients):
-            if attach:
+            if reserve:
+                # The vLLM path (ipc/kv_pool.py): one reservation, the KV buffer carved
+                # from it, the layout's regions registered as views at gapped offsets.
+                stride = self.layout.region_bytes + 4096
+                res = client.reserve(engine_id, stride * self.layout.num_regions + 4096,
+                                     memory)
+                self._reserved.append(res)
+                views = [RegionView(res, 4096 + i * stride, self.layout.region_bytes)
+                         for i in range(self.layout.num_regions)]
+                self.registrations.append(client.register(engine_id, rank, self.layout,
+                                                          regions=views))
+            elif attach:
                 mine = allocate_for_layout(self.layout, f"{ENGINE_SHM_PREFIX}{engine_id}-{rank}")
                 self._own.append(mine)
                 self.registrations.append(client.register(engine_id, rank, self.layout,
@@ -261,6 +275,8 @@ class SimEngine:
             for r in mine:
                 r.close()
                 r.unlink()
+        for res in self._reserved:
+            res.close()
 
     # ------------------------------------------------------------ P role
 
@@ -322,17 +338,17 @@ def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarPr
             uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,
             n_d: int = 1, attach: bool = False, blocks: int = 96,
             memory: MemoryKind = "shm", d_memory: MemoryKind | None = None,
-            ) -> Iterator[tuple[SimEngine, list[SimEngine]]]:
+            reserve: bool = False) -> Iterator[tuple[SimEngine, list[SimEngine]]]:
     """A P engine of ``p_tp`` ranks and ``n_d`` D engines of ``d_tp`` ranks, closed after."""
     made: list[SimEngine] = []
     try:
         P = SimEngine(uid("P"), make, p_tp, blocks, p_sidecars[:p_tp], attach=attach,
-                      memory=memory)
+                      memory=memory, reserve=reserve)
         made.append(P)
         ds = []
         for _ in range(n_d):
             D = SimEngine(uid("D"), make, d_tp, blocks, d_sidecars[:d_tp], attach=attach,
-                          memory=memory if d_memory is None else d_memory)
+                          memory=memory if d_memory is None else d_memory, reserve=reserve)
             made.append(D)
             ds.append(D)
         yield P, ds

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.ipc.client import BadRequest, SidecarClient
+from kvsidecar.ipc.client import BadRequest, Duplicate, SidecarClient
 from kvsidecar.ipc.memfd import MemfdRegion
 from kvsidecar.ipc.memory import ShmRegion
-from kvsidecar.ipc.protocol import CudaIpcRef, MemfdRef
+from kvsidecar.ipc.protocol import CudaIpcRef, MemfdRef, ReservedRef
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
 
@@ -70,3 +70,49 @@ class _Ref:
 
     def ref(self) -> object:
         return self._ref
+
+
+@pytest.mark.parametrize("memory", ["memfd", "shm"])
+def test_reserved_views_transfer(pool, memory: str) -> None:
+    """The vLLM path (ipc/kv_pool.py): each rank reserves one allocation, then
+    registers the layout's regions as views at gapped offsets into it; the
+    sidecar registers its own memory. Hybrid P tp1 -> D tp2, oracle-checked."""
+    with pool.engines(hybrid, 1, 2, memory=memory, reserve=True) as (P, (D,)):
+        rids = []
+        for i, tokens in enumerate((33, 140)):
+            rid = f"reserved-{memory}-{i}"
+            D.start_read(P.prefill(rid, Request(seed=70 + i, prompt_tokens=tokens)))
+            rids.append(rid)
+        assert_received(D, rids)
+        assert_sent(P, rids)
+
+
+def test_reservation_rules(pool) -> None:
+    c = SidecarClient(pool.d[1].socket, timeout_s=30)
+    eid = pool.uid("res")
+    layout = attn(2)(1, 8)
+    try:
+        r = c.reserve(eid, 1 << 20)
+        again = c.reserve(eid, 1 << 20)  # a retry: the same reservation, mapped again
+        r.numpy()[:3] = 5
+        assert again.numpy()[:3].tolist() == [5, 5, 5]
+        again.close()
+        with pytest.raises(Duplicate, match="already has a reservation"):
+            c.reserve(eid, 2 << 20)
+        from kvsidecar.ipc.regions import RegionView
+
+        with pytest.raises(BadRequest, match="ends past the 1048576 B reservation"):
+            c.register(eid, 0, layout, regions=[  # type: ignore[list-item]
+                _Ref(ReservedRef((1 << 20) - layout.region_bytes + 1, layout.region_bytes))
+                for _ in range(layout.num_regions)])
+        with pytest.raises(BadRequest, match="has no reservation here"):
+            c.register(pool.uid("nores"), 0, layout,
+                       regions=[RegionView(r, 0, layout.region_bytes)] * layout.num_regions)
+        c.deregister(eid)  # drops a reservation that never registered
+        fresh = c.reserve(eid, 2 << 20)  # so a new size is accepted now
+        assert fresh.nbytes == 2 << 20 and fresh.numpy()[:3].tolist() == [0, 0, 0]
+        fresh.close()
+        c.deregister(eid)
+        r.close()
+    finally:
+        c.close()

@@ -1,0 +1,72 @@
+"""Allocations an engine reserved before it knew its layout (``Reserve``).
+
+vLLM allocates its KV cache as one buffer and derives the layout from it; a
+memory pool in the engine (:mod:`kvsidecar.ipc.kv_pool`) therefore asks the
+sidecar for one fixed-size allocation first, carves vLLM's buffer from it,
+and then registers ``reserved`` views into it. The sidecar registers its own
+memory: nothing is imported, nothing re-exported (the GPU case needs that).
+
+One owner: this table holds each reservation until its engine's registration
+ends (or, never registered, until a ``Deregister`` of its engine id or the
+sidecar's shutdown). Bounded: at most ``limit`` reservations per sidecar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsidecar.ipc.protocol import DUPLICATE, UNAVAILABLE, RequestError
+from kvsidecar.ipc.regions import Region
+
+__all__ = ["MAX_RESERVATIONS", "Reservation", "Reservations"]
+
+MAX_RESERVATIONS = 64
+
+
+@dataclass
+class Reservation:
+    engine_id: str
+    uid: int | None
+    memory: str
+    region: Region
+    fd_token: str = ""
+
+
+class Reservations:
+    def __init__(self, limit: int = MAX_RESERVATIONS) -> None:
+        self.limit = limit
+        self._by_engine: dict[str, Reservation] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_engine)
+
+    def check_room(self, engine_id: str, uid: int | None, nbytes: int,
+                   memory: str) -> Reservation | None:
+        """The same reservation again (a retry: returned), or room for a new one
+        (None); otherwise a RequestError naming why not."""
+        old = self._by_engine.get(engine_id)
+        if old is not None:
+            if old.uid == uid and old.memory == memory and old.region.nbytes == nbytes:
+                return old
+            raise RequestError(DUPLICATE, f"engine {engine_id[:200]!r} already has a "
+                                          "reservation (deregister the engine id to drop it)")
+        if len(self._by_engine) >= self.limit:
+            raise RequestError(UNAVAILABLE, f"this sidecar holds {self.limit} reservations "
+                                            "already (the limit): register or deregister them")
+        return None
+
+    def add(self, r: Reservation) -> None:
+        self._by_engine[r.engine_id] = r
+
+    def of(self, engine_id: str, uid: int | None) -> Reservation | None:
+        """The engine's reservation, only for the uid that made it."""
+        r = self._by_engine.get(engine_id)
+        if r is None or (r.uid is not None and uid is not None and r.uid != uid):
+            return None
+        return r
+
+    def pop(self, engine_id: str) -> Reservation | None:
+        return self._by_engine.pop(engine_id, None)
+
+    def engine_ids(self) -> list[str]:
+        return list(self._by_engine)
