@@ -2,8 +2,8 @@
 
 The P sidecar runs under ``prlimit --nofile=1024:1024`` (soft and hard 1024,
 harsher than systemd's 1024 soft / 524288 hard, which the daemon would raise).
-A flood of 1,100 TCP connections on its handshake port and 300 on its engine
-socket must not starve or kill it: the registered engines keep moving bytes
+A flood of 1,100 TCP connections on its handshake port, 300 on its engine
+socket and 300 on its fd socket must not starve or kill it: the registered engines keep moving bytes
 (checked by the oracle), excess connections are shut, and it exits cleanly.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.sim.cluster import SidecarProcess, engines
 from kvsidecar.sim.models import hybrid
 from kvsidecar.sim.oracle import Request
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 HANDSHAKE_FLOOD = 1100
 ENGINE_FLOOD = 300
+FD_FLOOD = 300
 
 
 def _transfer(P, D, rid: str, seed: int) -> None:  # type: ignore[no-untyped-def]
@@ -45,7 +47,7 @@ def _open_fds(pid: int) -> int:
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_connection_flood_neither_starves_nor_kills_the_sidecar(tmp_path: Path) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < HANDSHAKE_FLOOD + ENGINE_FLOOD + 200:
+    if hard != resource.RLIM_INFINITY and hard < HANDSHAKE_FLOOD + ENGINE_FLOOD + FD_FLOOD + 200:
         pytest.skip(f"this test process may open only {hard} fds")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     p = SidecarProcess(tmp_path, "p", launcher=["prlimit", "--nofile=1024:1024", "--"]).start()
@@ -67,9 +69,18 @@ def test_a_connection_flood_neither_starves_nor_kills_the_sidecar(tmp_path: Path
                     flood.append(u)
                 except OSError:
                     u.close()
+            for _ in range(FD_FLOOD):  # silent: the first 64 wait out their 5 s
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    u.connect(fd_socket_for(p.socket))
+                    flood.append(u)
+                except OSError:
+                    u.close()
             fds_in_flood = _open_fds(p.proc.pid)
             deadline = time.monotonic() + 120
-            while "refused a connection" not in p.read_log():
+            doors = ("handshake socket: refused a connection", "engine socket: refused a "
+                     "connection", "fd socket: refused a connection (connection_limit")
+            while not all(door in p.read_log() for door in doors):
                 assert time.monotonic() < deadline, p.read_log()
                 time.sleep(0.2)
             # The registered engines are still served while the flood holds on.
