@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvsidecar-installed
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: test test-fast system-deps demo lint bench chaos clean fuzz fuzz-engine fuzz-peer
+.PHONY: test test-fast system-deps demo lint bench bench-quick chaos clean fuzz fuzz-engine fuzz-peer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +52,13 @@ lint: $(STAMP)
 	MYPYPATH=.typecheck $(VENV)/bin/mypy -m kvsidecar.cli -p kvsidecar.daemon -p kvsidecar.ipc \
 		-p kvsidecar.metrics -p kvsidecar.sim
 
+# Every figure of issue #12 against its baseline, measured in the same run:
+# writes benchmarks/RESULTS.md (full: < 8 min on the 2-core machine; quick: < 3 min).
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/planner_descriptors.py
+	$(VENV)/bin/python benchmarks/run.py --scale full
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/python benchmarks/run.py --scale quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -30,32 +30,49 @@ def bare_agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
-def _target(span: int, conn: Connection) -> None:
+def _target(span: int, conn: Connection, spin: bool = False) -> None:
     agent = bare_agent("raw-target")
+    seen: dict[bytes, float] = {}  # message -> perf_counter when it arrived (spin mode)
     with ShmRegion.create(unique_name("raw"), span) as region:
         region.numpy()[:] = 7
         descs = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
         agent.register_memory(descs)
         conn.send((agent.get_agent_metadata(), region.address))
+        if spin:  # acknowledgements need the initiator's metadata
+            agent.add_remote_agent(conn.recv())
         done = False
         while not done:
-            for msgs in agent.get_new_notifs().values():
+            for peer, msgs in agent.get_new_notifs().items():
+                now = time.perf_counter()
+                for m in msgs:
+                    if spin and bytes(m) not in seen:
+                        agent.send_notif(peer, b"ack")  # the initiator waits for it
+                    seen.setdefault(bytes(m), now)
                 done = done or b"stop" in msgs
-            time.sleep(0.0001)
+            if not spin:
+                time.sleep(0.0001)
         agent.deregister_memory(descs)
+    conn.send(seen)
 
 
 class RawPair:
     """An initiator agent here and a target agent in a child process, each with
     ``span`` bytes of registered shared memory (the target's filled with 7s)."""
 
-    def __init__(self, span: int) -> None:
+    def __init__(self, span: int, *, spin: bool = False) -> None:
+        """``spin``: the target polls notifications without sleeping and records
+        when each arrived (CLOCK_MONOTONIC, shared by both processes), which
+        :attr:`arrivals` returns after the pair closes."""
         self.span = span
+        self.spin = spin
+        self.arrivals: dict[bytes, float] = {}
 
     def __enter__(self) -> RawPair:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target, args=(self.span, child), daemon=True)
+        self._proc = ctx.Process(target=_target, args=(self.span, child, self.spin),
+                                 daemon=True)
+        self._conn = parent
         self._proc.start()
         self.agent = bare_agent("raw-initiator")
         self.region = ShmRegion.create(unique_name("raw"), self.span)
@@ -65,6 +82,8 @@ class RawPair:
             raise RuntimeError("raw NIXL target did not start")
         meta, self.remote_addr = parent.recv()
         self.peer = self.agent.add_remote_agent(meta)
+        if self.spin:
+            parent.send(self.agent.get_agent_metadata())
         return self
 
     def table(self, base: int, slots: np.ndarray, size: int) -> np.ndarray:
@@ -89,6 +108,8 @@ class RawPair:
                 self.agent.get_new_notifs()
                 time.sleep(0.001)
             self.agent.deregister_memory(self._reg)
+            if self._conn.poll(10):
+                self.arrivals = self._conn.recv()
         finally:
             self.region.close()
             self.region.unlink()
@@ -115,3 +136,34 @@ def raw_read_seconds(nbytes: int, repeats: int = 3, descriptors: int = 1) -> flo
         if int(pair.region.numpy()[0]) != 7:
             raise RuntimeError("raw NIXL read moved no data")
         return float(best)
+
+
+def raw_latencies(nbytes: int, count: int) -> list[float]:
+    """Seconds from posting a one-descriptor READ of ``nbytes`` (with a
+    notification) until both the initiator saw it DONE and the target received
+    the notification, ``count`` times after a warm-up: the round trip a
+    sidecar's small read stands in for. Both sides poll without sleeping."""
+    out: list[float] = []
+    with RawPair(2 * nbytes, spin=True) as pair:
+        one = np.zeros(1, np.int64)
+        local = pair.agent.get_xfer_descs(pair.table(pair.region.address, one, nbytes), "DRAM")
+        remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, one, nbytes), "DRAM")
+        starts, dones = [], []
+        for i in range(count + 1):
+            t0 = time.perf_counter()
+            pair.finish(pair.agent.initialize_xfer("READ", local, remote, pair.peer,
+                                                   f"t{i}".encode()))
+            starts.append(t0)
+            dones.append(time.perf_counter())
+            # The notification leaves only while this side progresses its worker:
+            # progress until the target says it arrived (its clock says when).
+            deadline = time.monotonic() + 10
+            while not pair.agent.get_new_notifs():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("raw NIXL target did not acknowledge a notification")
+    for i in range(1, count + 1):
+        seen = pair.arrivals.get(f"t{i}".encode())
+        if seen is None:
+            raise RuntimeError(f"raw NIXL target never received notification {i}")
+        out.append(max(dones[i], seen) - starts[i])
+    return out
