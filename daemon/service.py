@@ -176,6 +176,8 @@ class Sidecar:
         self._hs_bound = ""
         #: start-up transport self-check: None while it runs (or when off)
         self.transport_check: CheckResult | None = None
+        #: the same on the GPU's memory (GPU sidecars only): None while it runs
+        self.vram_check: CheckResult | None = None
         # One handler per request type (each takes exactly that type).
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
@@ -760,6 +762,21 @@ class Sidecar:
             "transport self-check %s: path %s (%s), loopback READ %.2f GB/s; %s",
             "passed" if r.passed else "FAILED", r.path, ",".join(r.transports) or "-",
             r.bandwidth_bytes_s / 1e9, r.detail)
+        gpu = self._gpu
+        if gpu is None:
+            return
+        try:  # the same READ between two buffers on the GPU, judged by its facts
+            v = await run_check(self.settings.transport_check, 256 << 20, device=gpu.ordinal)
+        except Exception as e:
+            v = CheckResult("error", (), 0.0, 0, False, f"{type(e).__name__}: {e}")
+        self.vram_check = v
+        gpu.vram_check_passed = v.passed  # engine-allocated CUDA attach follows it (warn)
+        self.metrics.transport_info.labels(path=f"vram:{v.path}",
+                                           passed=str(v.passed).lower()).set(1)
+        (log.info if v.passed else log.error)(
+            "VRAM transport self-check %s: path %s (%s), loopback READ %.2f GB/s; %s",
+            "passed" if v.passed else "FAILED", v.path, ",".join(v.transports) or "-",
+            v.bandwidth_bytes_s / 1e9, v.detail)
 
     def engine_ids(self) -> list[str]:
         return list(self._engines)
@@ -790,6 +807,12 @@ class Sidecar:
         else:
             checks.append(Check("transport_selfcheck", r.passed,
                                 f"path {r.path}, {r.bandwidth_bytes_s / 1e9:.2f} GB/s: {r.detail}"))
+        if mode != "off" and self._gpu is not None:
+            v = self.vram_check
+            checks.append(Check("transport_selfcheck_vram", v is not None and v.passed,
+                                "still running" if v is None else
+                                f"path {v.path}, {v.bandwidth_bytes_s / 1e9:.2f} GB/s: "
+                                f"{v.detail}"))
         checks.append(Check("not_draining", not self._stopping,
                             "draining: shutting down" if self._stopping else "serving"))
         self.metrics.ready.set(all(c.ok for c in checks))

@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from kvsidecar.daemon.transport.gpu_facts import DeviceFacts, expected_vram_path, judge_vram
+
 #: Transport name prefix (UCX's "tl/device") -> the path operators care about.
 PATHS: dict[str, str] = {
     "cma": "cma", "knem": "cma", "xpmem": "shm", "posix": "shm", "sysv": "shm",
@@ -109,9 +111,13 @@ def judge(path: str, mode: str) -> tuple[bool, str]:
     return False, f"cannot tell which path READs take ({path})"
 
 
-async def run_check(mode: str, nbytes: int = 32 << 20, timeout_s: float = 120.0) -> CheckResult:
-    """Run the loopback check in a child process and judge it."""
-    env = {**os.environ, "UCX_PROTO_INFO": "y", "KVSIDECAR_CHECK_BYTES": str(nbytes)}
+async def run_check(mode: str, nbytes: int = 32 << 20, timeout_s: float = 120.0,
+                    device: int | None = None) -> CheckResult:
+    """Run the loopback check in a child process and judge it; with ``device``
+    the READ is between two buffers on that GPU (VRAM), judged against what the
+    device's facts say should be possible (``gpu_facts``)."""
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "KVSIDECAR_CHECK_BYTES": str(nbytes),
+           "KVSIDECAR_CHECK_DEVICE": "" if device is None else str(device)}
     env.pop("UCX_LOG_FILE", None)
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -137,7 +143,21 @@ async def run_check(mode: str, nbytes: int = 32 << 20, timeout_s: float = 120.0)
         return CheckResult("error", (), 0.0, nbytes, False, f"loopback READ failed: {why}")
     transports = read_transports(text)
     path = classify(transports)
-    passed, detail = judge(path, mode)
+    facts = verdict.get("facts")
+    if device is not None and isinstance(facts, dict):
+        known = {k: v for k, v in facts.items() if k in DeviceFacts.__dataclass_fields__}
+        df = DeviceFacts(**known)
+        expected, why = expected_vram_path(
+            df, get_zcopy=os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto"))
+        passed, detail = judge_vram(path, expected, mode)
+        detail = (f"{detail} (expected: {expected or 'nothing zero-copy'}, {why}; "
+                  f"UCX {df.ucx_version or '?'}, dma-buf {df.dma_buf}, GPUDirect RDMA "
+                  f"{df.gpudirect_rdma}, VMM RDMA {df.vmm_rdma}, nvidia_peermem "
+                  f"{df.nvidia_peermem}, NVLinks {df.nvlinks})")
+    else:
+        passed, detail = judge(path, mode)
+        if verdict.get("ucx"):
+            detail = f"{detail} (UCX {verdict.get('ucx')})"
     bandwidth = verdict.get("bandwidth")
     bw = float(bandwidth) if isinstance(bandwidth, (int, float)) else 0.0
     return CheckResult(path, transports, bw, nbytes, passed, detail)
@@ -154,23 +174,61 @@ def _last_json(text: str) -> dict[str, object] | None:
     return None
 
 
-def _loopback(nbytes: int) -> dict[str, object]:
-    """Child body: agent ``a`` READs ``nbytes`` from agent ``b``; best of three."""
-    import numpy as np
+class _Buffers:
+    """The two buffers of the loopback READ: host arrays, or (``device`` set)
+    two cuMemAlloc allocations on that GPU filled from / read back to host."""
+
+    def __init__(self, nbytes: int, device: int | None) -> None:
+        import numpy as np
+
+        self.device = device
+        self.src_host = np.frombuffer(os.urandom(4096), np.uint8).repeat(
+            max(1, nbytes // 4096))[:nbytes].copy()
+        self.n = int(self.src_host.size)
+        self.mem = "DRAM" if device is None else "VRAM"
+        self.dev_id = 0 if device is None else device
+        if device is None:
+            self.dst_host = np.zeros_like(self.src_host)
+            self.src, self.dst = self.src_host.ctypes.data, self.dst_host.ctypes.data
+            return
+        from kvsidecar.ipc import cuda
+
+        cuda.make_current(device)
+        self._drv = drv = cuda.driver()
+        self.src = int(cuda.check(drv.cuMemAlloc(self.n), "cuMemAlloc"))
+        self.dst = int(cuda.check(drv.cuMemAlloc(self.n), "cuMemAlloc"))
+        cuda.check(drv.cuMemcpyHtoD(self.src, self.src_host.ctypes.data, self.n), "HtoD")
+        cuda.check(drv.cuMemsetD8(self.dst, 0, self.n), "cuMemsetD8")
+
+    def same(self) -> bool:
+        import numpy as np
+
+        if self.device is None:
+            return bool(np.array_equal(self.src_host, self.dst_host))
+        from kvsidecar.ipc import cuda
+
+        back = np.zeros_like(self.src_host)
+        cuda.check(self._drv.cuMemcpyDtoH(back.ctypes.data, self.dst, self.n), "DtoH")
+        return bool(np.array_equal(self.src_host, back))
+
+
+def _loopback(nbytes: int, device: int | None = None) -> dict[str, object]:
+    """Child body: agent ``a`` READs ``nbytes`` from agent ``b``; best of three.
+    Host memory, or GPU memory of ``device`` (VRAM descriptors with its id)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from kvsidecar.daemon.transport.gpu_facts import ucx_version
+
+    bufs = _Buffers(nbytes, device)
     cfg = nixl_agent_config(backends=["UCX"])
     tag = f"{os.getpid()}"
     a, b = nixl_agent(f"kvs-check-a-{tag}", cfg), nixl_agent(f"kvs-check-b-{tag}", cfg)
-    src = np.frombuffer(os.urandom(4096), np.uint8).repeat(max(1, nbytes // 4096))[:nbytes]
-    src = src.copy()
-    dst = np.zeros_like(src)
-    n = int(src.size)
-    a.register_memory(a.get_reg_descs([(dst.ctypes.data, n, 0, "")], "DRAM"))
-    b.register_memory(b.get_reg_descs([(src.ctypes.data, n, 0, "")], "DRAM"))
+    n, mem, dev = bufs.n, bufs.mem, bufs.dev_id
+    a.register_memory(a.get_reg_descs([(bufs.dst, n, dev, "")], mem))
+    b.register_memory(b.get_reg_descs([(bufs.src, n, dev, "")], mem))
     peer = a.add_remote_agent(b.get_agent_metadata())
-    local = a.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
-    remote = a.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM")
+    local = a.get_xfer_descs([(bufs.dst, n, dev)], mem)
+    remote = a.get_xfer_descs([(bufs.src, n, dev)], mem)
     best = float("inf")
     for _ in range(3):
         handle = a.initialize_xfer("READ", local, remote, peer, b"")
@@ -183,14 +241,21 @@ def _loopback(nbytes: int) -> dict[str, object]:
         a.release_xfer_handle(handle)
         if state != "DONE":
             return {"ok": False, "error": f"READ ended in state {state}"}
-    if not np.array_equal(src, dst):
+    if not bufs.same():
         return {"ok": False, "error": "bytes read differ from the source"}
-    return {"ok": True, "bandwidth": n / best}
+    out: dict[str, object] = {"ok": True, "bandwidth": n / best, "ucx": ucx_version()}
+    if device is not None:
+        from kvsidecar.daemon.transport.gpu_facts import gather
+
+        out["facts"] = gather(device).as_dict()
+    return out
 
 
 def main() -> None:
     try:
-        verdict = _loopback(int(os.environ.get("KVSIDECAR_CHECK_BYTES", str(32 << 20))))
+        device = os.environ.get("KVSIDECAR_CHECK_DEVICE", "")
+        verdict = _loopback(int(os.environ.get("KVSIDECAR_CHECK_BYTES", str(32 << 20))),
+                            int(device) if device else None)
     except Exception as e:  # reported to the parent, which decides
         verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     sys.stdout.flush()
