@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.daemon.peer_auth import load_keys
-from kvsidecar.ipc.client import SidecarClient
+from kvsidecar.ipc.client import SidecarClient, UnknownEngine
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
@@ -129,6 +129,9 @@ class Target:
     answered: int = 0
     checks: int = 0
     peer_checks: int = 0
+    #: times a fuzzed request deregistered the target (an op mutated into
+    #: 'deregister') and its owner registered it again
+    reregistered: int = 0
     stats: list[dict[str, int]] = field(default_factory=list)
     #: a second fleet member's own connection to the handshake port, once opened
     good_peer: _Channel | None = None
@@ -141,7 +144,11 @@ class Target:
         """The well-behaved engine's turn: served, promptly enough to not time out."""
         assert self.good.ping().version == 1
         assert self.good.poll(GOOD) == []
-        self.owner.poll(TARGET)  # whatever the fuzzed holds ended with; it must answer
+        try:
+            self.owner.poll(TARGET)  # whatever the fuzzed holds ended with; it must answer
+        except UnknownEngine:  # a fuzzed 'deregister' of the target: register it again
+            self.owner.register(TARGET, 0, LAYOUT, allocate=True)
+            self.reregistered += 1
         self.checks += 1
         if self.good_peer is not None:
             self.behave_as_peer()
@@ -261,7 +268,8 @@ def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, 
     after = _proc_stats(target.pid())
     print(f"\nfuzz {label}: {count['n']} inputs in {time.monotonic() - t0:.0f} s, all answered "
           f"once; well-behaved engine served {target.checks} times, well-behaved peer "
-          f"{target.peer_checks} times; daemon before {before}, after {after}; "
+          f"{target.peer_checks} times, target re-registered {target.reregistered} times; "
+          f"daemon before {before}, after {after}; "
           f"load average {os.getloadavg()}; replies {dict(sorted(chan.kinds.items()))}")
     assert target.side.alive()
     assert after["fds"] <= before["fds"] + 8, (before, after)
