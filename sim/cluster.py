@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
@@ -196,10 +198,14 @@ class SimEngine:
             else:
                 self.registrations.append(client.register(engine_id, rank, self.layout,
                                                           allocate=True, memory=memory))
-        self.buffers = [[r.numpy() for r in reg.regions] for reg in self.registrations]
-        for bufs in self.buffers:
+        # Host memory is checked in place; GPU memory through host mirrors that
+        # prefill pushes to the GPU and verify pulls back (the oracle is numpy).
+        self.buffers = [[r.numpy() if r.mem_type == "DRAM" else np.empty(r.nbytes, np.uint8)
+                         for r in reg.regions] for reg in self.registrations]
+        for rank, bufs in enumerate(self.buffers):
             for b in bufs:
                 b[:] = POISON
+            self._push(rank)
         self._free = list(range(num_blocks))
         self.receiving: dict[str, Receiving] = {}
         self.completions: dict[int, list[Completion]] = {r: [] for r in range(tp)}
@@ -285,6 +291,7 @@ class SimEngine:
         ids = self.blocks_for(req.prompt_tokens)
         for rank in range(self.tp):
             fill_shard(self.buffers[rank], self.layout, rank, ids, req)
+            self._push(rank)
             if hold:
                 self.clients[rank].hold(self.engine_id, request_id, ids, readers=readers,
                                         timeout_s=timeout_s)
@@ -323,10 +330,25 @@ class SimEngine:
                   for g in o.block_ids for b in g}
         problems = []
         for rank in range(self.tp):
+            self._pull(rank)
             problems += [f"rank {rank}: {p}" for p in check_received(
                 self.buffers[rank], self.layout, rank, rec.block_ids, rec.sent.req,
                 rec.skip_tokens, ignore_blocks=others)]
         return problems
+
+    def _push(self, rank: int) -> None:
+        """Copy GPU regions' host mirrors to the GPU (host regions are the memory)."""
+        for r, b in zip(self.registrations[rank].regions, self.buffers[rank]):
+            if r.mem_type == "VRAM":
+                import torch
+
+                r.torch().copy_(torch.from_numpy(b))  # type: ignore[attr-defined]
+                torch.cuda.synchronize()
+
+    def _pull(self, rank: int) -> None:
+        for r, b in zip(self.registrations[rank].regions, self.buffers[rank]):
+            if r.mem_type == "VRAM":
+                b[:] = r.torch().cpu().numpy()  # type: ignore[attr-defined]
 
     def finish(self, rid: str) -> None:
         rec = self.receiving.pop(rid)
