@@ -23,23 +23,33 @@ pytestmark = pytest.mark.e2e
 
 
 def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> None:
-    """A Release can cancel a read task before its first step; it must still report."""
+    """A Release can cancel a read task before its first step; it must still report,
+    and tell P: each read has its own hold, which ends ``sent`` when the read won
+    the race and ``aborted`` (the reader's abandon) when it was cancelled before
+    anything was posted."""
     with pool.engines(attn(8), 1, 1) as (P, (D,)):
-        sent = P.prefill("race", Request(seed=1, prompt_tokens=24))
         c = D.clients[0]
         rids = [f"race-{i}" for i in range(20)]
         used = []
-        for rid in rids:
-            ids = D.alloc(3)
+        for i, rid in enumerate(rids):
+            sent = P.prefill(f"p-{rid}", Request(seed=1 + i, prompt_tokens=8))
+            ids = D.alloc(1)
             used.append(ids)
             c.read(D.engine_id, rid, [ids], sent.remote, sent.block_ids,
-                   remote_request_id="race")
+                   remote_request_id=f"p-{rid}")
             c.release(D.engine_id, rid)
         got = D.wait_for(rids)
-        assert {got[r][0].kind for r in rids} <= {"aborted", "received"}
+        held = P.wait_for([f"p-{r}" for r in rids])
+        for rid in rids:
+            d, p = got[rid][0], held[f"p-{rid}"][0]
+            assert d.kind in ("aborted", "received"), d
+            if d.kind == "received" or "transfers had finished" in d.reason:
+                assert p.kind == "sent", (d, p)
+            else:
+                assert "nothing had been posted" in d.reason, d
+                assert p.kind == "aborted" and "gave up" in p.reason, (d, p)
         D.free(used)  # re-poison what the reads that won the race wrote
-        # Every id is free again: a new read under the same id is accepted. (A new
-        # hold: a read aborted after its claim abandons P's hold at once.)
+        # Every id is free again: a new read under the same id is accepted.
         sent = P.prefill("race-again", Request(seed=1, prompt_tokens=24))
         D.start_read(sent, request_id=rids[0])
         assert D.wait_for([rids[0]])[rids[0]][0].kind == "received"
