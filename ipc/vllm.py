@@ -187,6 +187,8 @@ class KvSidecarMetadata(KVConnectorMetadata):
     reads: list[ReadJob] = field(default_factory=list)
     holds: list[HoldJob] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
+    #: requests the scheduler preempted since the last step (their blocks are free)
+    preempted: list[str] = field(default_factory=list)
 
 
 def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
@@ -374,9 +376,9 @@ class _SchedulerSide:
         for rid in finished_recving or ():
             self._reading.discard(rid)
 
-    def build_meta(self) -> KvSidecarMetadata:
+    def build_meta(self, preempted: set[str] | None = None) -> KvSidecarMetadata:
         meta = KvSidecarMetadata(list(self._reads.values()), list(self._holds.values()),
-                                 sorted(self._releases))
+                                 sorted(self._releases), sorted(preempted or ()))
         self._reads.clear()
         self._holds.clear()
         self._releases.clear()
@@ -538,6 +540,28 @@ class _WorkerSide:
 
     # ------------------------------------------------------------ transfers
 
+    def preempted(self, meta: KvSidecarMetadata) -> None:
+        """Preemption frees a request's blocks for reuse at once, so no transfer
+        may still write into them. vLLM 0.33 preempts only running requests, and
+        a request runs only after its read was reported finished: a preempted
+        request has nothing in flight, and P's hold ended with D's notification.
+        Should a later vLLM preempt a request whose read is still in flight,
+        the read is released at once (P is told by the abort) and the breach
+        logged as an error: its blocks may be written until the abort lands."""
+        for rid in meta.preempted:
+            if rid in self._reading and rid not in self._released:
+                log.error("kvsidecar: request %s was preempted while its read was in "
+                          "flight; releasing it (its freed blocks may still be written "
+                          "until the abort completes)", rid)
+                self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        self._released.add(rid)
+        try:
+            self.client.release(self.engine_id, rid)
+        except SidecarError as e:  # finished meanwhile: its completion says how
+            log.debug("kvsidecar: release %s: %s", rid, e)
+
     def start(self, meta: KvSidecarMetadata) -> None:
         for h in meta.holds:
             self.client.hold(self.engine_id, h.request_id, h.block_ids,
@@ -545,11 +569,7 @@ class _WorkerSide:
             self._holding.add(h.request_id)
         for rid in meta.releases:
             if rid in self._reading:
-                self._released.add(rid)
-                try:
-                    self.client.release(self.engine_id, rid)
-                except SidecarError as e:  # finished meanwhile: its completion says how
-                    log.debug("kvsidecar: release %s: %s", rid, e)
+                self._release(rid)
         for job in meta.reads:
             self._start_read(job)
 
@@ -790,7 +810,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_meta()
+        return self._sched().build_meta(scheduler_output.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().update_connector_output(connector_output.finished_recving)
@@ -822,6 +842,10 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().handshake
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvSidecarMetadata)
+        self._work().preempted(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

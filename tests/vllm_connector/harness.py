@@ -202,6 +202,7 @@ class Engine:
         # computed; a partial prefill chunk samples nothing.
         sampled = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in req_ids]
         for w in self.workers:
+            w.handle_preemptions(so.kv_connector_metadata)  # as vLLM's runner, first
             w.bind_connector_metadata(so.kv_connector_metadata)
             w.start_load_kv(None)
             w.wait_for_save()

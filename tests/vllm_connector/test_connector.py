@@ -284,6 +284,62 @@ def test_full_prefix_hit_notifies_only(tmp_path: Path, sidecars: Sidecars,
         D.shutdown()
 
 
+def test_preemption_never_frees_blocks_a_read_may_write(sidecars: Sidecars,
+                                                      models: dict[bool, str]) -> None:
+    """Preemption through vLLM's real scheduler (``reset_prefix_cache`` preempts
+    every running request, as an operator's cache reset does).
+
+    While D's read is in flight the request is not running, so vLLM does not
+    preempt it (the reset refuses) and its blocks stay allocated: nothing can
+    be written into reused blocks. Once the read is done (P's hold ended ``sent``), the
+    request runs and may be preempted: the connector is told
+    (``handle_preemptions``), starts no second read, the sidecar writes
+    nothing more, and vLLM recomputes the request locally."""
+    P, D = pair(sidecars, models, 1, 1, False, {"x": 41})
+    p_seen, d_seen = record_completions(P), record_completions(D)
+    metas: list[Any] = []
+    step = D.step
+
+    def recording_step() -> Any:
+        so, agg = step()
+        metas.append(so.kv_connector_metadata)
+        return so, agg
+
+    D.step = recording_step  # type: ignore[method-assign]
+    tokens = 50
+    try:
+        params = prefill(P, "x", tokens, 41)
+        D.sched.add_request(request(D, "x", tokens, params, seed=41))
+        D.step()
+        assert D.sched.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        blocks = D.block_ids("x")
+        with pytest.raises(RuntimeError, match="waiting for remote KV transfer"):
+            D.sched.reset_prefix_cache(reset_running_requests=True)
+        assert D.sched.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert D.block_ids("x") == blocks  # still the read's, not freed
+        run_until(D, lambda: D.sched.requests["x"].status == RequestStatus.RUNNING)
+        verify(D, "x", tokens, 41)
+        run_until(P, lambda: "x" not in P.sched.requests)
+        assert [c.kind for c in p_seen["x"]] == ["sent"]
+
+        snapshot = [b.copy() for b in D.buffers(0)]
+        assert D.sched.reset_prefix_cache(reset_running_requests=True)
+        assert D.sched.requests["x"].status == RequestStatus.PREEMPTED
+        length = D.sched.requests["x"].num_tokens  # prompt + tokens generated so far
+        so, _ = D.step()
+        assert so.kv_connector_metadata.preempted == ["x"]
+        # Recomputed locally from scratch (the cache was reset), not read again.
+        assert so.num_scheduled_tokens == {"x": length}
+        run_until(D, lambda: "x" in D.outputs and D.outputs["x"][-1].finished)
+        assert [len(m.reads) for m in metas] == [1] + [0] * (len(metas) - 1)
+        assert [c.kind for c in d_seen["x"]] == ["received"]
+        assert all((a == b).all() for a, b in zip(snapshot, D.buffers(0))), "late write"
+        assert [c.kind for c in p_seen["x"]] == ["sent"]
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
 def test_d_abort_before_its_read_releases_p_hold(sidecars: Sidecars,
                                                  models: dict[bool, str]) -> None:
     """An abort before D scheduled the read still notifies P, which frees its blocks
