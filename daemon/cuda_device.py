@@ -26,9 +26,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsidecar.ipc import cuda
-from kvsidecar.ipc.cuda import CudaError, CudaRegion, check, handle_bytes, map_vmm, unmap_vmm
+from kvsidecar.ipc.cuda import (
+    CudaError,
+    CudaRegion,
+    ExportedVmmRegion,
+    check,
+    handle_bytes,
+    map_vmm,
+    unmap_vmm,
+)
 from kvsidecar.ipc.cuda_handles import AttachPolicy, decide_attach, vmm_alloc_bytes
-from kvsidecar.ipc.protocol import BAD_REQUEST, CudaIpcRef, CudaVmmRef, RequestError
+from kvsidecar.ipc.protocol import BAD_REQUEST, CudaIpcRef, RequestError
 from kvsidecar.ipc.regions import Device, Region
 
 log = logging.getLogger(__name__)
@@ -110,8 +118,8 @@ class CudaDevice:
         fd_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         prop.requestedHandleTypes = fd_type
         # A request CUDA may ignore; UCX checks the pointer attribute itself.
-        prop.allocFlags.gpuDirectRDMACapable = bool(
-            self.attribute("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
+        prop.allocFlags.gpuDirectRDMACapable = int(bool(
+            self.attribute("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED")))
         gran = int(check(drv.cuMemGetAllocationGranularity(
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
@@ -136,8 +144,7 @@ class CudaDevice:
         def release() -> None:
             unmap_vmm(drv, ptr, handle, size)
 
-        ref = CudaVmmRef("0" * 32, 0, self._device.uuid, nbytes, size)  # token set by share()
-        return CudaRegion(f"cuda_vmm#{i}", ptr, nbytes, self._device, ref, release, fd=fd)
+        return ExportedVmmRegion(f"cuda_vmm#{i}", ptr, nbytes, self._device, size, release, fd)
 
     # -- attach mode ----------------------------------------------------------------------------
 

@@ -125,18 +125,17 @@ class _CudaArray:
 
 
 class CudaRegion:
-    """One GPU region mapped in this process; :meth:`close` undoes what made it."""
+    """One GPU region mapped in this process; :meth:`close` undoes what made it
+    (with the GPU's context current: it may run on any thread)."""
 
-    def __init__(self, name: str, address: int, nbytes: int, device: Device, ref: RegionRef | None,
-                 release: Callable[[], None], fd: int = -1) -> None:
+    def __init__(self, name: str, address: int, nbytes: int, device: Device, ref: RegionRef,
+                 release: Callable[[], None]) -> None:
         self._name = name
         self._address = address
         self._nbytes = nbytes
         self._device = device
         self._ref = ref
         self._release: Callable[[], None] | None = release
-        self._fd = fd
-        self._share: tuple[str, int] | None = None
 
     @property
     def address(self) -> int:
@@ -162,24 +161,8 @@ class CudaRegion:
     def closed(self) -> bool:
         return self._release is None
 
-    @property
-    def fd(self) -> int:
-        """The exported POSIX fd of a VMM allocation (sidecar side)."""
-        if self._fd < 0:
-            raise RegionError(f"{self._name} has no exported file descriptor")
-        return self._fd
-
-    def share(self, token: str, index: int) -> None:
-        self._share = (token, index)
-
     def ref(self) -> RegionRef:
-        ref = self._ref
-        if isinstance(ref, CudaVmmRef) and self._share is not None:
-            return CudaVmmRef(self._share[0], self._share[1], ref.device_uuid, ref.nbytes,
-                              ref.alloc_bytes)
-        if ref is None or (isinstance(ref, CudaVmmRef) and self._share is None):
-            raise RegionError(f"{self._name} is not exported")
-        return ref
+        return self._ref
 
     def numpy(self) -> Any:
         raise RegionError(f"{self._name} is GPU memory: use .torch() for a CUDA tensor view")
@@ -201,11 +184,8 @@ class CudaRegion:
     def close(self) -> None:
         release, self._release = self._release, None
         if release is not None:
+            make_current(self._device.index)  # release may run on an executor thread
             release()
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     def unlink(self) -> None:
         """Nothing to unlink: GPU memory has no name; close() frees or unmaps it."""
@@ -213,6 +193,42 @@ class CudaRegion:
     def __repr__(self) -> str:
         return (f"CudaRegion({self._name!r}, {self._nbytes} B at {self._address:#x} on "
                 f"{self._device.uuid or self._device.index})")
+
+
+class ExportedVmmRegion(CudaRegion):
+    """A VMM allocation the sidecar made and exports as a POSIX fd: the fd
+    travels over the fd socket (the ``FdExport`` protocol), and the reference
+    names the fd set once :meth:`share` recorded it."""
+
+    def __init__(self, name: str, address: int, nbytes: int, device: Device, alloc_bytes: int,
+                 release: Callable[[], None], fd: int) -> None:
+        super().__init__(name, address, nbytes, device,
+                         CudaVmmRef("0" * 32, 0, device.uuid, nbytes, alloc_bytes), release)
+        self._fd = fd
+        self._alloc_bytes = alloc_bytes
+        self._share: tuple[str, int] | None = None
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise RegionError(f"{self.name}: its exported fd is closed")
+        return self._fd
+
+    def share(self, token: str, index: int) -> None:
+        self._share = (token, index)
+
+    def ref(self) -> RegionRef:
+        if self._share is None:
+            raise RegionError(f"{self.name} has not been offered on the fd socket")
+        return CudaVmmRef(self._share[0], self._share[1], self.device.uuid, self.nbytes,
+                          self._alloc_bytes)
+
+    def close(self) -> None:
+        super().close()
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def open_ipc(ref: CudaIpcRef) -> CudaRegion:

@@ -97,3 +97,25 @@ def test_attach_on_another_gpu_is_always_refused(policy: str) -> None:
 def test_attach_policy_values() -> None:
     with pytest.raises(ValueError, match="serve, warn, refuse"):
         attach_policy("maybe")
+
+
+def test_only_vmm_exports_travel_by_fd() -> None:
+    """The sidecar offers fds only for regions that have one: a cuda_malloc region
+    (legacy handle) must not look like an fd export, a VMM export must, and its
+    reference names the fd set only once it was offered."""
+    from kvsidecar.ipc.cuda import CudaRegion, ExportedVmmRegion
+    from kvsidecar.ipc.memory import RegionError
+    from kvsidecar.ipc.regions import Device, FdExport, Region, uniform
+
+    dev = Device(0, GPU)
+    ipc = CudaRegion("m", 1 << 40, 4096, dev, CudaIpcRef(b"\1" * 64, GPU, 4096), lambda: None)
+    vmm = ExportedVmmRegion("v", 1 << 41, 4096, dev, 2 << 20, lambda: None, fd=0)
+    assert isinstance(ipc, Region) and isinstance(vmm, Region)
+    assert not isinstance(ipc, FdExport) and isinstance(vmm, FdExport)
+    with pytest.raises(RegionError, match="not been offered"):
+        vmm.ref()
+    vmm.share("ab" * 16, 3)
+    assert vmm.ref() == CudaVmmRef("ab" * 16, 3, GPU, 4096, 2 << 20)
+    assert uniform([ipc, vmm]) == ("VRAM", dev)
+    with pytest.raises(RegionError, match="GPU memory: use .torch"):
+        ipc.numpy()
