@@ -117,5 +117,5 @@ def test_only_vmm_exports_travel_by_fd() -> None:
     vmm.share("ab" * 16, 3)
     assert vmm.ref() == CudaVmmRef("ab" * 16, 3, GPU, 4096, 2 << 20)
     assert uniform([ipc, vmm]) == ("VRAM", dev)
-    with pytest.raises(RegionError, match="GPU memory: use .torch"):
+    with pytest.raises(RegionError, match=r"GPU memory: use \.torch\(\)"):
         ipc.numpy()
