@@ -137,3 +137,6 @@ class ReaderLeases:
             log.info("could not tell P rank %d at %s that request %r was abandoned: %s "
                      "(it releases at its lease deadline)", claim.tp_rank, address,
                      claim.request_id, e.reason)
+        except Exception as e:  # e.g. an address the read named that is not one: log, never raise
+            log.info("could not tell P rank %d at %r that request %r was abandoned: %s",
+                     claim.tp_rank, address[:200], claim.request_id, e)
