@@ -14,6 +14,7 @@ ends of the veth pair (a private /30 picked per run).
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import os
@@ -303,3 +304,23 @@ def test_a_cut_mid_transfer_fails_that_read_and_nothing_lands_after(link: Link,
         P.close()
         assert d.stop() == 0, d.read_log()
         p.stop()
+
+
+_ADVERTISED = """
+import argparse, sys
+from kvsidecar.daemon import settings
+p = argparse.ArgumentParser()
+settings.add_arguments(p)
+print(settings.from_args(p.parse_args(["--handshake-host", sys.argv[1]])).advertised)
+"""
+
+
+def test_a_wildcard_bind_advertises_this_hosts_own_address(link: Link) -> None:
+    """On a host whose only network is the veth (no default route, no DNS name that
+    resolves): a wildcard bind advertises the veth's address, the one a peer can
+    dial, not ``gethostname()``; for IPv6 the global address, in brackets."""
+    v6 = str(ipaddress.IPv6Address(f"fd00:6b76:{secrets.token_hex(2)}::2"))  # canonical
+    _ip("-n", link.ns_d, "addr", "add", f"{v6}/64", "dev", link.dev_d, "nodad")
+    got = {host: _done(_in_ns(link.ns_d, _ADVERTISED, host)).strip()
+           for host in ("0.0.0.0", "::")}
+    assert got == {"0.0.0.0": link.addr_d, "::": f"[{v6}]"}, got
