@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -50,22 +49,20 @@ def test_gpu_sidecar_without_a_gpu_exits_with_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "cuda0.sock").exists()
 
 
-def _child_reads(kind: str, ref_bytes: bytes, fd_socket: str, expect: int) -> str:
-    """In another process: map the sidecar's export and check every byte."""
-    import msgspec
-    import torch
-
-    from kvsidecar.ipc.mapping import map_refs
-    from kvsidecar.ipc.protocol import RegionRef
-
-    ref = msgspec.msgpack.decode(ref_bytes, type=RegionRef)
-    (region,) = map_refs([ref], fd_socket)
-    t = region.torch()  # type: ignore[attr-defined]
-    ok = bool(torch.all(t == expect).item())
-    t.fill_(expect + 1)  # written back through the same memory
-    torch.cuda.synchronize()
-    region.close()
-    return "ok" if ok else "bytes differ"
+#: Run in a fresh interpreter: map the sidecar's export, check every byte, write back.
+CHILD = """
+import sys, msgspec, torch
+from kvsidecar.ipc.mapping import map_refs
+from kvsidecar.ipc.protocol import RegionRef
+ref = msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RegionRef)
+(region,) = map_refs([ref], sys.argv[2])
+t = region.torch()
+ok = bool(torch.all(t == int(sys.argv[3])).item())
+t.fill_(int(sys.argv[3]) + 1)
+torch.cuda.synchronize()
+region.close()
+print("ok" if ok else "bytes differ")
+"""
 
 
 @pytest.mark.gpu
@@ -94,10 +91,11 @@ def test_sidecar_allocation_is_shared_zero_copy(tmp_path: Path, kind: str) -> No
         try:
             if kind == "cuda_vmm":
                 region.share(srv.offer([region.fd], os.geteuid(), "test"), 0)  # type: ignore[attr-defined]
-            with mp.get_context("spawn").Pool(1) as pool:
-                return await asyncio.get_running_loop().run_in_executor(
-                    None, pool.apply, _child_reads,
-                    (kind, msgspec.msgpack.encode(region.ref()), srv.path, 7))
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CHILD, msgspec.msgpack.encode(region.ref()).hex(),
+                srv.path, "7", stdout=asyncio.subprocess.PIPE)
+            out, _ = await child.communicate()
+            return out.decode().strip()
         finally:
             await srv.stop()
 
