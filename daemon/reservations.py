@@ -7,13 +7,17 @@ and then registers ``reserved`` views into it. The sidecar registers its own
 memory: nothing is imported, nothing re-exported (the GPU case needs that).
 
 One owner: this table holds each reservation until its engine's registration
-ends (or, never registered, until a ``Deregister`` of its engine id or the
-sidecar's shutdown). Bounded: at most ``limit`` reservations per sidecar.
+ends; one never registered goes with a ``Deregister`` of its engine id, the
+sidecar's shutdown, or :meth:`Reservations.stale` after the engine lease (an
+engine that died between reserving and registering). Bounded: at most
+``limit`` reservations per sidecar.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from kvsidecar.ipc.protocol import DUPLICATE, UNAVAILABLE, RequestError
 from kvsidecar.ipc.regions import Region
@@ -30,6 +34,8 @@ class Reservation:
     memory: str
     region: Region
     fd_token: str = ""
+    #: monotonic time of the Reserve (or its last retry)
+    at: float = field(default_factory=time.monotonic)
 
 
 class Reservations:
@@ -47,6 +53,7 @@ class Reservations:
         old = self._by_engine.get(engine_id)
         if old is not None:
             if old.uid == uid and old.memory == memory and old.region.nbytes == nbytes:
+                old.at = time.monotonic()
                 return old
             raise RequestError(DUPLICATE, f"engine {engine_id[:200]!r} already has a "
                                           "reservation (deregister the engine id to drop it)")
@@ -70,3 +77,9 @@ class Reservations:
 
     def engine_ids(self) -> list[str]:
         return list(self._by_engine)
+
+    def stale(self, now: float, lease_s: float, registered: Collection[str]) -> list[str]:
+        """Engine ids whose reservation is older than ``lease_s`` with no registration
+        (``registered``: the engines registered or registering now)."""
+        return [e for e, r in self._by_engine.items()
+                if e not in registered and now - r.at > lease_s]

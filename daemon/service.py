@@ -852,6 +852,13 @@ class Sidecar:
                 if now - last_liveness_check >= 1.0:
                     last_liveness_check = now
                     self._check_liveness(now)
+                    busy = set(self._engines) | set(self._registering)
+                    for engine_id in self._reservations.stale(
+                            now, self.settings.engine_lease_s, busy):
+                        log.warning("engine %r reserved memory but did not register within "
+                                    "--engine-lease (%g s): releasing the reservation",
+                                    engine_id, self.settings.engine_lease_s)
+                        self._spawn(self._drop_reservation(engine_id))
             except Exception:  # housekeeping must outlive any single bad entry
                 log.exception("housekeeping pass failed; continuing")
 

@@ -1,0 +1,69 @@
+"""The reservation table (daemon/reservations.py): retries, duplicates, the
+limit, per-uid visibility and expiry of reservations nobody registered."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.daemon.reservations import Reservation, Reservations
+from kvsidecar.ipc.memfd import MemfdRegion
+from kvsidecar.ipc.protocol import RequestError
+
+
+@pytest.fixture
+def region():
+    r = MemfdRegion.create("kvs-res", 4096)
+    yield r
+    r.close()
+
+
+def test_table_rules(region: MemfdRegion) -> None:
+    t = Reservations(limit=2)
+    assert t.check_room("a", 0, 4096, "memfd") is None
+    t.add(Reservation("a", 0, "memfd", region))
+    assert t.check_room("a", 0, 4096, "memfd") is t.of("a", 0)  # a retry
+    with pytest.raises(RequestError, match="already has a reservation"):
+        t.check_room("a", 0, 8192, "memfd")
+    with pytest.raises(RequestError, match="already has a reservation"):
+        t.check_room("a", 1000, 4096, "memfd")  # another user, same engine id
+    assert t.of("a", 1000) is None  # not visible to another uid
+    t.add(Reservation("b", 0, "memfd", region))
+    with pytest.raises(RequestError, match="holds 2 reservations already"):
+        t.check_room("c", 0, 4096, "memfd")
+
+
+def test_unregistered_reservations_go_stale(region: MemfdRegion) -> None:
+    t = Reservations()
+    t.add(Reservation("old", 0, "memfd", region, at=100.0))
+    t.add(Reservation("registered", 0, "memfd", region, at=100.0))
+    t.add(Reservation("young", 0, "memfd", region, at=125.0))
+    assert t.stale(131.0, 30.0, {"registered"}) == ["old"]
+
+
+@pytest.mark.e2e
+def test_a_sidecar_releases_a_reservation_nobody_registered(tmp_path: Path) -> None:
+    from kvsidecar.ipc.client import Duplicate, SidecarClient
+    from kvsidecar.sim.cluster import SidecarProcess
+
+    side = SidecarProcess(tmp_path, "lease", args=["--engine-lease", "1"]).start()
+    c = SidecarClient(side.socket, timeout_s=30)
+    try:
+        first = c.reserve("ghost", 1 << 20)
+        first.close()
+        deadline = time.monotonic() + 60
+        while True:  # the same id with another size is a duplicate until it is released
+            try:
+                again = c.reserve("ghost", 2 << 20)
+                break
+            except Duplicate:
+                assert time.monotonic() < deadline, "the reservation was never released"
+                time.sleep(0.2)
+        assert again.nbytes == 2 << 20
+        again.close()
+        assert "did not register within --engine-lease" in side.read_log()
+    finally:
+        c.close()
+        assert side.stop() == 0
