@@ -29,12 +29,14 @@ Errors take one route: a read the sidecar refuses at once (an exception from
 the client) is turned into the same failed completion a failed transfer gives,
 so the scheduler sees every failure as "finished receiving, failed".
 
-Memory (CPU): :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one
-KV allocation land in POSIX shared memory this connector creates, and
-``register_kv_caches`` registers its layer ranges with the sidecar in attach
-mode (the sidecar maps the same pages; no copy). A KV cache vLLM allocated
-elsewhere is refused at start-up. GPU memory needs the CUDA path of the sidecar
-(not built yet): on a GPU worker the connector refuses to start.
+Memory: :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one KV
+allocation land where the sidecar can reach it: POSIX shared memory this
+connector creates (``memory`` ``shm``, the CPU default), or a reservation the
+sidecar allocates and owns (``memfd`` on CPU; ``cuda_vmm``/``cuda_malloc`` on a
+GPU, opt-in and not yet run with vLLM on a GPU), and ``register_kv_caches``
+registers its layer ranges with the sidecar in attach mode (no copy). A KV
+cache vLLM allocated elsewhere is refused at start-up, as is a GPU worker
+without a GPU ``memory``.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
 from .client import SidecarClient, SidecarError
+from .kv_pool import SidecarKVPool
 from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
-from .protocol import Completion, RemoteEngine
+from .protocol import Completion, MemoryKind, RemoteEngine
+from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
     GroupSpec,
@@ -94,6 +98,8 @@ TESTED_VLLM = ("0.33.0",)
 NEEDS_MINOR = 1
 """The sidecar protocol minor this connector relies on (``received`` completions
 carry their descriptor count); an older sidecar is refused at start-up."""
+RESERVE_MINOR = 2
+"""The minor that brought reservations (``memory`` other than ``shm``)."""
 
 
 # --------------------------------------------------------------------------
@@ -110,6 +116,8 @@ class Settings:
     ``sidecar_sockets``: one socket per tp rank instead.
     ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
     sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
+    ``memory``: where the KV cache lives (:func:`_memory_for`): ``shm``
+    (CPU default), ``memfd``, or on a GPU ``cuda_vmm`` / ``cuda_malloc``.
     ``kernel_block_size``: tokens per attention kernel block. Not needed: the
     worker reads it from the attention views vLLM registers (and refuses a
     setting that disagrees); it only shapes the scheduler's start-up check.
@@ -120,6 +128,7 @@ class Settings:
     hold_timeout_s: float | None = None
     client_timeout_s: float = 10.0
     kernel_block_size: int | None = None
+    memory: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> Settings:
@@ -132,10 +141,12 @@ class Settings:
         socks = extra.get("sidecar_sockets") or ()
         hold = extra.get("hold_timeout_s")
         kbs = extra.get("kernel_block_size")
+        memory = extra.get("memory")
         return cls(extra.get("sidecar_socket"), tuple(str(s) for s in socks),
                    None if hold is None else float(hold),
                    float(extra.get("client_timeout_s", 10.0)),
-                   None if kbs is None else int(kbs))
+                   None if kbs is None else int(kbs),
+                   None if memory is None else str(memory))
 
     def socket_for(self, rank: int, local_rank: int, device: str) -> str:
         if self.sidecar_sockets:
@@ -449,11 +460,7 @@ class _WorkerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(vllm_config)
         device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
-        if device != "cpu":
-            raise UnsupportedConfig(
-                f"kvsidecar serves host memory only for now (device {device!r}); GPU KV caches "
-                "need the sidecar's CUDA memory path"
-            )
+        self.memory = _memory_for(device, settings.memory)
         self.vl = layout_for(vllm_config, kv_cache_config, settings.kernel_block_size)
         self.one_group = len(kv_cache_config.kv_cache_groups) == 1
         self.socket = settings.socket_for(self.tp_rank, vllm_config.parallel_config.rank, device)
@@ -470,8 +477,15 @@ class _WorkerSide:
                 f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
                 f"this connector needs {pong.version}.{NEEDS_MINOR} or later (it reports "
                 "descriptor counts): upgrade the sidecar")
+        if self.memory != "shm" and pong.minor < RESERVE_MINOR:
+            self.client.close()
+            raise UnsupportedConfig(
+                f"memory {self.memory!r} needs a sidecar reservation (protocol "
+                f"{pong.version}.{RESERVE_MINOR}); the kvsidecar at {self.socket} speaks "
+                f"{pong.version}.{pong.minor}: upgrade it, or use memory 'shm' on CPU")
         self._pool: _ShmKVPool | None = None
-        self.regions: list[ShmRegion] = []
+        self._kvpool: SidecarKVPool | None = None
+        self.regions: list[Region] = []
         self.handshake: KvSidecarHandshake | None = None
         self._holding: set[str] = set()
         self._reading: dict[str, tuple[ReadJob, float, float]] = {}  # job, start, post time
@@ -486,14 +500,30 @@ class _WorkerSide:
         sizes = {t.size for t in self.kv_cache_config.kv_cache_tensors}
         if len(sizes) != 1:
             raise UnsupportedConfig(f"expected one KV backing allocation, got sizes {sizes}")
-        self._pool = _ShmKVPool(sizes.pop(), f"{ENGINE_SHM_PREFIX}vllm{self.tp_rank}")
-        return self._pool
+        size = sizes.pop()
+        if self.memory == "shm":
+            self._pool = _ShmKVPool(size, f"{ENGINE_SHM_PREFIX}vllm{self.tp_rank}")
+            return self._pool
+        # The sidecar allocates (and owns) the memory; vLLM's one KV allocation
+        # becomes a view of it (ipc/kv_pool.py). One reservation per engine id
+        # per sidecar: each tp rank needs its own sidecar.
+        try:
+            region = self.client.reserve(self.engine_id, size, self.memory)
+        except (SidecarError, OSError) as e:
+            raise UnsupportedConfig(f"the kvsidecar at {self.socket} could not reserve {size} B "
+                                    f"of {self.memory!r} for the KV cache: {e}") from e
+        self._kvpool = SidecarKVPool(region, expect_bytes=size)
+        return self._kvpool
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        pool = self._pool
         tensors = list(_tensors(kv_caches.values()))
         storages = {t.untyped_storage().data_ptr() for t in tensors}
-        if pool is None or pool.region is None or storages != {pool.region.address}:
+        base: Region | None = None
+        if self._pool is not None:
+            base = self._pool.region
+        elif self._kvpool is not None and self._kvpool.tensor is not None:
+            base = self._kvpool.region
+        if base is None or storages != {base.address}:
             raise UnsupportedConfig(
                 "vLLM's KV cache is not in kvsidecar shared memory: it must be allocated "
                 "inside KvSidecarConnector.get_mem_pool_context() (vLLM >= 0.33 does this "
@@ -504,9 +534,12 @@ class _WorkerSide:
             # The layout follows the attention backend's kernel blocks as vLLM
             # allocated them, so sub_blocks is what the kernels use.
             self.vl = layout_for(self.vllm_config, self.kv_cache_config, kbs)
-        base = pool.region
-        self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
-                        for r in self.vl.regions]
+        if self._kvpool is not None:
+            self.regions = self._kvpool.views([(r.offset, r.nbytes) for r in self.vl.regions])
+        else:
+            assert isinstance(base, ShmRegion)
+            self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
+                            for r in self.vl.regions]
         reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
                                    regions=self.regions)
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
@@ -656,6 +689,33 @@ class _WorkerSide:
             r.close()
         if self._pool is not None and self._pool.region is not None:
             self._pool.region.unlink()
+        if self._kvpool is not None:
+            self._kvpool.region.close()  # the deregistration dropped the reservation
+
+
+_HOST_MEMORY = ("shm", "memfd")
+_GPU_MEMORY = ("cuda_vmm", "cuda_malloc")
+
+
+def _memory_for(device: str, memory: str | None) -> MemoryKind:
+    """Where the KV cache lives, checked at start-up against the worker's device.
+
+    CPU: ``shm`` (default; the connector's own POSIX shared memory, attach
+    mode) or ``memfd`` (a sidecar reservation). GPU: only a sidecar
+    reservation of GPU memory (``cuda_vmm`` or ``cuda_malloc``), and only when
+    asked for: the path runs on CPU here and is untested with a GPU.
+    """
+    if device == "cpu":
+        if memory in (None, *_HOST_MEMORY):
+            return "shm" if memory is None else memory  # type: ignore[return-value]
+        raise UnsupportedConfig(f"memory {memory!r} is GPU memory but this vLLM worker runs on "
+                                f"the CPU; use one of {_HOST_MEMORY}")
+    if memory in _GPU_MEMORY:
+        return memory  # type: ignore[return-value]
+    raise UnsupportedConfig(
+        f"kvsidecar on a {device!r} worker needs its KV cache in GPU memory the sidecar "
+        f"allocates: set kv_connector_extra_config \"memory\" to one of {_GPU_MEMORY} "
+        "(not yet run with vLLM on a GPU; see the README, 'Use it with vLLM')")
 
 
 def _tensors(values: Any) -> Iterator[torch.Tensor]:

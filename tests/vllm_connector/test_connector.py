@@ -43,7 +43,9 @@ FAST = ["--transport-check", "off"]
 def start_all(procs: list[SidecarProcess]) -> None:
     """Start sidecars side by side (each spends seconds importing NIXL and torch)."""
     with ThreadPoolExecutor(len(procs)) as pool:
-        for f in [pool.submit(p.start) for p in procs]:
+        # A bound, not an expectation: on a loaded machine importing NIXL and
+        # torch in four processes at once has taken over a minute.
+        for f in [pool.submit(p.start, 600.0) for p in procs]:
             f.result()
 
 
@@ -79,12 +81,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, str]:
 
 
 def pair(sidecars: Sidecars, models: dict[bool, str], p_tp: int, d_tp: int, hybrid: bool,
-         seeds: dict[str, int]) -> tuple[Engine, Engine]:
+         seeds: dict[str, int], memory: str | None = None) -> tuple[Engine, Engine]:
     n = next(_ids)
     P = make_engine(f"P{n}", models[hybrid], "kv_producer", p_tp,
-                    [s.socket for s in sidecars.p[:p_tp]], 64, hybrid)
+                    [s.socket for s in sidecars.p[:p_tp]], 64, hybrid, memory=memory)
     D = make_engine(f"D{n}", models[hybrid], "kv_consumer", d_tp,
-                    [s.socket for s in sidecars.d[:d_tp]], 48, hybrid)
+                    [s.socket for s in sidecars.d[:d_tp]], 48, hybrid, memory=memory)
     P.fill = oracle_fill(lambda rid: seeds[rid])
     return P, D
 
@@ -132,18 +134,27 @@ def verify(D: Engine, rid: str, tokens_read: int, seed: int, skip: int = 0) -> N
     D.dirty.update(b for g in ids for b in g)
 
 
-CASES = [(1, 1, False), (1, 2, False), (2, 1, False), (1, 2, True), (2, 1, True)]
+# memory "memfd": the KV cache is carved from a reservation the sidecar allocated
+# (ipc/kv_pool.py), the path a GPU worker takes with cuda_vmm/cuda_malloc.
+CASES = [(1, 1, False, None), (1, 2, False, None), (2, 1, False, None), (1, 2, True, None),
+         (2, 1, True, None), (1, 2, True, "memfd")]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,hybrid", CASES,
-                         ids=[f"{'hybrid' if h else 'attn'}-{p}to{d}" for p, d, h in CASES])
+@pytest.mark.parametrize(
+    "p_tp,d_tp,hybrid,memory", CASES,
+    ids=[f"{'hybrid' if h else 'attn'}-{p}to{d}" + (f"-{m}" if m else "") for p, d, h, m in CASES])
 def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, str],
-                                        p_tp: int, d_tp: int, hybrid: bool,
+                                        p_tp: int, d_tp: int, hybrid: bool, memory: str | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # what kvsidecar's layout needs
     seeds = {"r1": 11, "r2": 12}
-    P, D = pair(sidecars, models, p_tp, d_tp, hybrid, seeds)
+    P, D = pair(sidecars, models, p_tp, d_tp, hybrid, seeds, memory)
     try:
+        if memory is not None:  # every rank's regions are views of its sidecar reservation
+            for eng in (P, D):
+                for c in eng.workers:
+                    assert c.worker is not None and c.worker._kvpool is not None
+                    assert {type(r).__name__ for r in c.worker.regions} == {"RegionView"}
         # Hybrid: vLLM's pages hold different numbers of kernel blocks on P and D
         # (the connector reads the kernel block size from vLLM's views); the
         # read pairs them by token.
@@ -403,7 +414,7 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
     (two KV-cache groups): vLLM 0.33 takes the failure by request
     (failed_recving) only, so no block ids are reported."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    own = SidecarProcess(tmp_path, "vp-doomed", args=["--hold-timeout", "60", *FAST]).start()
+    own = SidecarProcess(tmp_path, "vp-doomed", args=["--hold-timeout", "60", *FAST]).start(600.0)
     n = next(_ids)
     P = make_engine(f"P{n}", models[hybrid], "kv_producer", 1, [own.socket], 32, hybrid)
     P.fill = oracle_fill(lambda rid: 9)
@@ -457,3 +468,16 @@ def test_unsupported_kv_groups_are_refused_at_start_up(models: dict[bool, str]) 
     cfg = vllm_config(models[False], "kv_consumer", "E", 1, ["/nonexistent.sock"], False)
     with pytest.raises(UnsupportedConfig, match="SlidingWindowSpec is not supported"):
         KvSidecarConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_memory_kind_is_checked_against_the_device_at_start_up() -> None:
+    """A GPU worker is refused unless it asks for a GPU reservation (named in the
+    message); GPU memory is refused on a CPU worker; CPU defaults to shm."""
+    from kvsidecar.ipc.vllm import _memory_for
+
+    assert _memory_for("cpu", None) == "shm" and _memory_for("cpu", "memfd") == "memfd"
+    assert _memory_for("cuda", "cuda_vmm") == "cuda_vmm"
+    with pytest.raises(UnsupportedConfig, match=r"'cuda_vmm', 'cuda_malloc'.*Use it with vLLM"):
+        _memory_for("cuda", None)
+    with pytest.raises(UnsupportedConfig, match="GPU memory but this vLLM worker runs on"):
+        _memory_for("cpu", "cuda_malloc")
