@@ -27,7 +27,7 @@ $(VLLM_STAMP): $(STAMP)
 	touch $@
 
 test: $(STAMP) $(VLLM_STAMP) system-deps
-	$(VENV)/bin/python -m pytest
+	KVSIDECAR_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest
 
 # Unit and in-process tests only: no sidecar processes, no slow cases.
 test-fast: $(STAMP) $(VLLM_STAMP)

@@ -30,10 +30,10 @@ the client) is turned into the same failed completion a failed transfer gives,
 so the scheduler sees every failure as "finished receiving, failed".
 
 Memory: :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one KV
-allocation land where the sidecar can reach it: POSIX shared memory this
-connector creates (``memory`` ``shm``, the CPU default), or a reservation the
-sidecar allocates and owns (``memfd`` on CPU; ``cuda_vmm``/``cuda_malloc`` on a
-GPU, opt-in and not yet run with vLLM on a GPU), and ``register_kv_caches``
+allocation land where the sidecar can reach it: a reservation the sidecar
+allocates and owns (``memory`` ``memfd``, the CPU default; ``cuda_vmm`` /
+``cuda_malloc`` on a GPU, opt-in and not yet run with vLLM on a GPU), or POSIX
+shared memory this connector creates (``shm``), and ``register_kv_caches``
 registers its layer ranges with the sidecar in attach mode (no copy). A KV
 cache vLLM allocated elsewhere is refused at start-up, as is a GPU worker
 without a GPU ``memory``.
@@ -116,8 +116,8 @@ class Settings:
     ``sidecar_sockets``: one socket per tp rank instead.
     ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
     sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
-    ``memory``: where the KV cache lives (:func:`_memory_for`): ``shm``
-    (CPU default), ``memfd``, or on a GPU ``cuda_vmm`` / ``cuda_malloc``.
+    ``memory``: where the KV cache lives (:func:`_memory_for`): ``memfd``
+    (CPU default), ``shm``, or on a GPU ``cuda_vmm`` / ``cuda_malloc``.
     ``kernel_block_size``: tokens per attention kernel block. Not needed: the
     worker reads it from the attention views vLLM registers (and refuses a
     setting that disagrees); it only shapes the scheduler's start-up check.
@@ -700,14 +700,15 @@ _GPU_MEMORY = ("cuda_vmm", "cuda_malloc")
 def _memory_for(device: str, memory: str | None) -> MemoryKind:
     """Where the KV cache lives, checked at start-up against the worker's device.
 
-    CPU: ``shm`` (default; the connector's own POSIX shared memory, attach
-    mode) or ``memfd`` (a sidecar reservation). GPU: only a sidecar
-    reservation of GPU memory (``cuda_vmm`` or ``cuda_malloc``), and only when
-    asked for: the path runs on CPU here and is untested with a GPU.
+    CPU: ``memfd`` (default; a reservation the sidecar allocates and owns,
+    the same path as on a GPU) or ``shm`` (POSIX shared memory the connector
+    creates, registered in attach mode). GPU: only a sidecar reservation of
+    GPU memory (``cuda_vmm`` or ``cuda_malloc``), and only when asked for: the
+    path runs on CPU here and is untested with a GPU.
     """
     if device == "cpu":
         if memory in (None, *_HOST_MEMORY):
-            return "shm" if memory is None else memory  # type: ignore[return-value]
+            return "memfd" if memory is None else memory  # type: ignore[return-value]
         raise UnsupportedConfig(f"memory {memory!r} is GPU memory but this vLLM worker runs on "
                                 f"the CPU; use one of {_HOST_MEMORY}")
     if memory in _GPU_MEMORY:
