@@ -38,18 +38,24 @@ from kvsidecar.sim.models import MakeLayout
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
 
 _fleet_keys: str | None = None
+_fleet_keys_lock = threading.Lock()
 
 
 def fleet_keys() -> str:
     """One CURVE key directory for every sidecar this process starts (so they
-    can talk to each other), created on first use, removed at exit."""
+    can talk to each other), created on first use, removed at exit.
+
+    Locked: sidecars are often started from several threads at once, and two
+    threads that both created a directory gave their sidecars different keys
+    (every handshake between them then failed CURVE, as a "protocol" error)."""
     global _fleet_keys
-    if _fleet_keys is None:
-        d = tempfile.mkdtemp(prefix="kvs-fleet-keys-")
-        atexit.register(shutil.rmtree, d, True)
-        generate_keys(d)
-        _fleet_keys = d
-    return _fleet_keys
+    with _fleet_keys_lock:
+        if _fleet_keys is None:
+            d = tempfile.mkdtemp(prefix="kvs-fleet-keys-")
+            atexit.register(shutil.rmtree, d, True)
+            generate_keys(d)
+            _fleet_keys = d
+        return _fleet_keys
 
 
 class SidecarProcess:
