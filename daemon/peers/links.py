@@ -17,8 +17,9 @@ remote agent, retried while reads over it are still in flight.
 
 Bounded: at most ``max_links`` links per local engine rank (each is a remote
 agent loaded into NIXL). A new link first evicts the least recently used
-links that no read holds (counted); when every link is held by a read, the
-new one is refused with :class:`PeerLinkLimit` naming the flag.
+links that no read holds (counted); when every link is held by a read or
+still being made (a read may be waiting for it), the new one is refused with
+:class:`PeerLinkLimit` naming the flag.
 """
 
 from __future__ import annotations
@@ -161,9 +162,9 @@ class PeerLinks:
                 if self._on_refused is not None:
                     self._on_refused()
                 raise PeerLinkLimit(
-                    f"this engine rank already links to {len(self._links)} remote ranks, all in "
-                    f"use by reads in flight; the limit is {self.max_links} "
-                    "(--max-peer-links-per-engine)")
+                    f"this engine rank already links to {len(self._links)} remote ranks, each "
+                    f"in use by a read in flight or still being linked; the limit is "
+                    f"{self.max_links} (--max-peer-links-per-engine)")
             task = self._links.pop(key)
             if self._on_evict is not None:
                 self._on_evict()

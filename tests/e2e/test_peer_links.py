@@ -6,6 +6,7 @@ error, counted."""
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -44,6 +45,11 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
         x.remote = RemoteEngine(x.remote.engine_id, 2,
                                 [x.remote.handshake[0], f"127.0.0.1:{silent.getsockname()[1]}"])
         D.start_read(x)
+        # Link A is made (a link still being made is never evicted: a read may wait for it).
+        deadline = time.monotonic() + 60
+        while _sample(d, "kvsidecar_handshakes_total", side="client", result="ok") < 1:
+            assert time.monotonic() < deadline, "the link to A rank 0 was never made"
+            time.sleep(0.01)
         # Read Y needs a third link: none is idle, so it is refused, naming the flag.
         D.start_read(B.prefill("y", Request(seed=2, prompt_tokens=24)))
         y = D.wait_for(["y"])["y"][0]
