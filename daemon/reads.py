@@ -50,7 +50,14 @@ from kvsidecar.daemon.transport.worker import (
     TransferStats,
 )
 from kvsidecar.ipc.layout import Layout
-from kvsidecar.ipc.protocol import BAD_REQUEST, DUPLICATE, Completion, Read, RequestError
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    Completion,
+    Read,
+    RequestError,
+    TransferReport,
+)
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
@@ -107,6 +114,8 @@ class ReadOutcome:
     descriptors: int
     descriptors_before: int
     stats: list[TransferStats]
+    #: one per remote rank that bytes were read from (what the completion reports)
+    transfers: list[TransferReport] = field(default_factory=list)
 
 
 def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) -> list[PostList]:
@@ -236,7 +245,11 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     if leases is not None:
         leases.check(time.monotonic())  # bytes that landed after the lease are not trusted
     return ReadOutcome(plan.nbytes, plan.descriptors, plan.descriptors_before_coalescing,
-                       [r for r in results if isinstance(r, TransferStats)])
+                       [r for r in results if isinstance(r, TransferStats)],
+                       [TransferReport(post.rank, r.bytes, r.descriptors, r.post_us / 1e6,
+                                       r.xfer_us / 1e6)
+                        for post, r in zip(posts, results)
+                        if isinstance(r, TransferStats) and post.length.size])
 
 
 def _retrieve(f: asyncio.Future[Any]) -> None:
@@ -475,7 +488,7 @@ class ReadTable:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes,
-                               descriptors=out.descriptors)
+                               descriptors=out.descriptors, transfers=out.transfers)
                 log.debug("read %r of engine %r received %d bytes", req.request_id,
                           eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
                 self._metrics.read_seconds.labels(eng.engine_id).observe(

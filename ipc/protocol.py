@@ -35,7 +35,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 2
+PROTOCOL_MINOR: Final = 3
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -45,6 +45,8 @@ PROTOCOL_MINOR: Final = 2
 * 2: region kinds (``memfd``, ``cuda_ipc``, ``cuda_vmm``), ``Register.memory``,
   ``Registered.fd_socket``, and :class:`Reserve` with ``reserved`` region
   views (a fixed-size allocation the engine's allocator carves its KV from).
+* 3: a ``received`` completion lists its ``transfers`` (:class:`TransferReport`),
+  one per remote rank read from, with the sidecar's own timings.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields); anything an older
@@ -405,13 +407,31 @@ class ReaderReport(msgspec.Struct, frozen=True, omit_defaults=True):
     failure: str = ""
 
 
+class TransferReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One NIXL transfer of a read: what was read from one remote rank.
+
+    ``post_s``: posting it (on host memory this includes the CMA copy);
+    ``xfer_s``: from the post to the moment the sidecar saw it done (NIXL's
+    telemetry where available). The units of vLLM's NIXL metrics, which count
+    one transfer per remote rank a request reads from.
+    """
+
+    remote_rank: int
+    nbytes: int
+    descriptors: int
+    post_s: float = 0.0
+    xfer_s: float = 0.0
+
+
 class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
     """The outcome of one read or hold.
 
     ``invalid_block_ids`` (per group) are local blocks whose contents cannot be
     trusted after a failed or partial read, so the engine recomputes them.
     ``nbytes`` and ``descriptors`` (``received``): what the read moved, and in
-    how many NIXL descriptors (after coalescing), over all remote ranks.
+    how many NIXL descriptors (after coalescing), over all remote ranks;
+    ``transfers`` splits them per remote rank (minor 3; a rank only notified,
+    nothing read from it, has none).
     ``readers`` (``sent``, ``expired``, ``aborted`` of a hold): every reading
     engine that reported before the hold ended, in the order they first reported.
     A hold for ``readers=n`` ends ``sent`` the moment ``n`` distinct engines
@@ -428,6 +448,7 @@ class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
     nbytes: int = 0
     descriptors: int = 0
     readers: list[ReaderReport] = []
+    transfers: list[TransferReport] = []
 
 
 class Completions(_ReplyBase, tag="completions"):

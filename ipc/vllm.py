@@ -646,12 +646,7 @@ class _WorkerSide:
         self._released.discard(c.request_id)
         if c.kind == "received":
             if job.awaited:  # else notify-only: the scheduler awaits nothing
-                # vLLM's NIXL semantics per successful transfer; the duration is as
-                # the engine sees it (read request to the poll that returned it).
-                self.stats.data["transfer_duration"].append(time.perf_counter() - t0)
-                self.stats.data["post_duration"].append(post_s)
-                self.stats.data["bytes_transferred"].append(c.nbytes)
-                self.stats.data["num_descriptors"].append(c.descriptors)
+                self._record_transfers(c, time.perf_counter() - t0, post_s)
                 out.finished_recving.add(c.request_id)
             return
         if c.kind == "aborted" and released:
@@ -668,6 +663,24 @@ class _WorkerSide:
             bad = c.invalid_block_ids or job.local_block_ids
             self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
         log.warning("kvsidecar: read %s %s: %s", c.request_id, c.kind, c.reason)
+
+    def _record_transfers(self, c: Completion, seen_s: float, post_s: float) -> None:
+        """vLLM's NIXL semantics: one successful transfer per remote rank read
+        from, with the sidecar's timings for it. A sidecar before protocol minor
+        3 reports none: then one per read, timed as the engine saw it (read
+        request to the poll that returned it)."""
+        data = self.stats.data
+        if c.transfers:
+            for t in c.transfers:
+                data["transfer_duration"].append(t.xfer_s)
+                data["post_duration"].append(t.post_s)
+                data["bytes_transferred"].append(t.nbytes)
+                data["num_descriptors"].append(t.descriptors)
+        elif c.nbytes:
+            data["transfer_duration"].append(seen_s)
+            data["post_duration"].append(post_s)
+            data["bytes_transferred"].append(c.nbytes)
+            data["num_descriptors"].append(c.descriptors)
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

@@ -37,6 +37,7 @@ from kvsidecar.ipc.protocol import (
     Request,
     RequestError,
     ShmRef,
+    TransferReport,
     decode_reply,
     decode_request,
     encode_reply,
@@ -68,7 +69,9 @@ REPLIES: list[Reply] = [
     Registered("d0", "10.0.0.2:7000", "agent-d0", id=3),
     Completions([], id=4),
     Completions([
-        Completion("a", "received", nbytes=1 << 20, descriptors=12),
+        Completion("a", "received", nbytes=1 << 20, descriptors=12,
+                   transfers=[TransferReport(0, 1 << 19, 8, 1e-4, 2e-3),
+                              TransferReport(1, 1 << 19, 4)]),
         Completion("s", "sent", readers=[ReaderReport("d0", [0, 1], True),
                                          ReaderReport("d1", [2], False, "lease lost")]),
         Completion("b", "failed", "peer gone", [[3, 4], []]),

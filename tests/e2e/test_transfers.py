@@ -73,9 +73,13 @@ def test_hold_for_two_decode_engines(pool) -> None:
     with pool.engines(hybrid, 1, 2, n_d=2) as (P, (D1, D2)):
         sent = P.prefill("shared", Request(seed=5, prompt_tokens=90), readers=2)
         D1.start_read(sent)
-        # Every rank read bytes, in descriptors it reports with the completion.
+        # Every rank read bytes, in descriptors it reports with the completion,
+        # in one transfer from P's only rank.
         for c in assert_received(D1, ["shared"])["shared"].values():
             assert c.nbytes > 0 and c.descriptors > 0, c
+            assert [t.remote_rank for t in c.transfers] == [0]
+            assert (c.transfers[0].nbytes, c.transfers[0].descriptors) == (c.nbytes,
+                                                                            c.descriptors)
         time.sleep(0.5)
         P.poll()
         assert not any(c.request_id == "shared" for cs in P.completions.values() for c in cs), \
