@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -78,7 +79,13 @@ def render(scale: str, rows: list[suite.Figure], errors: dict[str, str], started
     return "\n".join(out) + "\n"
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the fleet of sidecars is stopped on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=sorted(suite.SCALES), default="full")
     ap.add_argument("--only", default="", help="comma-separated subset of "
