@@ -65,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
-from .client import SidecarClient, SidecarError
+from .client import Duplicate, SidecarClient, SidecarError
 from .kv_pool import SidecarKVPool
 from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from .protocol import Completion, MemoryKind, RemoteEngine
@@ -510,8 +510,10 @@ class _WorkerSide:
         try:
             region = self.client.reserve(self.engine_id, size, self.memory)
         except (SidecarError, OSError) as e:
+            hint = _ONE_RANK if isinstance(e, Duplicate) else ""
             raise UnsupportedConfig(f"the kvsidecar at {self.socket} could not reserve {size} B "
-                                    f"of {self.memory!r} for the KV cache: {e}") from e
+                                    f"of {self.memory!r} for tp rank {self.tp_rank}'s KV cache: "
+                                    f"{e}{hint}") from e
         self._kvpool = SidecarKVPool(region, expect_bytes=size)
         return self._kvpool
 
@@ -540,8 +542,13 @@ class _WorkerSide:
             assert isinstance(base, ShmRegion)
             self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
                             for r in self.vl.regions]
-        reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
-                                   regions=self.regions)
+        try:
+            reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
+                                       regions=self.regions)
+        except SidecarError as e:
+            hint = _ONE_RANK if isinstance(e, Duplicate) else ""
+            raise UnsupportedConfig(f"the kvsidecar at {self.socket} refused tp rank "
+                                    f"{self.tp_rank}'s KV cache: {e}{hint}") from e
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
                                             reg.handshake_address)
         log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
@@ -706,6 +713,7 @@ class _WorkerSide:
             self._kvpool.region.close()  # the deregistration dropped the reservation
 
 
+_ONE_RANK = " (one sidecar serves one rank of an engine: give every tp rank its own)"
 _HOST_MEMORY = ("shm", "memfd")
 _GPU_MEMORY = ("cuda_vmm", "cuda_malloc")
 

@@ -488,3 +488,21 @@ def test_memory_kind_is_checked_against_the_device_at_start_up() -> None:
         _memory_for("cuda", None)
     with pytest.raises(UnsupportedConfig, match="GPU memory but this vLLM worker runs on"):
         _memory_for("cpu", "cuda_malloc")
+
+
+def test_two_ranks_on_one_sidecar_are_refused_at_start_up(sidecars: Sidecars,
+                                                          models: dict[bool, str]) -> None:
+    """Each tp rank needs its own sidecar: the second rank of an engine pointed at
+    the first one's sidecar is refused when it registers, before any request,
+    naming the reason (its KV cache never aliases the first rank's)."""
+    from kvsidecar.ipc.client import SidecarClient
+
+    n = next(_ids)
+    try:
+        with pytest.raises(UnsupportedConfig,
+                           match=r"tp rank 1's KV cache.*give every tp rank its own"):
+            make_engine(f"P{n}", models[False], "kv_producer", 2, [sidecars.p[0].socket] * 2,
+                        16, False)
+    finally:
+        with SidecarClient(sidecars.p[0].socket) as c:
+            c.deregister(f"P{n}")  # rank 0's registration (and reservation)
