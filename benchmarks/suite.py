@@ -62,7 +62,7 @@ class Scale:
 SCALES = {
     "full": Scale("full", bulk_repeats=3, hetero_requests=8, latency_reads=300,
                   sustained_requests=2000, cpu_calls=1000, idle_s=5.0),
-    "quick": Scale("quick", bulk_repeats=2, hetero_requests=3, latency_reads=100,
+    "quick": Scale("quick", bulk_mib=64, bulk_repeats=2, hetero_requests=3, latency_reads=100,
                    sustained_requests=400, cpu_calls=200, startup_pages=5000, idle_s=2.0),
     "smoke": Scale("smoke", bulk_mib=4, bulk_repeats=1, hetero_requests=2, hetero_layers=2,
                    latency_reads=5, sustained_requests=40, sustained_in_flight=8,
