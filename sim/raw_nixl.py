@@ -74,16 +74,24 @@ class RawPair:
                                  daemon=True)
         self._conn = parent
         self._proc.start()
-        self.agent = bare_agent("raw-initiator")
         self.region = ShmRegion.create(unique_name("raw"), self.span)
-        self._reg = self.agent.get_reg_descs([(self.region.address, self.span, 0, "")], "DRAM")
-        self.agent.register_memory(self._reg)
-        if not parent.poll(60):
-            raise RuntimeError("raw NIXL target did not start")
-        meta, self.remote_addr = parent.recv()
-        self.peer = self.agent.add_remote_agent(meta)
-        if self.spin:
-            parent.send(self.agent.get_agent_metadata())
+        try:
+            self.agent = bare_agent("raw-initiator")
+            self._reg = self.agent.get_reg_descs([(self.region.address, self.span, 0, "")],
+                                                 "DRAM")
+            self.agent.register_memory(self._reg)
+            if not parent.poll(60):
+                raise RuntimeError("raw NIXL target did not start")
+            meta, self.remote_addr = parent.recv()
+            self.peer = self.agent.add_remote_agent(meta)
+            if self.spin:
+                parent.send(self.agent.get_agent_metadata())
+        except BaseException:  # no __exit__ will run: leave no shared memory or child behind
+            self.region.close()
+            self.region.unlink()
+            self._proc.kill()
+            self._proc.join(10)
+            raise
         return self
 
     def table(self, base: int, slots: np.ndarray, size: int) -> np.ndarray:
