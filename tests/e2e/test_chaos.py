@@ -15,6 +15,7 @@ from kvsidecar.sim.oracle import Request
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1800)  # ~1 min quiet, 4+ min at load 12: pytest's 300 s default is too tight
 def test_chaos_short_form(tmp_path) -> None:
     report = chaos.run(2000, tmp_path, seed=11)
     print(json.dumps(report.as_dict(), default=str))
