@@ -22,12 +22,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import Registration, SidecarClient
@@ -120,6 +122,16 @@ class SidecarProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def metric(self, sample: str, **labels: str) -> float:
+        """The sum of one sample over the series matching ``labels``, scraped from
+        the sidecar's real /metrics: tests watch the daemon from outside, as an
+        operator's Prometheus does, rather than reaching into its objects."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def terminate(self) -> None:
         """Send SIGTERM once: a second one could land after the event loop (and its

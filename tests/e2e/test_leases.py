@@ -9,10 +9,8 @@ import os
 import signal
 import socket
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import RemoteEngine
@@ -94,13 +92,6 @@ def _big(tp: int, nb: int) -> Layout:
                             block_tokens=64, tp_size=tp, num_blocks=nb)
 
 
-def _sample(sidecar: SidecarProcess, sample: str, engine: str) -> float:
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == sample and s.labels.get("engine") == engine)
-
 
 def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_path) -> None:
     """Over TCP P's sidecar is stopped once D posted a 384 MiB read; P grants 1 s
@@ -125,7 +116,7 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
         assert p.proc is not None
         D.start_read(sent)
         deadline = time.monotonic() + 60
-        while _sample(d, "kvsidecar_read_queue_seconds_count", "lease-D") < 2:  # posted
+        while d.metric("kvsidecar_read_queue_seconds_count", engine="lease-D") < 2:  # posted
             assert time.monotonic() < deadline, "the read was never posted"
             time.sleep(0.005)
         os.kill(p.proc.pid, signal.SIGSTOP)
@@ -146,8 +137,8 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
         # duplicate). So P's outcome is "sent": the blocks were read and are free.
         held = P.wait_for(["lapse"], timeout_s=60)["lapse"][0]
         assert held.kind == "sent", held
-        assert _sample(d, "kvsidecar_leases_lost_total", "lease-D") == 1
-        assert _sample(d, "kvsidecar_agent_resets_total", "lease-D") == 0  # it finished
+        assert d.metric("kvsidecar_leases_lost_total", engine="lease-D") == 1
+        assert d.metric("kvsidecar_agent_resets_total", engine="lease-D") == 0  # it finished
         D.finish("lapse")
     finally:
         D.close()

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
@@ -19,13 +17,6 @@ from kvsidecar.sim.oracle import Request
 
 pytestmark = pytest.mark.e2e
 
-
-def _sample(sidecar: SidecarProcess, sample: str, **labels: str) -> float:
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_path) -> None:
@@ -47,7 +38,7 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
         D.start_read(x)
         # Link A is made (a link still being made is never evicted: a read may wait for it).
         deadline = time.monotonic() + 60
-        while _sample(d, "kvsidecar_handshakes_total", side="client", result="ok") < 1:
+        while d.metric("kvsidecar_handshakes_total", side="client", result="ok") < 1:
             assert time.monotonic() < deadline, "the link to A rank 0 was never made"
             time.sleep(0.01)
         # Read Y needs a third link: none is idle, so it is refused, naming the flag.
@@ -55,7 +46,7 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
         y = D.wait_for(["y"])["y"][0]
         assert y.kind == "failed" and "--max-peer-links-per-engine" in y.reason, y
         assert "PeerLinkLimit" in y.reason and "the limit is 2" in y.reason
-        assert _sample(d, "kvsidecar_limit_refusals_total", engine=D.engine_id,
+        assert d.metric("kvsidecar_limit_refusals_total", engine=D.engine_id,
                        limit="peer_links") == 1
         D.finish("y")
         B.wait_for(["y"])  # its hold ended (the failed read abandoned it)
@@ -69,7 +60,7 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
         got = D.wait_for(["y2"])["y2"][0]
         assert got.kind == "received", got
         assert D.verify("y2") == []
-        assert _sample(d, "kvsidecar_peer_links_evicted_total", engine=D.engine_id) >= 1
+        assert d.metric("kvsidecar_peer_links_evicted_total", engine=D.engine_id) >= 1
     finally:
         silent.close()
         for e in (D, B, A):

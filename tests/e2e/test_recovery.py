@@ -6,11 +6,9 @@ import os
 import signal
 import socket
 import time
-import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.ipc.client import BadRequest, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
@@ -234,7 +232,7 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         # Stop P only once D posted the read (its lease claim answered): the stop
         # then lands mid-transfer (384 MiB over TCP takes seconds), never before.
         deadline = time.monotonic() + 60
-        while _sample(d, "kvsidecar_read_queue_seconds_count", "stall-D") < 2:  # warm + this
+        while d.metric("kvsidecar_read_queue_seconds_count", engine="stall-D") < 2:  # warm + this
             assert time.monotonic() < deadline, "the read was never posted"
             time.sleep(0.005)
         time.sleep(0.05)
@@ -264,8 +262,8 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         assert not D.verify("after")
         assert "reset as" in d.log_path.read_text()
         # The held-back read is counted where operators look (exactly this one read).
-        assert _sample(d, "kvsidecar_late_completions_quarantined_total", "stall-D") == 1
-        assert _sample(d, "kvsidecar_agent_resets_total", "stall-D") == 1
+        assert d.metric("kvsidecar_late_completions_quarantined_total", engine="stall-D") == 1
+        assert d.metric("kvsidecar_agent_resets_total", engine="stall-D") == 1
     finally:
         D.close()
         Q.close()
@@ -274,15 +272,6 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         assert d.stop() == 0
         q.stop()
         p.stop()
-
-
-def _sample(sidecar: SidecarProcess, sample: str, engine: str) -> float:
-    """One engine's value of a metric sample, scraped over the sidecar's real /metrics."""
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == sample and s.labels.get("engine") == engine)
 
 
 def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
