@@ -31,7 +31,7 @@ import re
 import socket
 import struct
 import time
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["FD_SOCKET_SUFFIX", "MAX_FDS_PER_MESSAGE", "FdPassError", "batches",
            "encode_error", "encode_header", "encode_request", "fd_socket_for", "fetch_fds",
@@ -97,6 +97,18 @@ def batches(total: int, per_message: int = MAX_FDS_PER_MESSAGE) -> list[tuple[in
     return [(i, min(per_message, total - i)) for i in range(0, total, per_message)]
 
 
+def _recv(sock: socket.socket) -> tuple[bytes, list[int], int, Any]:
+    """One message and its fds. A refusal sent before the sidecar read our request
+    is queued for us, but the sidecar closing with that request unread makes a
+    SOCK_SEQPACKET socket report ECONNRESET *before* the queued reply (datagram
+    receive checks the socket error first). The error is reported once, so the
+    next receive yields the reason (or end of file if there is none)."""
+    try:
+        return socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
+    except ConnectionResetError:
+        return socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
+
+
 def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> list[int]:
     """Fetch the ``expect`` fds ``token`` names from the fd socket at ``path``.
 
@@ -115,7 +127,7 @@ def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> li
                 sock.sendall(encode_request(token))
             while len(got) < expect:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
-                data, fds, flags, _ = socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
+                data, fds, flags, _ = _recv(sock)
                 got.extend(fds)
                 if not data:
                     raise FdPassError(f"the sidecar closed the fd socket after {len(got)} of "
