@@ -86,29 +86,28 @@ def _prefix(ctx: MemoryContext) -> str:
     return f"{ctx.shm_prefix}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.engine_id)[:40]
 
 
-def _allocate_shm(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
+def _all_or_none(count: int, make: Callable[[int], Region], *, created: bool) -> list[Region]:
+    """``make(i)`` for each i < count. On any failure every region made so far is
+    closed (and unlinked when this sidecar created it), so a refused request
+    leaves no mapping or shared-memory object behind."""
     out: list[Region] = []
     try:
-        for _ in range(count):
-            out.append(ShmRegion.create(unique_name(_prefix(ctx)), nbytes))
+        for i in range(count):
+            out.append(make(i))
     except BaseException:
         for r in out:
             r.close()
-            r.unlink()
+            if created:
+                r.unlink()
         raise
     return out
 
 
-def _allocate_memfd(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
-    out: list[Region] = []
-    try:
-        for _ in range(count):
-            out.append(MemfdRegion.create(unique_name(_prefix(ctx)), nbytes))
-    except BaseException:
-        for r in out:
-            r.close()
-        raise
-    return out
+def _allocate_host(create: Callable[[str, int], Region]) -> Allocator:
+    def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
+        return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
+                            created=True)
+    return alloc
 
 
 def _allocate_cuda(kind: str) -> Allocator:
@@ -120,22 +119,17 @@ def _allocate_cuda(kind: str) -> Allocator:
 
 
 def _attach_shm(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
-    out: list[Region] = []
-    try:
-        for i, ref in enumerate(refs):
-            assert isinstance(ref, ShmRef)  # the table routed it here by type
-            if not ref.name.startswith(ENGINE_SHM_PREFIX):
-                raise RequestError(
-                    BAD_REQUEST,
-                    f"region {i}: attach mode maps only shared memory named "
-                    f"{ENGINE_SHM_PREFIX}..., got {ref.name[:80]!r}")
-            out.append(ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset,
-                                        owner_uid=ctx.owner_uid))
-    except BaseException:
-        for r in out:
-            r.close()
-        raise
-    return out
+    def attach(i: int) -> Region:
+        ref = refs[i]
+        assert isinstance(ref, ShmRef)  # the table routed it here by type
+        if not ref.name.startswith(ENGINE_SHM_PREFIX):
+            raise RequestError(
+                BAD_REQUEST,
+                f"region {i}: attach mode maps only shared memory named "
+                f"{ENGINE_SHM_PREFIX}..., got {ref.name[:80]!r}")
+        return ShmRegion.attach(ref.name, ref.nbytes, offset=ref.offset,
+                                owner_uid=ctx.owner_uid)
+    return _all_or_none(len(refs), attach, created=False)  # the engine owns its objects
 
 
 def _attach_cuda_ipc(refs: Sequence[RegionRef], layout: Layout,
@@ -170,8 +164,8 @@ def _not_attachable(kind: str) -> Attacher:
 
 
 ALLOCATORS: Final[dict[str, Allocator]] = {
-    "shm": _allocate_shm,
-    "memfd": _allocate_memfd,
+    "shm": _allocate_host(ShmRegion.create),
+    "memfd": _allocate_host(MemfdRegion.create),
     "cuda_malloc": _allocate_cuda("cuda_malloc"),
     "cuda_vmm": _allocate_cuda("cuda_vmm"),
 }
