@@ -16,7 +16,7 @@ engine that died between reserving and registering). Bounded: at most
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from kvsidecar.ipc.protocol import DUPLICATE, UNAVAILABLE, RequestError
@@ -39,8 +39,11 @@ class Reservation:
 
 
 class Reservations:
-    def __init__(self, limit: int = MAX_RESERVATIONS) -> None:
+    def __init__(self, limit: int = MAX_RESERVATIONS,
+                 on_limit: Callable[[str], None] | None = None) -> None:
         self.limit = limit
+        #: told the engine id of each request refused at the limit (a metric)
+        self._on_limit = on_limit
         self._by_engine: dict[str, Reservation] = {}
 
     def __len__(self) -> int:
@@ -58,6 +61,8 @@ class Reservations:
             raise RequestError(DUPLICATE, f"engine {engine_id[:200]!r} already has a "
                                           "reservation (deregister the engine id to drop it)")
         if len(self._by_engine) >= self.limit:
+            if self._on_limit is not None:
+                self._on_limit(engine_id)
             raise RequestError(UNAVAILABLE, f"this sidecar holds {self.limit} reservations "
                                             "already (the limit): register or deregister them")
         return None

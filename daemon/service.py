@@ -185,7 +185,8 @@ class Sidecar:
             Reserve: self._reserve,
         }
         #: allocations engines reserved before registering (vLLM's KV pool)
-        self._reservations = Reservations()
+        self._reservations = Reservations(on_limit=lambda engine_id: self.metrics.limit_refusals
+                                          .labels(engine_id[:200], "reservations").inc())
 
     # ------------------------------------------------------------ lifecycle
 

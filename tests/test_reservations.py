@@ -21,7 +21,8 @@ def region():
 
 
 def test_table_rules(region: MemfdRegion) -> None:
-    t = Reservations(limit=2)
+    refused: list[str] = []
+    t = Reservations(limit=2, on_limit=refused.append)
     assert t.check_room("a", 0, 4096, "memfd") is None
     t.add(Reservation("a", 0, "memfd", region))
     assert t.check_room("a", 0, 4096, "memfd") is t.of("a", 0)  # a retry
@@ -33,6 +34,7 @@ def test_table_rules(region: MemfdRegion) -> None:
     t.add(Reservation("b", 0, "memfd", region))
     with pytest.raises(RequestError, match="holds 2 reservations already"):
         t.check_room("c", 0, 4096, "memfd")
+    assert refused == ["c"]  # counted (kvsidecar_limit_refusals_total{limit="reservations"})
 
 
 def test_unregistered_reservations_go_stale(region: MemfdRegion) -> None:
