@@ -32,6 +32,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvsidecar.daemon.logs import worth_logging
+
 __all__ = ["ConnectionGuard", "fd_budget", "raise_fd_limit"]
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ class ConnectionGuard:
             kind = _FAILURE_KINDS.get(event, "other")
             if self._on_handshake_failure is not None:
                 self._on_handshake_failure(kind)
-            if self.handshake_failures <= 10 or self.handshake_failures % 1000 == 0:
+            if worth_logging(self.handshake_failures):
                 log.warning("%s socket: a connection failed its handshake (%s; %d so far)",
                             self.name, kind, self.handshake_failures)
             return
@@ -163,7 +165,7 @@ class ConnectionGuard:
             self.refused += 1
             if self._on_refuse is not None:
                 self._on_refuse()
-            if self.refused <= 10 or self.refused % 1000 == 0:
+            if worth_logging(self.refused):
                 log.warning("%s socket: refused a connection, %d open is the limit "
                             "(%d refused so far)", self.name, self.limit, self.refused)
 

@@ -40,6 +40,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvsidecar.daemon.logs import worth_logging
+
 from ..ipc.protocol import (
     BAD_MESSAGE,
     FORBIDDEN,
@@ -215,7 +217,7 @@ class EngineServer:
             self._on_refuse("forbidden")
         who = (f"uid {cred.uid} gid {cred.gid} pid {cred.pid}" if cred is not None
                else "a peer without credentials")
-        if self.forbidden <= 10 or self.forbidden % 1000 == 0:  # a flood must not flood the log
+        if worth_logging(self.forbidden):
             log.warning("engine socket: refused %s (allowed: %s; %d refused so far)", who,
                         self.access.describe(), self.forbidden)
         return encode_reply(Error(FORBIDDEN, f"{who} may not use this sidecar (its operator "

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.daemon.engine_access import AccessPolicy, PeerCred, restricted_umask
+from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.ipc.fdpass import (
     FdPassError,
     batches,
@@ -182,7 +183,7 @@ class FdServer:
 
     def _refuse(self, conn: socket.socket, reason: str, message: str) -> None:
         self.refused += 1
-        if self.refused <= 10 or self.refused % 1000 == 0:  # a flood must not flood the log
+        if worth_logging(self.refused):
             log.warning("fd socket: refused a connection (%s; %d refused so far)", reason,
                         self.refused)
         if self._on_refuse is not None:

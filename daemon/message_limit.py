@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvsidecar.daemon.logs import worth_logging
+
 __all__ = ["HARD_FACTOR", "SizeLimit"]
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class SizeLimit:
         self.refused += 1
         if self._on_refuse is not None:
             self._on_refuse("too_large")
-        if self.refused <= 10 or self.refused % 1000 == 0:
+        if worth_logging(self.refused):
             log.warning("%s socket: refused a message of %d bytes, over the limit of %d "
                         "(%d refused so far)", self.channel, size, self.limit, self.refused)
         return (f"message of {size} bytes is over this sidecar's limit of {self.limit} bytes "

@@ -35,6 +35,8 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
+from kvsidecar.daemon.logs import worth_logging
+
 __all__ = ["KEY_NAME", "PeerKeys", "ZapHandler", "generate_keys", "load_keys"]
 
 log = logging.getLogger(__name__)
@@ -164,7 +166,7 @@ class ZapHandler:
             return [b"1.0", request_id, b"200", b"OK", b"", b""]
         self.refused += 1
         who = address.decode("ascii", "replace")[:64]
-        if self.refused <= 10 or self.refused % 1000 == 0:
+        if worth_logging(self.refused):
             log.warning("peer channel: refused %s (%s key %s; %d refused so far)", who,
                         mechanism.decode("ascii", "replace")[:16],
                         key.decode()[:8] + "..." if key else "none", self.refused)
