@@ -372,11 +372,6 @@ async def test_add_remote_is_idempotent_and_replaces_changed_metadata(local: Any
         second.close()
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "known bug, not run: destroying the agent that read from the killed peer can abort "
-    "the whole process in UCX 1.23 (arbiter.c:36 ucs_arbiter_group_is_empty assertion), "
-    "about 3 runs in 10 here, taking pytest down with it; real-process restarts are "
-    "covered by tests/e2e/test_recovery.py. README 'Failure handling', known risks"))
 @pytest.mark.timeout(120)
 async def test_dead_peer_fails_reads_and_a_restarted_peer_is_readable(local: Any) -> None:
     w, _, mem, _ = local

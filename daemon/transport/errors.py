@@ -40,6 +40,4 @@ def wrap(what: str, exc: BaseException, remote: str | None) -> NixlError:
     kind = type(exc).__name__
     hint = _HINTS.get(kind)
     detail = f"{kind}: {exc}" + (f" ({hint})" if hint else "")
-    err = NixlError(f"{what} failed: {detail}", remote=remote)
-    err.__cause__ = exc
-    return err
+    return NixlError(f"{what} failed: {detail}", remote=remote)
