@@ -14,6 +14,7 @@ NIXL sees an address.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import logging
@@ -89,6 +90,8 @@ class EngineRank:
     #: told of every completion (tracing ends the request's span), when set
     on_complete: Callable[[str, Completion], None] | None = None
     _seq: int = 0
+    #: polls waiting for this rank's next completion (``Poll.wait_s``)
+    _pollers: list[asyncio.Future[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
@@ -103,6 +106,30 @@ class EngineRank:
             self.on_complete(self.engine_id, c)
         self._seq += 1
         self.completions.append((self._seq, c))
+        self.wake_pollers()
+
+    @property
+    def waiting_polls(self) -> int:
+        return len(self._pollers)
+
+    async def wait_for_completion(self, wait_s: float) -> None:
+        """Return when a completion arrives, ``wait_s`` passes or the rank goes
+        (:meth:`wake_pollers`); the caller then polls as usual."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pollers.append(fut)
+        timer = asyncio.get_running_loop().call_later(wait_s, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if fut in self._pollers:
+                self._pollers.remove(fut)
+
+    def wake_pollers(self) -> None:
+        """Answer every waiting poll now (a completion arrived, or the rank is going)."""
+        pollers, self._pollers = self._pollers, []
+        for fut in pollers:
+            _resolve(fut)
 
     def poll(self, ack: int | None, epoch: str) -> Completions:
         """Drop what the engine acknowledged (same epoch), return the rest."""
@@ -128,6 +155,11 @@ class EngineRank:
         self.complete(Completion(o.request_id, o.kind, o.reason, readers=[
             ReaderReport(r.engine_id, list(r.ranks), r.finished, r.failure) for r in o.readers]))
         self.worker.set_hot(len(self.holds) > 0)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],

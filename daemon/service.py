@@ -107,6 +107,10 @@ MAX_DECLARED_READERS = 65536
 #: How often the event loop samples its own lag and the state gauges.
 SAMPLE_PERIOD_S = 0.5
 
+MAX_WAITING_POLLS = 4
+"""Polls that may wait at once per engine rank (``Poll.wait_s``); more are
+answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_polls"}``)."""
+
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``."""
 
@@ -240,6 +244,8 @@ class Sidecar:
         if self._stopping:
             return
         self._stopping = True
+        for eng in self._engines.values():
+            eng.wake_pollers()
         await self._reads.abort_all(None, "the sidecar is shutting down", self._drain_timeout,
                                     posted_too=False)
         deadline = time.monotonic() + self._drain_timeout
@@ -312,7 +318,16 @@ class Sidecar:
                                         "completions or retry later")
 
     async def _poll(self, req: Poll) -> Reply:
-        return self._engine(req.engine_id).poll(req.ack, req.epoch)
+        eng = self._engine(req.engine_id)
+        reply = eng.poll(req.ack, req.epoch)
+        if reply.items or req.wait_s <= 0 or self._stopping:
+            return reply
+        if eng.waiting_polls >= MAX_WAITING_POLLS:
+            # Answered at once rather than refused: a poll may always return early.
+            self.metrics.limit_refusals.labels(eng.engine_id, "waiting_polls").inc()
+            return reply
+        await eng.wait_for_completion(req.wait_s)
+        return eng.poll(req.ack, req.epoch)
 
     async def _deregister(self, req: Deregister) -> Reply:
         peer = current_peer.get()
@@ -904,6 +919,7 @@ class Sidecar:
         eng = self._engines.pop(engine_id, None)
         if eng is None:
             return
+        eng.wake_pollers()
         self._hs_server.invalidate(engine_id)
         await self._quiesce(eng, why)
         try:

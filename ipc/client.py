@@ -320,11 +320,14 @@ class ClientCore:
     def release(self, engine_id: str, request_id: str) -> Call[None]:
         _expect((yield Release(engine_id, request_id, id=self._next_id())), Ok)
 
-    def poll(self, engine_id: str) -> Call[list[Completion]]:
+    def poll(self, engine_id: str, wait_s: float = 0.0) -> Call[list[Completion]]:
         """Completions since the last poll; one that was lost to a timeout comes
-        again, because each poll acknowledges only what this client received."""
+        again, because each poll acknowledges only what this client received.
+        With ``wait_s`` an empty poll waits that long for one (protocol minor 4;
+        an older sidecar answers at once)."""
         epoch, ack = self.acks.get(engine_id, ("", 0))
-        reply = _expect((yield Poll(engine_id, ack, epoch, id=self._next_id())), Completions)
+        reply = _expect((yield Poll(engine_id, ack, epoch, wait_s, id=self._next_id())),
+                        Completions)
         self.acks[engine_id] = (reply.epoch, reply.last)
         return reply.items
 
@@ -352,6 +355,8 @@ class ClientCore:
         if isinstance(req, Register):
             nbytes = req.layout.num_regions * req.layout.region_bytes
             return self.timeout_s + REGISTER_S_PER_GB * nbytes / 1e9
+        if isinstance(req, Poll):
+            return self.timeout_s + req.wait_s
         return self.timeout_s
 
     def timeout_error(self, req: Request, timeout_s: float) -> SidecarTimeout:
@@ -457,9 +462,13 @@ class SidecarClient:
     def release(self, engine_id: str, request_id: str) -> None:
         self._run(self._core.release(engine_id, request_id))
 
-    def poll(self, engine_id: str) -> list[Completion]:
-        """Completions since the last poll; one that was lost to a timeout comes again."""
-        return self._run(self._core.poll(engine_id))
+    def poll(self, engine_id: str, wait_s: float = 0.0) -> list[Completion]:
+        """Completions since the last poll; one that was lost to a timeout comes again.
+
+        ``wait_s``: with nothing to return, block up to that long until a
+        completion arrives (an engine waiting for its reads then costs no CPU
+        and learns of each at once, instead of spinning on empty polls)."""
+        return self._run(self._core.poll(engine_id, wait_s))
 
     def ping(self) -> Pong:
         return self._run(self._core.ping())
@@ -596,11 +605,11 @@ class AsyncSidecarClient:
     async def release(self, engine_id: str, request_id: str) -> None:
         await self._run(self._core.release(engine_id, request_id))
 
-    async def poll(self, engine_id: str) -> list[Completion]:
+    async def poll(self, engine_id: str, wait_s: float = 0.0) -> list[Completion]:
         """As :meth:`SidecarClient.poll`. Polls of one engine are serialised: two
         in flight would acknowledge the same number and receive items twice."""
         async with self._poll_locks.setdefault(engine_id, asyncio.Lock()):
-            return await self._run(self._core.poll(engine_id))
+            return await self._run(self._core.poll(engine_id, wait_s))
 
     async def ping(self) -> Pong:
         return await self._run(self._core.ping())

@@ -35,7 +35,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 3
+PROTOCOL_MINOR: Final = 4
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -47,11 +47,15 @@ PROTOCOL_MINOR: Final = 3
   views (a fixed-size allocation the engine's allocator carves its KV from).
 * 3: a ``received`` completion lists its ``transfers`` (:class:`TransferReport`),
   one per remote rank read from, with the sidecar's own timings.
+* 4: :class:`Poll` ``wait_s``: the daemon holds an empty poll until a
+  completion arrives or ``wait_s`` passes (a daemon of an older minor ignores
+  the field and answers at once, so a client loses nothing but the wait).
 
 Additions are new reply fields with defaults, which a client of an older
-minor ignores (replies do not forbid unknown fields); anything an older
-daemon could misread is a new major version, refused with a ``version``
-error naming both.
+minor ignores (replies do not forbid unknown fields), or new request fields
+whose default means the old behaviour (requests do not forbid unknown fields
+either); anything an older daemon could misread is a new major version,
+refused with a ``version`` error naming both.
 """
 
 # Error codes (``Error.code``). Plain strings on the wire so that a newer
@@ -73,6 +77,8 @@ ERROR_CODES: Final = (
 NonNegative = Annotated[int, Meta(ge=0)]
 PID_MAX: Final = 1 << 22  # Linux's PID_MAX_LIMIT
 MAX_HOLD_S: Final = 3600.0
+MAX_POLL_WAIT_S: Final = 60.0
+"""Longest a poll may wait for a completion; a longer wait is a longer client timeout."""
 """Longest hold anyone may ask for (vLLM pins blocks 480 s); also rules out inf and NaN."""
 #: Ids are bounded so that nothing an engine sends (and nothing quoted back in
 #: an error) grows without limit; vLLM's ids are tens of characters.
@@ -335,6 +341,9 @@ class Poll(_RequestBase, tag="poll", frozen=True):
     engine_id: EngineId
     ack: NonNegative | None = None
     epoch: Annotated[str, Meta(max_length=64)] = ""
+    #: with nothing to return, wait up to this long for a completion (minor 4):
+    #: an engine that waits for its reads blocks in ``recv`` instead of spinning
+    wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 0.0
 
 
 class Ping(_RequestBase, tag="ping", frozen=True):

@@ -155,7 +155,8 @@ class Metrics:
             "found alive (housekeeping lag; a paused process shows here)", ENGINE)
         self.limit_refusals = c(
             "kvsidecar_limit_refusals_total", "Requests refused (or early notifications "
-            "dropped) because a per-engine bound was reached", (*ENGINE, "limit"))
+            "dropped, or waiting polls answered at once) because a per-engine bound was "
+            "reached", (*ENGINE, "limit"))
         self.cleanup_failures = c(
             "kvsidecar_cleanup_failures_total",
             "Failures while releasing an engine (logged, never fatal)", ("what",))

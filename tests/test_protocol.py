@@ -97,7 +97,7 @@ def test_reply_round_trip(reply: Reply) -> None:
 def test_version_and_op_are_on_the_wire() -> None:
     raw = msgspec.msgpack.decode(encode_request(Poll("d0", id=7)))
     assert raw == {"op": "poll", "engine_id": "d0", "id": 7, "v": PROTOCOL_VERSION,
-                   "ack": None, "epoch": ""}
+                   "ack": None, "epoch": "", "wait_s": 0.0}
 
 
 def test_region_refs_are_tagged_by_kind() -> None:
@@ -110,6 +110,16 @@ def test_completion_defaults_stay_off_the_wire() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(Completion("r", "sent"))) == {
         "request_id": "r", "kind": "sent",
     }
+
+
+class _PollV1_3(msgspec.Struct, tag_field="op", tag="poll", kw_only=True, frozen=True):
+    """A poll as a minor-3 daemon declared it (no ``wait_s``)."""
+
+    engine_id: str
+    ack: int | None = None
+    epoch: str = ""
+    id: int
+    v: int = 1
 
 
 class _CompletionV1_0(msgspec.Struct, frozen=True):
@@ -204,9 +214,21 @@ def test_bad_block_id_names_its_position() -> None:
     assert e.id == 4 and "$.local_block_ids[0][1]" in e.message
 
 
+def test_a_minor_4_poll_decodes_in_a_minor_3_daemon_as_a_plain_poll() -> None:
+    """``Poll.wait_s`` is a request field an older daemon ignores (requests do not
+    forbid unknown fields): it answers at once, which a waiting client handles."""
+    old = msgspec.msgpack.decode(encode_request(Poll("d0", 4, "ep", 2.5, id=3)),
+                                 type=_PollV1_3)
+    assert (old.engine_id, old.ack, old.epoch, old.id) == ("d0", 4, "ep", 3)
+    again = decode_request(encode_request(Poll("d0", 4, "ep", 2.5, id=3)))
+    assert isinstance(again, Poll) and again.wait_s == 2.5
+
+
 def test_constraints() -> None:
     for op, field, value in [("hold", "readers", 0), ("hold", "timeout_s", 0.0),
-                             ("read", "skip_tokens", -1), ("register", "tp_rank", -1)]:
+                             ("read", "skip_tokens", -1), ("register", "tp_rank", -1),
+                             ("poll", "wait_s", -0.5), ("poll", "wait_s", 61.0),
+                             ("poll", "wait_s", float("nan"))]:
         raw = msgspec.msgpack.decode(encode_request(
             next(r for r in REQUESTS if r.__struct_config__.tag == op)))
         raw[field] = value
