@@ -727,6 +727,10 @@ class Sidecar:
         now = time.monotonic()
         if isinstance(msg, Claim):
             lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
+            if lease.granted:
+                # The reader posts its READ when this reply arrives: progress tightly
+                # while its lease runs (wire-up, and over TCP the bytes, need us).
+                eng.worker.expect_reads(lease.lease_s)
             return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                 reason=lease.reason)
         eng.holds.report(msg.engine_id, msg.request_id,

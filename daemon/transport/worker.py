@@ -27,20 +27,35 @@ progresses the UCX worker (peers wiring up to us, notifications arriving). Both
 cost about a microsecond.
 
 *How progress is driven.* Each round runs the queued jobs, then polls: every
-in-flight handle plus ``get_new_notifs`` when reads are in flight or the owner
-set the hot hint (:meth:`NixlWorker.set_hot`), otherwise ``get_new_notifs``
-only. Then it blocks on the job queue for ``busy_poll_s`` (reads in flight),
-``hot_poll_s`` (blocks held, waiting for readers' notifications) or
-``idle_poll_s`` (idle). A submitted job wakes the thread at once, so outbound
-work never waits for a tick; the tick is the latency only of *inbound* events
-(a peer wiring up, a notification arriving, an asynchronous transfer finishing).
+in-flight handle, then ``get_new_notifs``. Then it blocks on the job queue for
+a wait that depends on what may arrive (:meth:`NixlWorker.poll_wait_s` says
+which it chose last):
+
+- reads in flight: ``busy_poll_s`` (0.2 ms; their completion is the decode
+  engine's latency);
+- a reader holds a lease on our blocks (:meth:`NixlWorker.expect_reads`, told
+  by the owner when a peer claims or renews one): ``hot_poll_s`` (1 ms). Over
+  UCX/TCP a peer's READ is served by *our* progress and its first transfer
+  wires up only when we progress, so this rate is the reader's speed;
+- otherwise the wait escalates: it starts at ``hot_poll_s`` (blocks held,
+  :meth:`NixlWorker.set_hot`) or ``idle_poll_s`` and doubles with every round
+  in which nothing happened, up to ``hot_max_s`` (50 ms: a held block waits
+  only for notifications, which arrive under a lease anyway; this cap is for a
+  peer that reads without one) or ``idle_max_s`` (0.5 s: nothing is expected;
+  the cap only bounds how late UCX sees a peer go away).
+
+Anything that happens (a job, a wake-up, a notification) starts the escalation
+again from its floor. A submitted job, ``set_hot(True)`` and ``expect_reads``
+wake the thread at once through the queue, so outbound work never waits for a
+tick and the event loop, which learns of inbound work first (a hold, a lease
+claim), switches the worker to tight polling before the peer posts its read.
 The trade-off is latency against CPU, and the cost is the wake-ups, not NIXL
 (an idle ``get_new_notifs`` is about 1.5 us): on a 2-vCPU VM one timed wake-up
-costs about 100 us of CPU, so idle at 5 ms a worker uses 2-3 % of a core
-(under 1 % at 20 ms), and at 0.2 ms about 18 %. Reads in flight get 0.2 ms
-(their completion is the decode engine's latency); held blocks get 1 ms (a
-notification only decides when the prefill side may reuse blocks).
-``benchmarks/nixl_worker_idle.py`` measures both.
+costs 100-150 us of CPU, so a worker ticking every 5 ms used 2-3 % of a core,
+every 1 ms about 8 %; at the 0.5 s idle cap it is 2 wake-ups a second.
+Destroying an agent after long sleeps is safe because the agent is progressed
+for a while first (see ``_drain``). ``benchmarks/nixl_worker_idle.py``
+measures the idle and hot figures.
 
 *Notifications are lazy.* NIXL sends the notification attached to a READ only
 when the initiator observes the transfer as DONE, so every handle is polled to
@@ -90,7 +105,7 @@ from kvsidecar.daemon.transport.probe import transport_note
 log = logging.getLogger(__name__)
 
 __all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlTimeout", "NixlWorker",
-           "TransferStats", "transport_note"]
+           "PollPolicy", "TransferStats", "transport_note"]
 
 _MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
 #: After a reset whose agent could not be created again (e.g. UCX finds no usable
@@ -118,6 +133,43 @@ class TransferStats:
     post_us: float
     xfer_us: float
     telemetry: bool = False
+
+
+@dataclass(frozen=True)
+class PollPolicy:
+    """How long the worker waits for work before polling NIXL again (seconds).
+
+    Fixed while reads are in flight (``busy_s``) or expected (``hot_s``: a
+    reader holds a lease); otherwise a wait that starts at a floor (``hot_s``
+    with blocks held, ``idle_s`` without) and doubles with every round in which
+    nothing happened, up to a cap (``hot_max_s`` / ``idle_max_s``). Pure, so
+    the escalation is tested without threads or clocks.
+    """
+
+    busy_s: float = 0.0002
+    hot_s: float = 0.001
+    hot_max_s: float = 0.05
+    idle_s: float = 0.005
+    idle_max_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if min(self.busy_s, self.hot_s, self.idle_s) <= 0:
+            raise ValueError("poll intervals must be positive")
+        if self.hot_max_s < self.hot_s or self.idle_max_s < self.idle_s:
+            raise ValueError("a poll cap must not be below its floor")
+
+    def next_wait(self, last: float, *, active: bool, inflight: bool, reads_expected: bool,
+                  hot: bool) -> float:
+        """The wait after a round that waited ``last``; ``active``: something
+        happened in it (a job, a wake-up, a notification)."""
+        if inflight:
+            return self.busy_s
+        if reads_expected:
+            return self.hot_s
+        floor, cap = (self.hot_s, self.hot_max_s) if hot else (self.idle_s, self.idle_max_s)
+        if active:
+            return floor
+        return min(cap, max(floor, last * 2))
 
 
 # -- the worker ----------------------------------------------------------------------------------
@@ -183,6 +235,8 @@ class NixlWorker:
         idle_poll_s: float = 0.005,
         busy_poll_s: float = 0.0002,
         hot_poll_s: float = 0.001,
+        idle_max_s: float = 0.5,
+        hot_max_s: float = 0.05,
         backend_params: Mapping[str, Mapping[str, str]] | None = None,
         telemetry: bool = True,
         stop_timeout_s: float = _STOP_WAIT_S,
@@ -190,8 +244,6 @@ class NixlWorker:
     ) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
-        if idle_poll_s <= 0 or busy_poll_s <= 0 or hot_poll_s <= 0:
-            raise ValueError("poll intervals must be positive")
         self._base_name = name
         self._name = name  # the current agent's name, on the worker thread
         self._public_name = name  # the same, as the event loop knows it
@@ -205,9 +257,8 @@ class NixlWorker:
         self._backends = tuple(backends)
         self._backend_params = {k: dict(v) for k, v in (backend_params or {}).items()}
         self._on_notif = on_notif
-        self._idle_poll_s = idle_poll_s
         self._busy_poll_s = busy_poll_s
-        self._hot_poll_s = hot_poll_s
+        self._policy = PollPolicy(busy_poll_s, hot_poll_s, hot_max_s, idle_poll_s, idle_max_s)
         self._telemetry = telemetry
         self._stop_timeout_s = stop_timeout_s
         #: runs first on the worker thread: a GPU sidecar makes its CUDA context
@@ -221,6 +272,10 @@ class NixlWorker:
         self._stop_requested = False
         self._closed = False
         self._hot = False
+        #: poll at hot_poll_s until this monotonic time (a reader holds a lease)
+        self._reads_expected_until = 0.0
+        #: the wait the worker thread chose last (seconds); for tests and metrics
+        self._poll_wait_s = 0.0
         #: monotonic time the worker thread last went round its poll loop
         self.heartbeat = time.monotonic()
         self._started_fut: _Fut | None = None
@@ -392,11 +447,30 @@ class NixlWorker:
         )
 
     def set_hot(self, hot: bool) -> None:
-        """Poll notifications every hot_poll_s even with no reads in flight (thread-safe)."""
+        """Blocks are held: poll notifications from ``hot_poll_s`` escalating to
+        ``hot_max_s`` even with no reads in flight (thread-safe). ``False`` (nothing
+        held any more) also ends an :meth:`expect_reads` window: nobody reads
+        memory that is not held."""
         was = self._hot
         self._hot = bool(hot)
-        if self._hot and not was:
-            self._jobs.put(None)  # leave the idle wait now, not up to idle_poll_s later
+        if not self._hot:
+            self._reads_expected_until = 0.0
+        elif not was:
+            self._jobs.put(None)  # leave the idle wait now, not up to idle_max_s later
+
+    def expect_reads(self, for_s: float) -> None:
+        """A peer is about to read our memory (it claimed or renewed a lease): poll
+        every ``hot_poll_s`` for the next ``for_s`` seconds (thread-safe). Its first
+        transfer wires up, and over UCX/TCP its bytes flow, only as we progress."""
+        until = time.monotonic() + for_s
+        if until > self._reads_expected_until:
+            self._reads_expected_until = until
+        self._jobs.put(None)
+
+    @property
+    def poll_wait_s(self) -> float:
+        """How long the worker thread last chose to wait for work (seconds)."""
+        return self._poll_wait_s
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -453,34 +527,42 @@ class NixlWorker:
         return agent
 
     def _serve(self) -> None:
+        wait = 0.0
+        active = True
         while not self._stop_requested:
             # Read by /healthz and the poll-lag gauge from other threads: a float
             # store is atomic, and a stale value only makes the thread look slower.
             self.heartbeat = time.monotonic()
-            self._drain_jobs()
-            self._progress()
+            if self._drain_jobs():
+                active = True
+            if self._progress():
+                active = True
             self._flush()
-            if self._inflight:
-                wait = self._busy_poll_s
-            elif self._hot:
-                wait = self._hot_poll_s
-            else:
-                wait = self._idle_poll_s
+            wait = self._policy.next_wait(
+                wait, active=active, inflight=bool(self._inflight), hot=self._hot,
+                reads_expected=time.monotonic() < self._reads_expected_until)
+            self._poll_wait_s = wait
+            active = False
             try:
                 job = self._jobs.get(timeout=wait)
             except queue.Empty:
                 continue
+            active = True  # a job or a wake-up: start escalating again from the floor
             if job is not None:
                 self._run_job(job)
 
-    def _drain_jobs(self) -> None:
+    def _drain_jobs(self) -> int:
+        """Run up to _MAX_JOBS_PER_ROUND queued jobs; returns how many were taken."""
+        n = 0
         for _ in range(_MAX_JOBS_PER_ROUND):
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                return
+                return n
+            n += 1
             if job is not None:
                 self._run_job(job)
+        return n
 
     def _run_job(self, job: _Job) -> None:
         if self._stop_requested:
@@ -509,7 +591,8 @@ class NixlWorker:
         """Jobs that also work while the agent is down: they only forget things."""
         return (self._do_deregister, self._do_remove_remote)
 
-    def _progress(self) -> None:
+    def _progress(self) -> int:
+        """Poll reads and notifications; returns how many notifications arrived."""
         if self._inflight:
             self._poll_reads()
         if self._doomed:
@@ -517,15 +600,18 @@ class NixlWorker:
         if self._agent is None:  # a reset that could not create the agent again
             if self._down and time.monotonic() >= self._recreate_at:
                 self._recreate()
-            return
+            return 0
         try:
             notifs = self._agent.get_new_notifs()
         except Exception:
             log.exception("NIXL agent %r: get_new_notifs failed", self._name)
-            return
+            return 0
+        n = 0
         for agent, msgs in notifs.items():
             for msg in msgs:
                 self._out_notifs.append((str(agent), bytes(msg)))
+                n += 1
+        return n
 
     def _poll_reads(self) -> None:
         still: list[_Inflight] = []

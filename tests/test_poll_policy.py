@@ -1,0 +1,59 @@
+"""The NIXL worker's wait between polls (PollPolicy): pure, no threads, no clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.daemon.transport.worker import PollPolicy
+
+P = PollPolicy(busy_s=0.0002, hot_s=0.001, hot_max_s=0.05, idle_s=0.005, idle_max_s=0.5)
+
+
+def walk(policy: PollPolicy, rounds: int, **state: bool) -> list[float]:
+    """The waits of ``rounds`` quiet rounds after an active one."""
+    waits = [policy.next_wait(0.0, active=True, **state)]
+    for _ in range(rounds - 1):
+        waits.append(policy.next_wait(waits[-1], active=False, **state))
+    return waits
+
+
+def test_idle_wait_doubles_from_its_floor_to_its_cap_and_stays() -> None:
+    waits = walk(P, 12, inflight=False, reads_expected=False, hot=False)
+    assert waits[:8] == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5]
+    assert waits[8:] == [0.5] * 4
+
+
+def test_held_blocks_escalate_from_the_hot_floor_to_the_hot_cap() -> None:
+    waits = walk(P, 10, inflight=False, reads_expected=False, hot=True)
+    assert waits[:7] == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05]
+    assert waits[7:] == [0.05] * 3
+
+
+def test_activity_restarts_the_escalation_at_the_floor() -> None:
+    deep = P.next_wait(0.5, active=False, inflight=False, reads_expected=False, hot=False)
+    assert deep == 0.5
+    assert P.next_wait(deep, active=True, inflight=False, reads_expected=False,
+                       hot=False) == 0.005
+    # Blocks held after a deep idle sleep: the hot cap bounds the very next wait.
+    assert P.next_wait(deep, active=False, inflight=False, reads_expected=False,
+                       hot=True) == 0.05
+
+
+def test_reads_in_flight_or_expected_poll_at_a_fixed_tight_rate() -> None:
+    for hot in (False, True):
+        assert walk(P, 6, inflight=True, reads_expected=False, hot=hot) == [0.0002] * 6
+        assert walk(P, 6, inflight=False, reads_expected=True, hot=hot) == [0.001] * 6
+    # In flight wins over expected; after the last read the wait starts at the floor.
+    assert P.next_wait(0.001, active=False, inflight=True, reads_expected=True,
+                       hot=True) == 0.0002
+    assert P.next_wait(0.0002, active=False, inflight=False, reads_expected=False,
+                       hot=False) == 0.005
+
+
+def test_bad_policies_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        PollPolicy(busy_s=0.0)
+    with pytest.raises(ValueError, match="cap"):
+        PollPolicy(idle_s=1.0, idle_max_s=0.5)
+    with pytest.raises(ValueError, match="cap"):
+        PollPolicy(hot_s=0.1, hot_max_s=0.05)
