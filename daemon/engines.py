@@ -32,6 +32,7 @@ from kvsidecar.daemon.holds import HoldBook, HoldOutcome
 from kvsidecar.daemon.memory_kinds import Gpu, MemoryContext
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import HandshakeInfo
+from kvsidecar.daemon.staging import StagingPool
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import (
@@ -89,6 +90,10 @@ class EngineRank:
     metrics: Metrics | None = None
     #: told of every completion (tracing ends the request's span), when set
     on_complete: Callable[[str, Completion], None] | None = None
+    #: off, auto or always (settings.staging; off for GPU memory)
+    staging_mode: str = "off"
+    #: sidecar-owned host memory for staged reads (None: never staged)
+    staging: StagingPool | None = None
     _seq: int = 0
     #: polls waiting for this rank's next completion (``Poll.wait_s``)
     _pollers: list[asyncio.Future[None]] = field(default_factory=list)

@@ -21,7 +21,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,8 @@ from kvsidecar.daemon.planner import (
     plan_read,
     validate_block_ids,
 )
+from kvsidecar.daemon.staging import Area, scatter
+from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.worker import (
     NixlAgentReset,
@@ -135,11 +137,17 @@ def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) 
 
 
 def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
-                      local_bases: I64, remote_bases: dict[int, I64]
-                      ) -> tuple[ReadPlan, list[PostList]]:
+                      local_bases: I64, remote_bases: dict[int, I64],
+                      staging: dict[int, str] | None = None,
+                      ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
+    """Plan, addresses, and per P rank the staged plan (``staging``: mode per rank)."""
     plan = plan_read(local, rank, remote, req.local_block_ids, req.remote_block_ids,
                      skip_tokens=req.skip_tokens, num_tokens=req.num_tokens, check=False)
-    return plan, build_posts(plan, local_bases, remote_bases)
+    posts = build_posts(plan, local_bases, remote_bases)
+    modes = staging or {}
+    return plan, posts, [plan_staging(p.local, p.remote, p.length, mode=modes[p.rank])
+                         if p.length.size and modes.get(p.rank, "off") != "off" else None
+                         for p in posts]
 
 
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
@@ -170,10 +178,14 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                 "layouts (cache sizes differ between ranks)"
             )
     loop = asyncio.get_running_loop()
+    # Staging: host memory on both sides only (a GPU engine posts scattered descriptors).
+    modes = ({p: eng.staging_mode for p, peer in zip(cands, peers)
+              if peer.info.mem_type == "DRAM"}
+             if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
         planning = loop.run_in_executor(
             planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
-            {p: peer.bases for p, peer in zip(cands, peers)},
+            {p: peer.bases for p, peer in zip(cands, peers)}, modes,
         )
         planning.add_done_callback(_retrieve)
         leases = None
@@ -186,11 +198,58 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                     reader_tp=eng.layout.tp_size))
                 for p, peer in zip(cands, peers)])
             await leases.claim()  # while the planning thread works
-        plan, posts = await planning
+        plan, posts, staged = await planning
     if job.abort_reason is not None:
         raise asyncio.CancelledError
     if leases is not None:
         leases.check(time.monotonic())  # never start on an expired lease
+    areas = await _take_areas(eng, staged, metrics)
+    try:
+        return await _post_and_wait(eng, job, planner, timeout_s, metrics, cands, peers, plan,
+                                    posts, staged, areas)
+    finally:
+        if eng.staging is not None:
+            for area in areas:
+                if area is not None:
+                    eng.staging.release(area)
+
+
+async def _take_areas(eng: EngineRank, staged: list[StagedPlan | None],
+                      metrics: Metrics | None) -> list[Area | None]:
+    """A staging area per staged post; a post that finds none goes scattered (counted)."""
+    pool = eng.staging
+    areas: list[Area | None] = [None] * len(staged)
+    if pool is None or not any(staged):
+        return areas
+    ok = await pool.ensure()
+    for i, sp in enumerate(staged):
+        if sp is None:
+            continue
+        areas[i] = pool.acquire(sp.staging_bytes) if ok else None
+        if areas[i] is None and metrics is not None:
+            metrics.staging_fallbacks.labels(eng.engine_id,
+                                             "full" if ok else "unavailable").inc()
+    return areas
+
+
+async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
+                         timeout_s: float | None, metrics: Metrics | None,
+                         cands: Sequence[int],
+                         peers: list[Peer], plan: ReadPlan, posts: list[PostList],
+                         staged: list[StagedPlan | None], areas: list[Area | None]
+                         ) -> ReadOutcome:
+    """Post every P rank's transfer, wait for all, scatter what was staged.
+
+    Staging areas (``areas[i]`` for ``posts[i]``) are released by the caller
+    when this returns or raises with every transfer's outcome known: DONE, or
+    failed (the worker reports a failure only once the agent carrying it was
+    destroyed). If this task is cancelled while transfers are in flight, their
+    areas are quarantined until the agent's generation moves on instead.
+    """
+    req = job.req
+    remote = req.remote
+    tr = job.tracing
+    leases = job.leases
     job.posted = True
     if metrics is not None:
         metrics.read_queue_seconds.labels(eng.engine_id).observe(
@@ -201,7 +260,13 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     gens = {p: peer.generation for p, peer in zip(cands, peers)}
     infos = {p: peer.info for p, peer in zip(cands, peers)}
     ops: list[Coroutine[Any, Any, TransferStats | None]] = []
-    for post in posts:
+    for i, post in enumerate(posts):
+        sp, area = staged[i], areas[i]
+        if sp is not None and area is not None:
+            post = posts[i] = PostList(post.rank, sp.post_local(area.address), sp.remote,
+                                       sp.length, post.descriptors_before)
+            if metrics is not None:
+                metrics.staged_transfers.labels(eng.engine_id).inc()
         if post.length.size:
             far = infos[post.rank]
             ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
@@ -217,8 +282,18 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
     renewing = (asyncio.ensure_future(leases.renew_forever(until)) if leases is not None
                 else None)
+    generation = eng.worker.generation
     try:
         results = await asyncio.gather(*ops, return_exceptions=True)
+    except BaseException:
+        # Cancelled with transfers maybe in flight: their areas stay out of use
+        # until an agent reset has provably killed them.
+        if eng.staging is not None:
+            for i, area in enumerate(areas):
+                if area is not None:
+                    eng.staging.quarantine(area, generation)
+                    areas[i] = None
+        raise
     finally:
         if renewing is not None:
             renewing.cancel()
@@ -244,12 +319,38 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
         raise errors[0]
     if leases is not None:
         leases.check(time.monotonic())  # bytes that landed after the lease are not trusted
-    return ReadOutcome(plan.nbytes, plan.descriptors, plan.descriptors_before_coalescing,
+    if job.abort_reason is None and any(a is not None for a in areas):
+        # Only now, every transfer DONE and the lease valid, do engine blocks get
+        # the staged bytes. Off the loop; never abandoned half way (the engine
+        # must not get a completion while its blocks are still being written).
+        scattering = _in_executor(planner, _scatter_all, eng, staged, areas)
+        try:
+            await asyncio.shield(scattering)
+        except asyncio.CancelledError:
+            await asyncio.wait([scattering])
+            raise
+    posted = sum(int(p.length.size) for p in posts)
+    return ReadOutcome(plan.nbytes, posted, plan.descriptors_before_coalescing,
                        [r for r in results if isinstance(r, TransferStats)],
                        [TransferReport(post.rank, r.bytes, r.descriptors, r.post_us / 1e6,
                                        r.xfer_us / 1e6)
                         for post, r in zip(posts, results)
                         if isinstance(r, TransferStats) and post.length.size])
+
+
+def _in_executor(executor: Executor, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    return asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+def _scatter_all(eng: EngineRank, staged: list[StagedPlan | None],
+                 areas: list[Area | None]) -> None:
+    """Copy every staged piece into the engine's blocks (planning thread)."""
+    pool = eng.staging
+    assert pool is not None
+    views = [r.numpy() for r in eng.regions]
+    for sp, area in zip(staged, areas):
+        if sp is not None and area is not None:
+            scatter(pool.view(area), sp.src, sp.dst, sp.size, eng.bases, views)
 
 
 def _retrieve(f: asyncio.Future[Any]) -> None:

@@ -64,6 +64,7 @@ from kvsidecar.daemon.planner import PlanError, validate_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
+from kvsidecar.daemon.staging import StagingPool
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
@@ -450,6 +451,7 @@ class Sidecar:
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
         )
+        self._attach_staging(eng, mem_type)
         eng.fd_token = self._offer_fds(eng)
         self._engines[req.engine_id] = eng
         self._hs_server.invalidate(req.engine_id)
@@ -919,6 +921,20 @@ class Sidecar:
         eng.holds.drop_engine(eng.engine_id)
         eng.worker.set_hot(False)
 
+    def _attach_staging(self, eng: EngineRank, mem_type: str) -> None:
+        """Staged reads (settings.staging) for host memory only: GPU engines always
+        post scattered descriptors (no host bounce, no GPU scatter kernel here)."""
+        if self.settings.staging == "off" or mem_type != "DRAM" or not self.settings.staging_bytes:
+            return
+        m, e = self.metrics, eng.engine_id
+
+        def gauges(in_use: int, quarantined: int) -> None:
+            m.staging_bytes_in_use.labels(e).set(in_use)
+            m.staging_bytes_quarantined.labels(e).set(quarantined)
+
+        eng.staging_mode = self.settings.staging
+        eng.staging = StagingPool(self.settings.staging_bytes, eng.worker, gauges)
+
     async def _drop_engine(self, engine_id: str, why: str) -> None:
         eng = self._engines.pop(engine_id, None)
         if eng is None:
@@ -934,6 +950,8 @@ class Sidecar:
         if eng.worker.cleanup_failures:  # NIXL deregistrations that failed (logged there)
             self.metrics.cleanup_failures.labels(what="nixl_deregister").inc(
                 eng.worker.cleanup_failures)
+        if eng.staging is not None:
+            eng.staging.close()  # its worker (and every transfer into it) is gone
         self._fds.withdraw(eng.fd_token)
         await self._release_regions(eng.regions, eng.owned)
         await self._drop_reservation(engine_id)  # views into it were just released

@@ -56,6 +56,10 @@ class Settings:
     #: engine-allocated GPU memory (attach mode): serve, warn (serve loudly unless the
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
+    #: descriptor economy (daemon/staging_plan.py): off, auto (cost model) or always
+    staging: str = "off"
+    #: sidecar-owned host staging memory per engine rank (bytes), mapped on first use
+    staging_bytes: int = 256 << 20
 
     @property
     def bind_host(self) -> str:
@@ -258,6 +262,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
                         "reaches it can read and write registered KV memory "
                         "(env KVSIDECAR_INSECURE_PEERS=1)")
+    p.add_argument("--staging", default=_env("STAGING", "off"),
+                   help="D side, host memory only: read whole remote runs into staging memory "
+                        "and scatter locally when the cost model says it beats posting "
+                        "scattered descriptors: off, auto, always (env KVSIDECAR_STAGING)")
+    p.add_argument("--staging-bytes", type=_number(int, "STAGING_BYTES"),
+                   default=_env("STAGING_BYTES", str(256 << 20)),
+                   help="staging memory per engine rank, mapped and registered on the first "
+                        "staged read; a read that finds no room posts scattered descriptors "
+                        "(env KVSIDECAR_STAGING_BYTES)")
     p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
                    default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
@@ -304,6 +317,12 @@ def from_args(ns: argparse.Namespace) -> Settings:
         if getattr(ns, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
                               f"be >= 1, got {getattr(ns, name)}")
+    if ns.staging not in ("off", "auto", "always"):
+        raise ConfigError(f"--staging (env KVSIDECAR_STAGING) must be one of off, auto, "
+                          f"always, got {ns.staging!r}")
+    if ns.staging_bytes < 0:
+        raise ConfigError(f"--staging-bytes (env KVSIDECAR_STAGING_BYTES) must be >= 0, "
+                          f"got {ns.staging_bytes}")
     return Settings(
         socket=ns.socket or default_socket(ns.device),
         handshake_host=ns.handshake_host,
@@ -338,4 +357,6 @@ def from_args(ns: argparse.Namespace) -> Settings:
         peer_keys=ns.peer_keys,
         insecure_peers=ns.insecure_peers,
         cuda_attach=ns.cuda_attach,
+        staging=ns.staging,
+        staging_bytes=ns.staging_bytes,
     )

@@ -80,6 +80,19 @@ class Metrics:
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",
             ENGINE, buckets=LATENCY_BUCKETS)
         self.read_bytes = c("kvsidecar_read_bytes_total", "Bytes read from peers", ENGINE_PEER)
+        self.staged_transfers = c(
+            "kvsidecar_staged_transfers_total", "Transfers read as whole remote runs into "
+            "staging memory, then scattered locally (--staging)", ENGINE)
+        self.staging_fallbacks = c(
+            "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
+            "that posted scattered descriptors, by reason (full: no room in the pool; "
+            "unavailable: the pool could not be mapped or registered)", (*ENGINE, "reason"))
+        self.staging_bytes_in_use = g(
+            "kvsidecar_staging_bytes_in_use", "Staging memory held by transfers in flight "
+            "(or scattering)", ENGINE)
+        self.staging_bytes_quarantined = g(
+            "kvsidecar_staging_bytes_quarantined", "Staging memory kept out of use until the "
+            "NIXL agent is reset (a transfer into it ended with an unknown outcome)", ENGINE)
 
         # --- outcomes
         self.completions = c(
@@ -195,7 +208,8 @@ class Metrics:
     def forget_engine(self, engine_id: str) -> None:
         """Drop the gauges of an engine that left (its counters stay: they are history)."""
         for gauge in (self.reads_in_flight, self.holds_in_flight, self.registered_bytes,
-                      self.registered_regions, self.peers, self.worker_lag):
+                      self.registered_regions, self.peers, self.worker_lag,
+                      self.staging_bytes_in_use, self.staging_bytes_quarantined):
             with contextlib.suppress(KeyError):
                 gauge.remove(engine_id)
 

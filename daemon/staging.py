@@ -1,0 +1,227 @@
+"""Staging memory of one engine rank, and the local scatter out of it.
+
+The thin I/O side of :mod:`~kvsidecar.daemon.staging_plan`: a bounded pool of
+sidecar-owned host memory (anonymous ``mmap``, page aligned), registered with
+the engine rank's NIXL worker the first time a read is staged, carved into
+areas first-fit, one area per staged transfer.
+
+Safety rules (the read path in :mod:`~kvsidecar.daemon.reads` keeps them):
+
+- a staged READ lands only in its area; engine blocks are written by
+  :func:`scatter` only after every transfer of the read finished DONE and the
+  lease check passed, so a failed staged read never writes engine memory;
+- an area goes back to the pool when its transfer ended: DONE, or failed
+  (the worker reports a failure only after destroying the agent that carried
+  it, so nothing writes there any more). An area whose outcome is unknown
+  (the awaiting task was cancelled) is quarantined until the worker's
+  generation moves on (an agent reset kills every transfer of the old one);
+- a read that finds no room is posted scattered, counted, never refused.
+
+GPU (VRAM) engines never stage: this module is for host DRAM only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvsidecar.daemon.transport.worker import NixlWorker
+
+log = logging.getLogger(__name__)
+
+I64 = NDArray[np.int64]
+U8 = NDArray[np.uint8]
+
+#: pieces per (region, length) group below which a plain loop of slice copies is used
+_MIN_VECTOR = 16
+#: smallest row (bytes) worth a fancy-indexed copy, and most rows per piece
+_MIN_ROW = 256
+_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Area:
+    offset: int
+    nbytes: int
+    address: int
+
+
+class Extents:
+    """First-fit allocator over ``[0, capacity)`` with coalescing frees (pure)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity > 0 else []
+        self.used = 0
+
+    def take(self, nbytes: int) -> int | None:
+        for i, (off, size) in enumerate(self._free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + nbytes, size - nbytes)
+                self.used += nbytes
+                return off
+        return None
+
+    def give(self, off: int, nbytes: int) -> None:
+        free = self._free
+        i = 0
+        while i < len(free) and free[i][0] < off:
+            i += 1
+        if (i and free[i - 1][0] + free[i - 1][1] > off) or (
+                i < len(free) and off + nbytes > free[i][0]):
+            raise ValueError(f"extent [{off}, {off + nbytes}) overlaps a free extent")
+        free.insert(i, (off, nbytes))
+        if i + 1 < len(free) and off + nbytes == free[i + 1][0]:
+            free[i] = (off, nbytes + free[i + 1][1])
+            del free[i + 1]
+        if i and free[i - 1][0] + free[i - 1][1] == off:
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
+            del free[i]
+        self.used -= nbytes
+
+
+class StagingPool:
+    """Bounded staging memory for one engine rank's staged reads.
+
+    ``on_change(in_use, quarantined)`` is told the byte counts after every
+    change (the owner sets its gauges).
+    """
+
+    def __init__(self, capacity: int, worker: NixlWorker,
+                 on_change: Callable[[int, int], None] | None = None) -> None:
+        self.capacity = capacity
+        self._worker = worker
+        self._on_change = on_change
+        self._extents = Extents(capacity)
+        self._quarantine: list[tuple[Area, int]] = []
+        self._mm: mmap.mmap | None = None
+        self._view: U8 | None = None
+        self._base = 0
+        self._ready: asyncio.Future[bool] | None = None
+
+    async def ensure(self) -> bool:
+        """Map and register the pool once (first staged read); False if it cannot be."""
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_future()
+            ok = False
+            try:
+                mm = mmap.mmap(-1, self.capacity)
+                view = np.frombuffer(mm, dtype=np.uint8)
+                base = int(view.ctypes.data)
+                await self._worker.register([(base, self.capacity)], "DRAM", 0)
+                self._mm, self._view, self._base, ok = mm, view, base, True
+            except Exception as e:
+                log.warning("staging pool of %d bytes unavailable (%s); reads post scattered "
+                            "descriptors", self.capacity, e)
+            self._ready.set_result(ok)
+        return await asyncio.shield(self._ready)
+
+    @property
+    def in_use(self) -> int:
+        return self._extents.used
+
+    @property
+    def quarantined(self) -> int:
+        return sum(a.nbytes for a, _ in self._quarantine)
+
+    def acquire(self, nbytes: int) -> Area | None:
+        """An area of ``nbytes`` (rounded to pages), or None when the pool has no room."""
+        if self._view is None or nbytes <= 0:
+            return None
+        self._reclaim()
+        size = math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
+        off = self._extents.take(size)
+        if off is None:
+            return None
+        self._changed()
+        return Area(off, size, self._base + off)
+
+    def release(self, area: Area) -> None:
+        """Its transfer ended (DONE, or failed and reported dead by the worker)."""
+        self._extents.give(area.offset, area.nbytes)
+        self._changed()
+
+    def quarantine(self, area: Area, generation: int) -> None:
+        """Outcome unknown: keep it until the worker's agent generation passes ``generation``."""
+        self._quarantine.append((area, generation))
+        self._changed()
+
+    def view(self, area: Area) -> U8:
+        assert self._view is not None
+        return self._view[area.offset:area.offset + area.nbytes]
+
+    def close(self) -> None:
+        """Unmap; only after the worker stopped (its agent, and every transfer, is gone)."""
+        self._view = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a scatter's view is still referenced; GC unmaps it
+                log.debug("staging pool still referenced at close")
+            self._mm = None
+
+    def _reclaim(self) -> None:
+        gen = self._worker.generation
+        keep = []
+        for area, g in self._quarantine:
+            if gen > g:
+                self._extents.give(area.offset, area.nbytes)
+            else:
+                keep.append((area, g))
+        if len(keep) != len(self._quarantine):
+            self._quarantine = keep
+            self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.in_use - self.quarantined, self.quarantined)
+
+
+def scatter(area: U8, src: I64, dst: I64, size: I64, bases: I64, views: list[U8]) -> int:
+    """Copy piece ``j`` (``size[j]`` bytes at ``area[src[j]:]``) to engine address
+    ``dst[j]``, which lies in region ``i`` at ``bases[i]`` (viewed by ``views[i]``).
+
+    Pieces of one length into one region go as one fancy-indexed row copy when
+    their offsets share a row size ``g`` (the gcd; numpy releases the GIL for
+    the copy), otherwise as a loop of slice copies. Returns how many groups
+    took the vectorised path (for tests and benchmarks).
+    """
+    order = np.argsort(bases)
+    sb = bases[order]
+    region = order[np.searchsorted(sb, dst, side="right") - 1]
+    off = dst - bases[region]
+    vectorised = 0
+    keys = np.lexsort((size, region))
+    r_s, l_s = region[keys], size[keys]
+    cut = np.flatnonzero((np.diff(r_s) != 0) | (np.diff(l_s) != 0)) + 1
+    for grp in np.split(keys, cut):
+        reg = int(region[grp[0]])
+        length = int(size[grp[0]])
+        dview = views[reg]
+        s_off, d_off = src[grp], off[grp]
+        if grp.size >= _MIN_VECTOR:
+            g = int(np.gcd.reduce(np.concatenate((s_off, d_off, [length]))))
+            rows = length // g
+            if g >= _MIN_ROW and rows <= _MAX_ROWS:
+                s2 = area[:area.size // g * g].reshape(-1, g)
+                d2 = dview[:dview.size // g * g].reshape(-1, g)
+                if rows == 1:
+                    d2[d_off // g] = s2[s_off // g]
+                else:
+                    k = np.arange(rows)
+                    d2[(d_off // g)[:, None] + k] = s2[(s_off // g)[:, None] + k]
+                vectorised += 1
+                continue
+        for s, d in zip(s_off.tolist(), d_off.tolist()):
+            dview[d:d + length] = area[s:s + length]
+    return vectorised

@@ -1,0 +1,157 @@
+"""Descriptor economy: post scattered descriptors, or read whole remote runs into staging.
+
+Pure plan math for one P rank's post (no I/O). NIXL over UCX costs a few
+microseconds per descriptor whatever its size, so a post of thousands of
+2 KiB pieces spends most of its time on descriptors, not bytes. The other way
+is to read each *remote run* (neighbouring pieces, with the small gaps
+between them) as one descriptor into sidecar-owned staging memory, then copy
+every piece from staging into the engine's blocks: more bytes on the wire,
+one extra local copy, far fewer descriptors.
+
+:func:`plan_staging` decides per post with :class:`CostModel` and returns
+either ``None`` (post the scattered descriptors as they are) or a
+:class:`StagedPlan`: what to post (runs into staging, plus pieces that make a
+run alone and gain nothing from staging, read directly) and the scatter list
+(staging offset -> engine address, length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+I64 = NDArray[np.int64]
+
+#: staging offsets of runs keep the remote address modulo this (row-view friendly copies)
+ALIGN = 4096
+
+MODES = ("off", "auto", "always")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds a post costs, from four constants measured on the 2-core CPU host
+    (UCX over CMA, host DRAM; ``benchmarks/suite.py`` bench_staging and the
+    quiet baseline of 2026-11-23, /tmp/RESULTS-quiet-baseline.md at 040739b).
+
+    - ``desc_s``: one scattered descriptor. bench_staging: 28.2 ms for 8,192
+      descriptors of 2 KiB minus 4.1 ms of wire time -> 2.9 us; 9.3 ms for 2,048
+      of 8 KiB -> 2.6 us; the hetero baseline's raw NIXL posting 29,440
+      descriptors: 5.5 us. 3 us is the low end (staging must win on its merit).
+    - ``wire_bps``: one READ of a 32 MiB run in 8.2 ms -> 4.1 GB/s.
+    - ``piece_s`` and ``copy_bps``: numpy row scatter of 16 MiB, 4.5 ms in
+      2 KiB pieces and 3.3 ms in 8 KiB pieces; the two-point fit gives 0.2 us
+      per piece plus 5.8 GB/s.
+    """
+
+    desc_s: float = 3e-6
+    wire_bps: float = 4.1e9
+    piece_s: float = 0.2e-6
+    copy_bps: float = 5.8e9
+
+    @property
+    def merge_gap(self) -> int:
+        """Largest gap worth reading to save one descriptor (bytes)."""
+        return int(self.desc_s * self.wire_bps)
+
+    def scattered_s(self, descriptors: int, nbytes: int) -> float:
+        return descriptors * self.desc_s + nbytes / self.wire_bps
+
+    def staged_s(self, descriptors: int, wire_bytes: int, pieces: int, copy_bytes: int) -> float:
+        return (descriptors * self.desc_s + wire_bytes / self.wire_bps
+                + pieces * self.piece_s + copy_bytes / self.copy_bps)
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    """One P rank's post through staging.
+
+    Post ``i`` reads ``length[i]`` bytes at ``remote[i]`` into the staging area
+    at offset ``local[i]`` when ``into_staging[i]``, else straight into the
+    engine address ``local[i]``. Then scatter piece ``j``: ``size[j]`` bytes
+    from staging offset ``src[j]`` to engine address ``dst[j]``.
+    """
+
+    local: I64
+    remote: I64
+    length: I64
+    into_staging: NDArray[np.bool_]
+    src: I64
+    dst: I64
+    size: I64
+    staging_bytes: int
+    scattered_s: float
+    staged_s: float
+
+    def post_local(self, base: int) -> I64:
+        """Absolute local addresses once the staging area sits at ``base``."""
+        return np.where(self.into_staging, self.local + base, self.local)
+
+    @property
+    def wire_bytes(self) -> int:
+        return int(self.length.sum())
+
+
+def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
+                 model: CostModel | None = None,
+                 merge_gap: int | None = None) -> StagedPlan | None:
+    """The staged plan for one post, or None to post it scattered.
+
+    ``auto`` stages when the model says it is cheaper; ``always`` stages every
+    piece (tests, and the property "a failed read never wrote engine memory").
+    Whether ``staging_bytes`` fits is the caller's question (its pool).
+    ``merge_gap`` overrides the model's gap threshold (tests).
+    """
+    if mode not in MODES:
+        raise ValueError(f"staging mode must be one of {MODES}, got {mode!r}")
+    n = int(length.size)
+    if mode == "off" or n == 0:
+        return None
+    m = model or CostModel()
+    gap = m.merge_gap if merge_gap is None else merge_gap
+    order = np.argsort(remote, kind="stable")
+    r = remote[order]
+    ln = length[order]
+    end = np.maximum.accumulate(r + ln)
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    # A new run where this piece begins more than ``gap`` past everything before it.
+    starts[1:] = r[1:] > end[:-1] + gap
+    run_id = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    run_start = r[first]
+    last = np.append(first[1:], n) - 1
+    run_end = end[last]
+    run_len = run_end - run_start
+    pieces = np.diff(np.append(first, n))
+    staged_run = np.ones(first.size, dtype=bool) if mode == "always" else pieces > 1
+    if not staged_run.any():
+        return None
+    # Staging offsets: runs packed in order, each keeping its start's address
+    # modulo ALIGN (so equal alignments on both sides allow row-view copies).
+    need = np.where(staged_run, run_len + 2 * ALIGN, 0)
+    slot = np.concatenate(([0], np.cumsum(need)[:-1]))
+    run_off = slot + (ALIGN - slot % ALIGN) % ALIGN + run_start % ALIGN
+    run_off = np.where(staged_run, run_off, 0)
+    staging_bytes = int((run_off + run_len)[staged_run].max())
+    piece_staged = staged_run[run_id]
+    direct = ~piece_staged
+    nd = int(direct.sum())
+    post_local = np.concatenate([local[order][direct], run_off[staged_run]]).astype(np.int64)
+    post_remote = np.concatenate([r[direct], run_start[staged_run]]).astype(np.int64)
+    post_len = np.concatenate([ln[direct], run_len[staged_run]]).astype(np.int64)
+    into = np.zeros(post_len.size, dtype=bool)
+    into[nd:] = True
+    src = (run_off[run_id] + r - run_start[run_id])[piece_staged]
+    dst = local[order][piece_staged]
+    size = ln[piece_staged]
+    scattered = m.scattered_s(n, int(length.sum()))
+    staged = m.staged_s(int(post_len.size), int(post_len.sum()), int(size.size),
+                        int(size.sum()))
+    if mode == "auto" and staged >= scattered:
+        return None
+    return StagedPlan(post_local, post_remote, post_len, into, src.astype(np.int64),
+                      dst.astype(np.int64), size.astype(np.int64), staging_bytes,
+                      scattered, staged)

@@ -1,0 +1,150 @@
+"""Staged reads end to end (issue #12, descriptor economy): real sidecar processes
+with ``--staging always``, real NIXL, every byte checked with the LAYOUT.md oracle;
+and a staged read that fails never writes the engine's blocks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsidecar.ipc.layout import Layout, attention_layout
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines
+from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.oracle import POISON, Request
+
+pytestmark = pytest.mark.e2e
+
+STAGED = ["--staging", "always", "--metrics-port", "0"]
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[list[SidecarProcess], list[SidecarProcess]]]:
+    work = tmp_path_factory.mktemp("staged")
+    ps = [SidecarProcess(work, f"sp{i}", args=["--hold-timeout", "60"]) for i in range(2)]
+    ds = [SidecarProcess(work, f"sd{i}", args=STAGED) for i in range(2)]
+    try:
+        for s in ps + ds:
+            s.start()
+        yield ps, ds
+    finally:
+        codes = {s.name: s.stop() for s in ps + ds}
+        assert not {k: v for k, v in codes.items() if v != 0}, codes
+
+
+_ids = itertools.count()
+
+
+@pytest.mark.parametrize(("family", "p_tp", "d_tp"), [
+    ("hybrid", 1, 2), ("hybrid", 2, 1), ("attn-K2", 1, 2), ("attn-K2", 2, 1)])
+def test_staged_hetero_reads_are_oracle_exact(staged, family: str, p_tp: int,
+                                              d_tp: int) -> None:
+    ps, ds = staged
+    make = {"hybrid": hybrid, "attn-K2": attn(2)}[family]
+    before = sum(d.metric("kvsidecar_staged_transfers_total") for d in ds[:d_tp])
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", make, p_tp, d_tp) as (P, (D,)):
+        rids = []
+        for i, tokens in enumerate((5, 77, 200)):
+            rid = f"st-{family}-{p_tp}{d_tp}-{i}"
+            D.start_read(P.prefill(rid, Request(seed=7 * p_tp + 3 * d_tp + i,
+                                                prompt_tokens=tokens)))
+            rids.append(rid)
+        got = D.wait_for(rids)
+        for rid in rids:
+            assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
+            problems = D.verify(rid)
+            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        assert {c.kind for per in P.wait_for(rids).values() for c in per.values()} == {"sent"}
+    staged_now = sum(d.metric("kvsidecar_staged_transfers_total") for d in ds[:d_tp])
+    # every transfer of these reads went through staging (3 reads x P ranks per D rank)
+    assert staged_now - before == 3 * d_tp * max(1, p_tp // d_tp)
+    for d in ds[:d_tp]:
+        assert d.metric("kvsidecar_staging_bytes_in_use") == 0
+
+
+SENTINEL = 0x5A
+
+
+def _stall_layout(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB."""
+    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+@pytest.mark.timeout(300)
+def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
+    """With staging, a READ lands only in staging memory and the engine's blocks are
+    written after it finished and the lease held. Over TCP, P's sidecar is stopped
+    in the middle of a 384 MiB staged read; D reports it failed after
+    --read-timeout. The engine's blocks carry a sentinel from BEFORE the read: not
+    one byte of them changed, not before the failure (a scattered read would have
+    landed part of its bytes) and not after P resumes. D keeps serving."""
+    env = {"UCX_TLS": "tcp,self"}
+    p = SidecarProcess(tmp_path, "sst-p", env=env).start()
+    d = SidecarProcess(tmp_path, "sst-d", env=env,
+                       args=["--read-timeout", "2", "--staging", "always",
+                             "--staging-bytes", str(512 << 20), "--metrics-port", "0"]).start()
+    P = SimEngine("sst-P", _stall_layout, 1, 100, [p], timeout_s=60)
+    D = SimEngine("sst-D", _stall_layout, 1, 100, [d], timeout_s=60)
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        assert not D.verify("warm")
+        D.finish("warm")
+        big = Request(seed=2, prompt_tokens=64 * 96)
+        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
+        P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
+        assert p.proc is not None
+        for buf in D.buffers[0]:  # every block of D's engine, before the read starts
+            buf[:] = SENTINEL
+        rec = D.start_read(sent)
+        page = D.layout.page_bytes
+        pages = [buf[b * page:(b + 1) * page] for buf in D.buffers[0]
+                 for group in rec.block_ids for b in group]
+        deadline = time.monotonic() + 60
+        while d.metric("kvsidecar_read_queue_seconds_count", engine="sst-D") < 2:
+            assert time.monotonic() < deadline, "the read was never posted"
+            time.sleep(0.005)
+        time.sleep(0.05)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
+            assert got.kind == "failed", got
+            assert "timed out" in got.reason, got.reason
+            changed = sum(int(np.count_nonzero(pg != SENTINEL)) for pg in pages)
+            assert changed == 0, f"{changed} bytes of engine blocks written by a failed read"
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        time.sleep(5)  # P's stalled sends go out now, to an agent that no longer exists
+        changed = sum(int(np.count_nonzero(pg != SENTINEL)) for pg in pages)
+        assert changed == 0, f"{changed} bytes landed in blocks after the failure"
+        assert d.metric("kvsidecar_staged_transfers_total", engine="sst-D") == 2
+        assert d.metric("kvsidecar_staging_bytes_in_use", engine="sst-D") == 0
+        assert d.alive()
+        D.finish("stuck")
+        for buf in D.buffers[0]:  # free blocks are POISON again, as the oracle expects
+            buf[:] = POISON
+        # D still serves, staged, from its new agent (a fresh P: the stopped one may
+        # not survive its reader's teardown; README, Failure handling).
+        q = SidecarProcess(tmp_path, "sst-q", env=env).start()
+        Q = SimEngine("sst-Q", _stall_layout, 1, 100, [q], timeout_s=60)
+        try:
+            D.start_read(Q.prefill("after", Request(seed=3, prompt_tokens=64 * 2)))
+            assert D.wait_for(["after"])["after"][0].kind == "received"
+            assert not D.verify("after")
+        finally:
+            Q.close()
+            q.stop()
+    finally:
+        D.close()
+        if p.alive():
+            P.close()
+        d.stop()
+        p.stop()

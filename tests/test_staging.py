@@ -1,0 +1,158 @@
+"""Staging plans (pure) and the staging pool's allocator and scatter: the READ of
+the staged plan, simulated with numpy over a fake remote buffer, then the
+scatter, must put exactly the scattered post's bytes into the engine's memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsidecar.daemon.staging import Extents, scatter
+from kvsidecar.daemon.staging_plan import CostModel, plan_staging
+
+REMOTE = 1 << 20
+LOCAL = 1 << 20
+
+
+@st.composite
+def posts(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Non-overlapping local pieces, remote pieces anywhere (possibly overlapping),
+    sizes like the planner's (multiples of a unit)."""
+    unit = draw(st.sampled_from([1, 64, 512, 2048]))
+    n = draw(st.integers(1, 60))
+    lens = np.array(draw(st.lists(st.integers(1, 8), min_size=n, max_size=n)), np.int64) * unit
+    # local: a shuffled packing with random gaps
+    gaps = np.array(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), np.int64) * unit
+    perm = np.array(draw(st.permutations(list(range(n)))), np.int64)
+    starts = np.cumsum(np.concatenate(([0], (lens[perm] + gaps)[:-1])))
+    local = np.empty(n, np.int64)
+    local[perm] = starts
+    rem_slots = np.array(draw(st.lists(st.integers(0, (REMOTE // unit) - 8), min_size=n,
+                                       max_size=n)), np.int64) * unit
+    assert local.max() + lens.max() < LOCAL
+    return local, rem_slots, lens
+
+
+def _simulate(local, remote, length, plan, remote_mem):
+    """What the engine memory holds after the scattered post, and after the staged one."""
+    want = np.zeros(LOCAL, np.uint8)
+    for lo, ro, ln in zip(local, remote, length):
+        want[lo:lo + ln] = remote_mem[ro:ro + ln]
+    got = np.zeros(LOCAL, np.uint8)
+    stage = np.zeros(plan.staging_bytes, np.uint8)
+    post_local = plan.post_local(0)
+    for lo, ro, ln, into in zip(post_local, plan.remote, plan.length, plan.into_staging):
+        (stage if into else got)[lo:lo + ln] = remote_mem[ro:ro + ln]
+    scatter(stage, plan.src, plan.dst, plan.size, np.array([0], np.int64), [got])
+    return want, got
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(posts(), st.sampled_from(["auto", "always"]), st.sampled_from([None, 0, 100, 5000]))
+def test_staged_plan_delivers_exactly_the_scattered_bytes(post, mode, gap) -> None:
+    local, remote, length = post
+    plan = plan_staging(local, remote, length, mode=mode, merge_gap=gap)
+    if plan is None:
+        assert mode == "auto"
+        return
+    remote_mem = np.random.default_rng(int(length.sum())).integers(0, 256, REMOTE, np.uint8)
+    want, got = _simulate(local, remote, length, plan, remote_mem)
+    assert np.array_equal(want, got)
+    # every wanted piece is either posted directly or scattered exactly once
+    direct = {(int(lo), int(ln)) for lo, ln, s in
+              zip(plan.local, plan.length, plan.into_staging) if not s}
+    scattered = sorted(zip(plan.dst.tolist(), plan.size.tolist()))
+    assert len(scattered) == len(set(scattered))
+    assert sorted(direct | set(scattered)) == sorted(zip(local.tolist(), length.tolist()))
+    assert not direct & set(scattered)
+    # staging areas of runs never overlap and stay inside staging_bytes
+    runs = sorted((int(lo), int(lo + ln)) for lo, ln, s in
+                  zip(plan.local, plan.length, plan.into_staging) if s)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(runs))
+    assert runs[-1][1] <= plan.staging_bytes
+    assert (plan.src >= 0).all() and (plan.src + plan.size <= plan.staging_bytes).all()
+    if mode == "always":
+        assert plan.into_staging.all()
+
+
+def test_hetero_shapes_merge_into_few_runs_and_auto_picks_staging() -> None:
+    """1→2 attention: every other 2 KiB of a run is wanted (gap = piece)."""
+    n = 3000
+    remote = np.arange(n, dtype=np.int64) * 4096
+    local = np.random.default_rng(0).permutation(n).astype(np.int64) * 2048
+    length = np.full(n, 2048, np.int64)
+    plan = plan_staging(local, remote, length)
+    assert plan is not None
+    assert plan.length.size == 1 and plan.wire_bytes == (n - 1) * 4096 + 2048
+    assert plan.staged_s < plan.scattered_s
+    # big pieces far apart: nothing to merge, scattered it stays
+    far = np.arange(8, dtype=np.int64) << 24
+    assert plan_staging(far, far, np.full(8, 1 << 20, np.int64)) is None
+    # a gap larger than the model's threshold splits runs
+    m = CostModel()
+    two = np.array([0, 2048, 2048 + m.merge_gap + 4096, 2 * 2048 + m.merge_gap + 4096])
+    plan = plan_staging(np.arange(4, dtype=np.int64) * 8192, two, np.full(4, 2048, np.int64))
+    assert plan is not None and plan.length.size == 2
+
+
+def test_off_and_bad_mode() -> None:
+    a = np.arange(4, dtype=np.int64) * 4096
+    assert plan_staging(a, a, np.full(4, 2048, np.int64), mode="off") is None
+    with pytest.raises(ValueError, match="staging mode"):
+        plan_staging(a, a, np.full(4, 2048, np.int64), mode="sometimes")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 50)), max_size=80))
+def test_extents_never_overlap_and_never_exceed_capacity(ops) -> None:
+    ext = Extents(200)
+    held: list[tuple[int, int]] = []
+    for take, n in ops:
+        if take or not held:
+            off = ext.take(n)
+            if off is not None:
+                assert off >= 0 and off + n <= 200
+                assert all(off + n <= o or o + s <= off for o, s in held)
+                held.append((off, n))
+        else:
+            ext.give(*held.pop(n % len(held)))
+        assert ext.used == sum(s for _, s in held) <= 200
+    for h in held:
+        ext.give(*h)
+    assert ext.take(200) == 0
+
+
+def test_extents_refuse_double_free() -> None:
+    ext = Extents(100)
+    off = ext.take(10)
+    assert off is not None
+    ext.give(off, 10)
+    with pytest.raises(ValueError, match="overlaps"):
+        ext.give(off, 10)
+
+
+def test_scatter_vectorises_aligned_pieces_and_spans_regions() -> None:
+    rng = np.random.default_rng(1)
+    area = rng.integers(0, 256, 1 << 16, np.uint8)
+    regions = [np.zeros(1 << 15, np.uint8), np.zeros(1 << 15, np.uint8)]
+    bases = np.array([1 << 30, 1 << 20], np.int64)
+    src = np.arange(32, dtype=np.int64) * 2048
+    slots = rng.permutation(32)
+    dst = np.where(np.arange(32) % 2 == 0, bases[0], bases[1]) + slots * 1024
+    size = np.full(32, 1024, np.int64)
+    assert scatter(area, src, dst, size, bases, regions) == 2
+    for s, d in zip(src, dst):
+        r = 0 if d >= bases[0] else 1
+        o = d - bases[r]
+        assert np.array_equal(regions[r][o:o + 1024], area[s:s + 1024])
+    # unaligned pieces take the loop and are still right
+    src2 = np.arange(20, dtype=np.int64) * 1001
+    dst2 = bases[1] + np.arange(20, dtype=np.int64) * 1200
+    assert scatter(area, src2, dst2, np.full(20, 999, np.int64), bases, regions) == 0
+    for s, d in zip(src2, dst2):
+        o = d - bases[1]
+        assert np.array_equal(regions[1][o:o + 999], area[s:s + 999])
