@@ -103,7 +103,10 @@ class ConnectionGuard:
         self._lock = threading.Lock()
         self._sock: zmq.Socket[Any] = sock
         addr = f"inproc://kvsidecar-guard-{name}-{os.getpid()}-{next(_ids)}"
-        sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        # MONITOR_STOPPED wakes the thread when stop() disables the monitor, so it
+        # can sleep in poll() until the next sweep instead of ticking to see _stop.
+        sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+                     | zmq.EVENT_MONITOR_STOPPED)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)
         mon: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
         mon.setsockopt(zmq.RCVHWM, 0)  # with the sender's HWM: an unbounded pipe
@@ -129,10 +132,12 @@ class ConnectionGuard:
         last_sweep = time.monotonic()
         try:
             while not self._stop.is_set():
-                if mon.poll(200):
+                if mon.poll(int(_SWEEP_S * 1000)):
                     try:
                         ev = recv_monitor_message(mon)
                     except zmq.ZMQError:
+                        return
+                    if int(ev["event"]) == zmq.EVENT_MONITOR_STOPPED:
                         return
                     self._event(int(ev["event"]), int(ev["value"]))
                 if time.monotonic() - last_sweep > _SWEEP_S:

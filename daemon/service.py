@@ -107,6 +107,8 @@ MAX_DECLARED_READERS = 65536
 
 #: How often the event loop samples its own lag and the state gauges.
 SAMPLE_PERIOD_S = 0.5
+HOUSEKEEPING_BUSY_S = 0.1  # holds or early notifications to expire
+HOUSEKEEPING_IDLE_S = 1.0  # nothing to expire: engine liveness and reservations only
 
 MAX_WAITING_POLLS = 4
 """Polls that may wait at once per engine rank (``Poll.wait_s``); more are
@@ -178,6 +180,8 @@ class Sidecar:
         self._stopping = False
         #: monotonic time the event loop last ran the sampling timer (see _sample)
         self.loop_beat = time.monotonic()
+        #: set when a hold is placed: housekeeping leaves its idle sleep to watch it
+        self._tidy_wake = asyncio.Event()
         self._hs_bound = ""
         #: start-up transport self-check: None while it runs (or when off)
         self.transport_check: CheckResult | None = None
@@ -632,6 +636,7 @@ class Sidecar:
         except KeyError as e:
             raise RequestError(DUPLICATE, str(e.args[0])) from None
         eng.worker.set_hot(len(eng.holds) > 0)
+        self._tidy_wake.set()  # housekeeping now watches this hold's deadline
         if self.tracing.enabled:
             self._hold_spans[(req.engine_id, req.request_id)] = self.tracing.start(
                 "kvsidecar.hold", req.request_id, engine=req.engine_id, rank=eng.tp_rank,
@@ -858,10 +863,19 @@ class Sidecar:
         return Check("handshake_listener", True, f"accepting on {self._hs_bound}")
 
     async def _housekeeping(self) -> None:
-        """Expire holds, drop early notifications, notice engines that died."""
+        """Expire holds, drop early notifications, notice engines that died.
+
+        Every ``HOUSEKEEPING_BUSY_S`` while some hold or early notification may
+        expire, else every ``HOUSEKEEPING_IDLE_S`` (the liveness checks' own
+        period): ten wake-ups a second were a third of an idle daemon's CPU. A
+        new hold wakes it at once (``_tidy_wake``)."""
         last_liveness_check = 0.0
         while True:
-            await asyncio.sleep(0.1)
+            expiring = any(len(e.holds) or e.holds.early for e in self._engines.values())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._tidy_wake.wait(),
+                                       HOUSEKEEPING_BUSY_S if expiring else HOUSEKEEPING_IDLE_S)
+            self._tidy_wake.clear()
             now = time.monotonic()
             try:
                 for eng in list(self._engines.values()):
