@@ -165,10 +165,16 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
     tr = job.tracing
     with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _nothing():
-        peers: list[Peer] = await asyncio.gather(
-            *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
-                            user=job.links)
-              for p in cands))
+        known = [eng.peers.cached(remote.handshake[p], remote.engine_id, remote.tp_size, p)
+                 for p in cands]
+        if None in known:
+            peers: list[Peer] = await asyncio.gather(
+                *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
+                                user=job.links)
+                  for p in cands))
+        else:
+            peers = [peer for peer in known if peer is not None]
+            eng.peers.hold(peers, job.links)
     job.peers = peers
     layout = peers[0].info.layout
     for p, peer in zip(cands[1:], peers[1:]):

@@ -142,6 +142,26 @@ class PeerLinks:
             user.append(key)
         return peer
 
+    def cached(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer | None:
+        """The link :meth:`get` would return at once (made, good, same tp), or None.
+
+        Lets a read over known links skip a task per link and a loop iteration
+        (then :meth:`hold` them); anything else goes through :meth:`get`.
+        """
+        task = self._links.get((address, engine_id, rank))
+        if task is None or not task.done() or task.cancelled() or task.exception():
+            return None
+        peer = task.result()
+        return peer if peer.info.tp_size == tp_size else None
+
+    def hold(self, peers: list[Peer], user: list[Key]) -> None:
+        """Hold links found by :meth:`cached` for a read, as :meth:`get` does."""
+        for peer in peers:
+            if peer.key in self._links:
+                self._links.move_to_end(peer.key)
+            self._users[peer.key] = self._users.get(peer.key, 0) + 1
+            user.append(peer.key)
+
     def release(self, keys: list[Key]) -> None:
         """A read is done with these links (each once per get(user=...))."""
         for key in keys:
