@@ -67,7 +67,7 @@ from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.staging import StagingPool
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
-from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
+from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
 from kvsidecar.ipc.cuda_handles import attach_policy, parse_cuda_device
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
@@ -740,10 +740,23 @@ class Sidecar:
                 eng.worker.expect_reads(lease.lease_s)
             return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                 reason=lease.reason)
-        eng.holds.report(msg.engine_id, msg.request_id,
-                         Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,
-                                msg.reason or "abandoned by the reader"), now)
-        eng.worker.set_hot(len(eng.holds) > 0)
+        report = Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,
+                        msg.reason or "abandoned by the reader")
+
+        def apply(done: asyncio.Future[Any] | None = None) -> None:
+            if done is not None and not done.cancelled():
+                done.exception()  # a worker that stopped meanwhile changes nothing here
+            eng.holds.report(msg.engine_id, msg.request_id, report, time.monotonic())
+            eng.worker.set_hot(len(eng.holds) > 0)
+
+        # The reader may have sent its read's completion notification (over NIXL)
+        # before this abandon (over ZMQ): apply the abandon only after the worker
+        # took what NIXL has for us, so a read that finished counts as finished
+        # however deeply the worker slept.
+        try:
+            eng.worker.progressed().add_done_callback(apply)
+        except NixlError:  # the worker is stopping: nothing more will arrive
+            apply()
         return ControlReply(granted=True)
 
     # ------------------------------------------------------------ housekeeping

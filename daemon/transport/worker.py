@@ -467,6 +467,13 @@ class NixlWorker:
             self._reads_expected_until = until
         self._jobs.put(None)
 
+    def progressed(self) -> _Fut:
+        """A future that resolves once the worker has gone round its loop after this
+        call: notifications NIXL had for us by then are delivered first (they and
+        the result leave the thread together, notifications before callbacks of
+        the future run). Fails with NixlError if the worker stopped."""
+        return self._submit("progress", functools.partial(self._do_nothing))
+
     @property
     def poll_wait_s(self) -> float:
         """How long the worker thread last chose to wait for work (seconds)."""
@@ -589,7 +596,7 @@ class NixlWorker:
     @property
     def _agentless(self) -> tuple[Callable[..., object], ...]:
         """Jobs that also work while the agent is down: they only forget things."""
-        return (self._do_deregister, self._do_remove_remote)
+        return (self._do_deregister, self._do_remove_remote, self._do_nothing)
 
     def _progress(self) -> int:
         """Poll reads and notifications; returns how many notifications arrived."""
@@ -895,6 +902,9 @@ class NixlWorker:
         self._agent.deregister_memory(descs)
         del self._regs[reg_id]
         del self._reg_specs[reg_id]
+
+    def _do_nothing(self, _fut: _Fut) -> None:
+        """The job behind progressed(): the round it runs in does the progress."""
 
     def _do_metadata(self, _fut: _Fut) -> bytes:
         return bytes(self._agent.get_agent_metadata())
