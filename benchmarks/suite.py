@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvsidecar.daemon.planner import plan_read
-from kvsidecar.ipc.client import SidecarClient
+from kvsidecar.ipc.client import HoldSpec, ReadSpec, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout, mamba2_hybrid_layout
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion
@@ -414,10 +414,10 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
 
 
 def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
-    """16-block reads, ``sustained_in_flight`` at a time, on one D sidecar."""
-    k, window = 16, s.sustained_in_flight
-    done = 0
-    elapsed = 0.0
+    """16-block reads, ``sustained_in_flight`` at a time, on one D sidecar: one
+    ``read`` message per read, then (same run) 16 reads per ``read_many``."""
+    k, window, per_msg = 16, s.sustained_in_flight, 16
+    rows = []
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
         assert p0.proc is not None and d0.proc is not None
         pair = Pair(p0, d0, small_attention, k * window, "sus")
@@ -425,30 +425,39 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
             warm = pair.prefill(8 * k)
             pair.D.start_read(warm)
             pair.finish([warm], wait_all(pair.D, [warm.request_id]))
-            c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
-            while done < s.sustained_requests:
-                n = min(window, s.sustained_requests - done)
-                # P fills and holds the round first (not timed: that is P's engine)
-                sents = [pair.prefill(8 * k) for _ in range(n)]
-                t0 = time.perf_counter()
-                for sent in sents:
-                    pair.D.start_read(sent)
-                got = wait_all(pair.D, [x.request_id for x in sents])
-                elapsed += time.perf_counter() - t0
-                pair.finish(sents, got, verify=done == 0)
-                done += n
-            d_cpu = proc_cpu_s(d0.proc.pid) - c_d
-            p_cpu = proc_cpu_s(p0.proc.pid) - c_p
+            for batched in (False, True):
+                done, elapsed = 0, 0.0
+                c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
+                while done < s.sustained_requests:
+                    n = min(window, s.sustained_requests - done)
+                    # P fills and holds the round first (not timed: that is P's engine)
+                    sents = [pair.prefill(8 * k) for _ in range(n)]
+                    t0 = time.perf_counter()
+                    if batched:
+                        for i in range(0, n, per_msg):
+                            pair.D.start_reads(sents[i:i + per_msg])
+                    else:
+                        for sent in sents:
+                            pair.D.start_read(sent)
+                    got = wait_all(pair.D, [x.request_id for x in sents])
+                    elapsed += time.perf_counter() - t0
+                    pair.finish(sents, got, verify=done == 0)
+                    done += n
+                d_cpu = proc_cpu_s(d0.proc.pid) - c_d
+                p_cpu = proc_cpu_s(p0.proc.pid) - c_p
+                rate = done / elapsed
+                how = f"{per_msg} per `read_many` message" if batched else "one `read` each"
+                rows.append(Figure(
+                    f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "
+                    f"{how} ({done} reads)",
+                    f"{rate:,.0f} reads/s; daemon CPU per read: D {us(d_cpu / done)}, "
+                    f"P {us(p_cpu / done)}", "—", "—", "≥ 5,000 reads/s", rate >= 5000,
+                    ["rounds of the window: the engine posts a round, then waits (waiting "
+                     "polls) until all of it is received; P's fills and holds are not timed; "
+                     "daemon CPU covers the whole run (untimed holds included)"]))
         finally:
             pair.close()
-    rate = done / elapsed
-    return [Figure(f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar "
-                   f"({done} reads)",
-                   f"{rate:,.0f} reads/s; daemon CPU per read: D {us(d_cpu / done)}, "
-                   f"P {us(p_cpu / done)}", "—", "—", "≥ 5,000 reads/s", rate >= 5000,
-                   ["rounds of the window: the engine posts a round, polls without sleeping "
-                    "until all of it is received; P's fills and holds are not timed; daemon "
-                    "CPU covers the whole run (untimed holds included)"])]
+    return rows
 
 
 def _inprocess_read_cpu(calls: int) -> float:
@@ -519,9 +528,9 @@ def zmq_floor_cpu(calls: int) -> float:
 def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     """Engine CPU per ``read`` / ``hold`` / ``poll`` call of the public (sync) client,
     as CLOCK_PROCESS_CPUTIME_ID of this process (its ZMQ I/O thread included)."""
-    k, slots = 16, 4
+    k, slots, batch = 16, 4, 16
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
-        pair = Pair(p0, d0, small_attention, k * slots, "cpu")
+        pair = Pair(p0, d0, small_attention, k * batch, "cpu")
         P, D = pair.P, pair.D
         pc, dc = P.clients[0], D.clients[0]
         try:
@@ -564,8 +573,34 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
             for _ in range(s.cpu_calls):
                 dc.poll(D.engine_id)
             poll_empty = (time.process_time() - c0) / s.cpu_calls
+            # The same reads and holds, `batch` per message (read_many / hold_many).
+            hold_b = read_b = 0.0
+            rounds_b = max(1, s.cpu_calls // batch)
+            for r in range(rounds_b):
+                rids = [f"b{r}-{j}" for j in range(batch)]
+                blocks = [[list(range(j * k, (j + 1) * k))] for j in range(batch)]
+                for j in range(batch):
+                    fill_shard(P.buffers[0], P.layout, 0, blocks[j],
+                               Request(seed=j, prompt_tokens=8 * k))
+                c0 = time.process_time()
+                held = pc.hold_many(P.engine_id, [HoldSpec(rid, ids)
+                                                  for rid, ids in zip(rids, blocks)])
+                hold_b += time.process_time() - c0
+                c0 = time.process_time()
+                refused = dc.read_many(D.engine_id, [
+                    ReadSpec(rid, ids, P.remote, ids, remote_request_id=rid)
+                    for rid, ids in zip(rids, blocks)])
+                read_b += time.process_time() - c0
+                if any(isinstance(h, Exception) for h in held) or any(refused):
+                    raise RuntimeError(f"batch refused: {held} {refused}")
+                got = wait_all(D, rids)
+                bad = [c for per in got.values() for c in per.values() if c.kind != "received"]
+                if bad:
+                    raise RuntimeError(f"batched read: {bad[0]}")
+                P.wait_for(rids, timeout_s=60)
         finally:
             pair.close()
+    nb = rounds_b * batch
     n = rounds * slots
     base = _inprocess_read_cpu(min(s.cpu_calls, 500))
     floor = zmq_floor_cpu(s.cpu_calls)
@@ -578,6 +613,12 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                f"{read / base:.2f}x", "≤ 20 µs", read <= 20e-6, [bound]),
         Figure("engine CPU per `hold` call (16 blocks)", us(hold), bound, "—", "≤ 20 µs",
                hold <= 20e-6),
+        Figure(f"engine CPU per read, {batch} reads of 16 blocks per `read_many` message",
+               us(read_b / nb), f"one `read` call per read (above): {us(read)}",
+               f"{read_b / nb / read:.2f}x", "≤ 20 µs", read_b / nb <= 20e-6),
+        Figure(f"engine CPU per hold, {batch} holds of 16 blocks per `hold_many` message",
+               us(hold_b / nb), f"one `hold` call per hold (above): {us(hold)}",
+               f"{hold_b / nb / hold:.2f}x", "≤ 20 µs", hold_b / nb <= 20e-6),
         Figure("engine CPU per `poll` call",
                f"empty {us(poll_empty)}; returning {n_items / max(1, n_full):.1f} completions "
                f"{us(poll_full / max(1, n_full))}", "—", "—", "≤ 20 µs", poll_empty <= 20e-6),

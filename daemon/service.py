@@ -74,12 +74,15 @@ from kvsidecar.ipc.layout import LayoutError, validate
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
+    INTERNAL,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     UNAVAILABLE,
     UNKNOWN_ENGINE,
+    Batch,
     Completion,
     Deregister,
+    Error,
     Held,
     Hold,
     Ok,
@@ -90,6 +93,7 @@ from kvsidecar.ipc.protocol import (
     Register,
     Registered,
     Release,
+    Replies,
     Reply,
     Request,
     RequestError,
@@ -191,7 +195,7 @@ class Sidecar:
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
-            Reserve: self._reserve,
+            Reserve: self._reserve, Batch: self._batch,
         }
         #: allocations engines reserved before registering (vLLM's KV pool)
         self._reservations = Reservations(on_limit=lambda engine_id: self.metrics.limit_refusals
@@ -297,6 +301,26 @@ class Sidecar:
         finally:
             # op comes from the closed set of request types, error from ERROR_CODES.
             self.metrics.requests.labels(op=kind.__name__.lower(), error=error).inc()
+
+    async def _batch(self, req: Batch) -> Reply:
+        """Answer each item as if it came alone, in order; a refusal (or a bug)
+        answers that item only, so what was accepted before it stays accepted
+        and the engine learns which."""
+        out: list[Ok | Held | Error] = []
+        for item in req.requests:
+            try:
+                reply = await self.handle(item)
+            except RequestError as e:
+                reply = Error(e.code, e.message)
+            except Exception as e:
+                log.exception("handler failed on %s in a batch (item id %d)",
+                              type(item).__name__, item.id)
+                reply = Error(INTERNAL, f"{type(e).__name__}: {e}")
+            if not isinstance(reply, (Ok, Held, Error)):
+                reply = Error(INTERNAL, f"handler returned {type(reply).__name__}")
+            reply.id = item.id
+            out.append(reply)
+        return Replies(items=out)
 
     async def _read(self, req: Read) -> Reply:
         eng = self._engine(req.engine_id)

@@ -39,9 +39,11 @@ from .protocol import (
     FORBIDDEN,
     INCOMPATIBLE,
     INTERNAL,
+    MAX_BATCH,
     UNAVAILABLE,
     UNKNOWN_ENGINE,
     VERSION,
+    Batch,
     Completion,
     Completions,
     Deregister,
@@ -59,6 +61,7 @@ from .protocol import (
     Registered,
     Release,
     RemoteEngine,
+    Replies,
     Reply,
     Request,
     Reserve,
@@ -180,6 +183,38 @@ class Registration:
     handshake_address: str
     agent_name: str
     regions: list[Region]
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """One read of a :meth:`SidecarClient.read_many` batch (the arguments of
+    :meth:`SidecarClient.read` after the engine id)."""
+
+    request_id: str
+    local_block_ids: BlockIdsLike
+    remote: RemoteEngine
+    remote_block_ids: BlockIdsLike
+    remote_request_id: str | None = None
+    skip_tokens: int | None = None
+    num_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class HoldSpec:
+    """One hold of a :meth:`SidecarClient.hold_many` batch."""
+
+    request_id: str
+    block_ids: BlockIdsLike
+    readers: int = 1
+    timeout_s: float | None = None
+
+
+def _item_outcome(reply: Ok | Held | Error) -> Held | SidecarError | None:
+    """One batch item's answer: the error it was refused with, a hold's
+    :class:`Held`, or None for an accepted read or release."""
+    if isinstance(reply, Error):
+        return error_from_reply(reply)
+    return reply if isinstance(reply, Held) else None
 
 
 def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
@@ -319,6 +354,49 @@ class ClientCore:
 
     def release(self, engine_id: str, request_id: str) -> Call[None]:
         _expect((yield Release(engine_id, request_id, id=self._next_id())), Ok)
+
+    def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
+                  ) -> Call[list[SidecarError | None]]:
+        reqs: list[Read | Hold | Release] = [
+            Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
+                 block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
+                 s.num_tokens, id=self._next_id())
+            for s in specs]
+        out = yield from self._batch(reqs)
+        return [o if isinstance(o, SidecarError) else None for o in out]
+
+    def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
+                  ) -> Call[list[Held | SidecarError]]:
+        reqs: list[Read | Hold | Release] = [
+            Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers, s.timeout_s,
+                 id=self._next_id())
+            for s in specs]
+        out = yield from self._batch(reqs)
+        for o in out:
+            if o is None:
+                raise BadMessage(BAD_MESSAGE, "a hold in a batch was answered without Held")
+        return [o for o in out if o is not None]
+
+    def release_many(self, engine_id: str, request_ids: Sequence[str]
+                     ) -> Call[list[SidecarError | None]]:
+        reqs: list[Read | Hold | Release] = [
+            Release(engine_id, rid, id=self._next_id()) for rid in request_ids]
+        out = yield from self._batch(reqs)
+        return [o if isinstance(o, SidecarError) else None for o in out]
+
+    def _batch(self, reqs: list[Read | Hold | Release]
+               ) -> Call[list[Held | SidecarError | None]]:
+        """One :class:`Batch` (protocol minor 5; an older sidecar refuses the op
+        as a ``bad_message``), answered item by item."""
+        if not reqs:
+            return []
+        if len(reqs) > MAX_BATCH:
+            raise ValueError(f"{len(reqs)} requests in one batch; at most {MAX_BATCH}")
+        reply = _expect((yield Batch(reqs, id=self._next_id())), Replies)
+        if len(reply.items) != len(reqs):
+            raise BadMessage(BAD_MESSAGE, f"a batch of {len(reqs)} was answered with "
+                                          f"{len(reply.items)} replies")
+        return [_item_outcome(r) for r in reply.items]
 
     def poll(self, engine_id: str, wait_s: float = 0.0) -> Call[list[Completion]]:
         """Completions since the last poll; one that was lost to a timeout comes
@@ -462,6 +540,25 @@ class SidecarClient:
     def release(self, engine_id: str, request_id: str) -> None:
         self._run(self._core.release(engine_id, request_id))
 
+    def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
+                  ) -> list[SidecarError | None]:
+        """Start several reads in one message (protocol minor 5): what a
+        scheduler step starts at once costs one round trip. Returns, per read
+        and in order, None (accepted: its completion comes through poll) or
+        the error it was refused with; the others are unaffected."""
+        return self._run(self._core.read_many(engine_id, specs))
+
+    def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
+                  ) -> list[Held | SidecarError]:
+        """Place several holds in one message (protocol minor 5); per hold, its
+        :class:`~kvsidecar.ipc.protocol.Held` or the error it was refused with."""
+        return self._run(self._core.hold_many(engine_id, specs))
+
+    def release_many(self, engine_id: str, request_ids: Sequence[str]
+                     ) -> list[SidecarError | None]:
+        """Release several reads or holds in one message (protocol minor 5)."""
+        return self._run(self._core.release_many(engine_id, request_ids))
+
     def poll(self, engine_id: str, wait_s: float = 0.0) -> list[Completion]:
         """Completions since the last poll; one that was lost to a timeout comes again.
 
@@ -604,6 +701,21 @@ class AsyncSidecarClient:
 
     async def release(self, engine_id: str, request_id: str) -> None:
         await self._run(self._core.release(engine_id, request_id))
+
+    async def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
+                        ) -> list[SidecarError | None]:
+        """As :meth:`SidecarClient.read_many`."""
+        return await self._run(self._core.read_many(engine_id, specs))
+
+    async def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
+                        ) -> list[Held | SidecarError]:
+        """As :meth:`SidecarClient.hold_many`."""
+        return await self._run(self._core.hold_many(engine_id, specs))
+
+    async def release_many(self, engine_id: str, request_ids: Sequence[str]
+                           ) -> list[SidecarError | None]:
+        """As :meth:`SidecarClient.release_many`."""
+        return await self._run(self._core.release_many(engine_id, request_ids))
 
     async def poll(self, engine_id: str, wait_s: float = 0.0) -> list[Completion]:
         """As :meth:`SidecarClient.poll`. Polls of one engine are serialised: two

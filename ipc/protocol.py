@@ -35,7 +35,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 4
+PROTOCOL_MINOR: Final = 5
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -50,6 +50,8 @@ PROTOCOL_MINOR: Final = 4
 * 4: :class:`Poll` ``wait_s``: the daemon holds an empty poll until a
   completion arrives or ``wait_s`` passes (a daemon of an older minor ignores
   the field and answers at once, so a client loses nothing but the wait).
+* 5: :class:`Batch`: several reads, holds and releases in one message,
+  answered by :class:`Replies` (one reply per item, in order).
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -350,8 +352,27 @@ class Ping(_RequestBase, tag="ping", frozen=True):
     """Liveness and version check; answered with :class:`Pong`."""
 
 
-Request: TypeAlias = Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
-REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve)
+MAX_BATCH: Final = 256
+"""Most requests one :class:`Batch` may carry."""
+
+
+class Batch(_RequestBase, tag="batch", frozen=True):
+    """Several reads, holds and releases in one message (minor 5).
+
+    What an engine's scheduler step produces at once (vLLM starts the reads
+    of every request it schedules, and places holds for every prefill it
+    finishes, in one step): one round trip, one decode and one wake-up of the
+    sidecar instead of one per request. Each item keeps its own ``id`` and is
+    answered on its own, in order (:class:`Replies`): one refused item does not
+    refuse the others, and accepted items end in completions as usual.
+    """
+
+    requests: Annotated[list[Read | Hold | Release], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+Request: TypeAlias = (Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
+                      | Batch)
+REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch)
 
 
 # --------------------------------------------------------------------------
@@ -484,8 +505,15 @@ class Error(_ReplyBase, tag="error"):
     message: str
 
 
-Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error | Reserved
-REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error, Reserved)
+class Replies(_ReplyBase, tag="replies"):
+    """The answers to a :class:`Batch`, one per item and in its order; each
+    carries its item's ``id``."""
+
+    items: list[Ok | Held | Error] = []
+
+
+Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error | Reserved | Replies
+REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error, Reserved, Replies)
 
 
 # --------------------------------------------------------------------------

@@ -65,10 +65,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
-from .client import Duplicate, SidecarClient, SidecarError
+from .client import Duplicate, HoldSpec, ReadSpec, SidecarClient, SidecarError
 from .kv_pool import SidecarKVPool
 from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
-from .protocol import Completion, MemoryKind, RemoteEngine
+from .protocol import MAX_BATCH, Completion, MemoryKind, RemoteEngine
 from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
@@ -100,6 +100,8 @@ NEEDS_MINOR = 1
 carry their descriptor count); an older sidecar is refused at start-up."""
 RESERVE_MINOR = 2
 """The minor that brought reservations (``memory`` other than ``shm``)."""
+BATCH_MINOR = 5
+"""The minor that brought batches: a step's holds (and reads) go in one message."""
 
 
 # --------------------------------------------------------------------------
@@ -189,6 +191,14 @@ class ReadJob:
 class HoldJob:
     request_id: str
     block_ids: list[list[int]]
+
+
+def _read_spec(job: ReadJob) -> ReadSpec:
+    return ReadSpec(job.request_id, job.local_block_ids,
+                    RemoteEngine(job.remote_engine_id, job.remote_tp_size, job.remote_handshake),
+                    job.remote_block_ids, remote_request_id=job.remote_request_id,
+                    skip_tokens=job.skip_tokens,
+                    num_tokens=job.num_tokens if job.awaited else None)
 
 
 @dataclass
@@ -483,6 +493,9 @@ class _WorkerSide:
                 f"memory {self.memory!r} needs a sidecar reservation (protocol "
                 f"{pong.version}.{RESERVE_MINOR}); the kvsidecar at {self.socket} speaks "
                 f"{pong.version}.{pong.minor}: upgrade it, or use memory 'shm' on CPU")
+        #: a step's holds and reads go in one message each (a sidecar before
+        #: BATCH_MINOR gets them one by one)
+        self._batches = pong.minor >= BATCH_MINOR
         self._pool: _ShmKVPool | None = None
         self._kvpool: SidecarKVPool | None = None
         self.regions: list[Region] = []
@@ -603,30 +616,70 @@ class _WorkerSide:
             log.debug("kvsidecar: release %s: %s", rid, e)
 
     def start(self, meta: KvSidecarMetadata) -> None:
-        for h in meta.holds:
-            self.client.hold(self.engine_id, h.request_id, h.block_ids,
-                             timeout_s=self.settings.hold_timeout_s)
-            self._holding.add(h.request_id)
+        if self._batches and len(meta.holds) > 1:
+            self._hold_batch(meta.holds)
+        else:
+            for h in meta.holds:
+                self.client.hold(self.engine_id, h.request_id, h.block_ids,
+                                 timeout_s=self.settings.hold_timeout_s)
+                self._holding.add(h.request_id)
         for rid in meta.releases:
             if rid in self._reading:
                 self._release(rid)
-        for job in meta.reads:
-            self._start_read(job)
+        if self._batches and len(meta.reads) > 1:
+            self._read_batch(meta.reads)
+        else:
+            for job in meta.reads:
+                self._start_read(job)
+
+    def _hold_batch(self, holds: Sequence[HoldJob]) -> None:
+        """A step's holds in batches of at most MAX_BATCH. A refused hold raises,
+        as a refused single ``hold`` does, but only after every hold the sidecar
+        accepted is tracked (their completions must still be recognised)."""
+        refused: SidecarError | None = None
+        for i in range(0, len(holds), MAX_BATCH):
+            part = holds[i:i + MAX_BATCH]
+            out = self.client.hold_many(self.engine_id, [
+                HoldSpec(h.request_id, h.block_ids, timeout_s=self.settings.hold_timeout_s)
+                for h in part])
+            for h, o in zip(part, out):
+                if isinstance(o, SidecarError):
+                    refused = refused or o
+                else:
+                    self._holding.add(h.request_id)
+        if refused is not None:
+            raise refused
+
+    def _read_batch(self, jobs: Sequence[ReadJob]) -> None:
+        for i in range(0, len(jobs), MAX_BATCH):
+            part = jobs[i:i + MAX_BATCH]
+            t0 = time.perf_counter()
+            out = self.client.read_many(self.engine_id, [_read_spec(job) for job in part])
+            each = (time.perf_counter() - t0) / len(part)
+            for job, refused in zip(part, out):
+                self._started(job, refused, t0, each)
 
     def _start_read(self, job: ReadJob) -> None:
-        remote = RemoteEngine(job.remote_engine_id, job.remote_tp_size, job.remote_handshake)
         t0 = time.perf_counter()
+        spec = _read_spec(job)
+        refused: SidecarError | None = None
         try:
-            self.client.read(self.engine_id, job.request_id, job.local_block_ids, remote,
-                             job.remote_block_ids, remote_request_id=job.remote_request_id,
-                             skip_tokens=job.skip_tokens,
-                             num_tokens=job.num_tokens if job.awaited else None)
+            self.client.read(self.engine_id, spec.request_id, spec.local_block_ids,
+                             spec.remote, spec.remote_block_ids,
+                             remote_request_id=spec.remote_request_id,
+                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens)
         except SidecarError as e:
+            refused = e
+        self._started(job, refused, t0, time.perf_counter() - t0)
+
+    def _started(self, job: ReadJob, refused: SidecarError | None, t0: float,
+                 post_s: float) -> None:
+        if refused is not None:
             # One route for errors: a refused read is a failed read.
-            log.warning("kvsidecar: read %s refused: %s", job.request_id, e)
-            self._early.append(Completion(job.request_id, "failed", str(e),
+            log.warning("kvsidecar: read %s refused: %s", job.request_id, refused)
+            self._early.append(Completion(job.request_id, "failed", str(refused),
                                           job.local_block_ids))
-        self._reading[job.request_id] = (job, t0, time.perf_counter() - t0)
+        self._reading[job.request_id] = (job, t0, post_s)
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

@@ -32,7 +32,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.peer_auth import generate_keys
-from kvsidecar.ipc.client import Registration, SidecarClient
+from kvsidecar.ipc.client import ReadSpec, Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
 from kvsidecar.ipc.regions import Region, RegionView
@@ -320,6 +320,30 @@ class SimEngine:
     def start_read(self, sent: Sent, *, request_id: str | None = None, skip_blocks: int = 0,
                    full_hit: bool = False, explicit_skip: bool = True,
                    trim: bool = True) -> Receiving:
+        rec = self._receive(sent, request_id, skip_blocks, full_hit)
+        for rank in range(self.tp):
+            self.clients[rank].read(self.engine_id, rec.request_id, rec.block_ids, sent.remote,
+                                    sent.block_ids, remote_request_id=sent.request_id,
+                                    skip_tokens=rec.skip_tokens if explicit_skip else None,
+                                    num_tokens=sent.req.prompt_tokens if trim else None)
+        return rec
+
+    def start_reads(self, sents: Sequence[Sent]) -> list[Receiving]:
+        """Start several reads in one message per rank (``read_many``)."""
+        recs = [self._receive(sent, None, 0, False) for sent in sents]
+        specs = [ReadSpec(rec.request_id, rec.block_ids, rec.sent.remote, rec.sent.block_ids,
+                          remote_request_id=rec.sent.request_id,
+                          skip_tokens=rec.skip_tokens, num_tokens=rec.sent.req.prompt_tokens)
+                 for rec in recs]
+        for rank in range(self.tp):
+            refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]
+            if refused:
+                raise refused[0]
+        return recs
+
+    def _receive(self, sent: Sent, request_id: str | None, skip_blocks: int,
+                 full_hit: bool) -> Receiving:
+        """Blocks for one request to land in (remembered for verify)."""
         rid = request_id or sent.request_id
         skip = 0
         ids: list[list[int]] = []
@@ -334,11 +358,6 @@ class SimEngine:
                 ids.append(self.alloc(1))
         rec = Receiving(rid, sent, ids, skip)
         self.receiving[rid] = rec
-        for rank in range(self.tp):
-            self.clients[rank].read(self.engine_id, rid, ids, sent.remote, sent.block_ids,
-                                    remote_request_id=sent.request_id,
-                                    skip_tokens=skip if explicit_skip else None,
-                                    num_tokens=sent.req.prompt_tokens if trim else None)
         return rec
 
     def verify(self, rid: str) -> list[str]:

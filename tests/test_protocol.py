@@ -14,13 +14,16 @@ from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.protocol import (
     BAD_MESSAGE,
     ERROR_CODES,
+    MAX_BATCH,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     VERSION,
+    Batch,
     Completion,
     Completions,
     Deregister,
     Error,
+    Held,
     Hold,
     Ok,
     Ping,
@@ -33,6 +36,7 @@ from kvsidecar.ipc.protocol import (
     Registered,
     Release,
     RemoteEngine,
+    Replies,
     Reply,
     Request,
     RequestError,
@@ -61,6 +65,8 @@ REQUESTS: list[Request] = [
     Release("d0", "req-1", id=8),
     Poll("d0", id=9),
     Ping(id=2**40),
+    Batch([Read("d0", "req-3", [[0]], REMOTE, [[1]], id=11), Hold("p0", "h", [[2]], id=12),
+           Release("d0", "req-1", id=13)], id=10),
 ]
 
 REPLIES: list[Reply] = [
@@ -79,6 +85,7 @@ REPLIES: list[Reply] = [
     ], id=5),
     Pong(PROTOCOL_VERSION, ["d0", "d1"], PROTOCOL_MINOR, id=6),
     Error(BAD_MESSAGE, "nope", id=-1),
+    Replies([Ok(id=11), Held(10.0, 60.0, id=12), Error(BAD_MESSAGE, "no", id=13)], id=10),
 ]
 
 
@@ -222,6 +229,17 @@ def test_a_minor_4_poll_decodes_in_a_minor_3_daemon_as_a_plain_poll() -> None:
     assert (old.engine_id, old.ack, old.epoch, old.id) == ("d0", 4, "ep", 3)
     again = decode_request(encode_request(Poll("d0", 4, "ep", 2.5, id=3)))
     assert isinstance(again, Poll) and again.wait_s == 2.5
+
+
+def test_a_batch_carries_reads_holds_and_releases_only() -> None:
+    """No empty batch, no batch over MAX_BATCH, and nothing but reads, holds and
+    releases inside (no nesting, no polls): each is a readable bad_message."""
+    poll = msgspec.msgpack.decode(encode_request(Poll("d0", id=2)))
+    batch = msgspec.msgpack.decode(encode_request(REQUESTS[-1]))
+    rel = msgspec.msgpack.decode(encode_request(Release("d0", "r", id=3)))
+    for requests in ([], [poll], [batch], [rel] * (MAX_BATCH + 1)):
+        e = _bad(_raw({"op": "batch", "id": 1, "v": PROTOCOL_VERSION, "requests": requests}))
+        assert e.code == BAD_MESSAGE and "$.requests" in e.message, e.message
 
 
 def test_constraints() -> None:

@@ -506,3 +506,61 @@ def test_two_ranks_on_one_sidecar_are_refused_at_start_up(sidecars: Sidecars,
     finally:
         with SidecarClient(sidecars.p[0].socket) as c:
             c.deregister(f"P{n}")  # rank 0's registration (and reservation)
+
+
+def count_batches(eng: Engine, method: str) -> list[int]:
+    """The sizes of the batches rank 0's worker sends (a pass-through wrapper)."""
+    w = eng.workers[0].worker
+    assert w is not None
+    sizes: list[int] = []
+    real = getattr(w.client, method)
+
+    def counting(engine_id: str, specs: Any) -> Any:
+        sizes.append(len(specs))
+        return real(engine_id, specs)
+
+    setattr(w.client, method, counting)
+    return sizes
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attn", "hybrid"])
+def test_a_steps_holds_and_reads_go_in_one_message_each(sidecars: Sidecars,
+                                                        models: dict[bool, str], hybrid: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests that finish prefill in the same P step are held with one
+    ``hold_many``; scheduled in the same D step, they are read with one
+    ``read_many``; both arrive oracle-exact."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    seeds = {"m1": 21, "m2": 22}
+    P, D = pair(sidecars, models, 1, 2 if hybrid else 1, hybrid, seeds)
+    holds, reads = count_batches(P, "hold_many"), count_batches(D, "read_many")
+    try:
+        tokens = {"m1": 40, "m2": 57}
+        for rid, n in tokens.items():
+            P.sched.add_request(request(P, rid, n, {"do_remote_decode": True}, max_tokens=1,
+                                        seed=seeds[rid]))
+        params: dict[str, dict[str, Any]] = {}
+        for _ in range(10):
+            P.step()
+            for rid in tokens:
+                outs = P.outputs.get(rid, [])
+                if outs and outs[-1].finished and rid not in params:
+                    params[rid] = dict(outs[-1].kv_transfer_params or {})
+            if len(params) == 2:
+                break
+        assert sorted(params) == ["m1", "m2"]
+        run_until(P, lambda: bool(holds))  # the holds ride on the next step's metadata
+        assert holds == [2]
+        for rid, n in tokens.items():
+            D.sched.add_request(request(D, rid, n, params[rid], seed=seeds[rid]))
+        D.step()
+        assert reads == [2]
+        run_until(D, lambda: all(r in D.sched.finished_recving_kv_req_ids
+                                 or D.sched.requests[r].status == RequestStatus.RUNNING
+                                 for r in tokens))
+        for rid, n in tokens.items():
+            verify(D, rid, n - 1 if hybrid else n, seeds[rid])
+        run_until(P, lambda: not any(r in P.sched.requests for r in tokens))
+    finally:
+        P.shutdown()
+        D.shutdown()
