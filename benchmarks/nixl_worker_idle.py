@@ -3,8 +3,9 @@
 Two workers in one process, wired to each other (metadata exchanged, one read
 done so UCX endpoints exist), then left alone. CPU is read per thread from
 /proc/self/task/<tid>/stat (10 ms ticks), so the figure is the worker thread's
-own, not the interpreter's. For comparison the same is measured with the hot
-hint set (busy polling) and for the whole process.
+own, not the interpreter's. For comparison the same is measured with blocks
+held (``set_hot``: the wait escalates to its 50 ms cap), with a reader's lease
+running (``expect_reads``: 1 ms polls), and for the whole process.
 
 Then a 64 MiB read runs on one worker while a loop ticker records the largest
 lag of a 1 ms ``asyncio.sleep`` on the event loop: the copy happens on the
@@ -101,11 +102,15 @@ async def main(seconds: float) -> None:
     idle, proc_idle = await measure([a, b], seconds)
     print(f"idle   ({seconds:.0f} s): worker threads {idle[0]:.2f} % and {idle[1]:.2f} % of a core;"
           f" whole process {proc_idle:.2f} %")
-    a.set_hot(True)
+    a.set_hot(True)  # blocks held, no reader yet: the wait escalates to hot_max_s
     hot, proc_hot = await measure([a], seconds)
-    a.set_hot(False)
-    print(f"hot    ({seconds:.0f} s): hot worker thread {hot[0]:.2f} % of a core;"
+    print(f"held   ({seconds:.0f} s): worker thread {hot[0]:.2f} % of a core;"
           f" whole process {proc_hot:.2f} %")
+    a.expect_reads(seconds + 5)  # a reader claimed a lease: hot_poll_s while it runs
+    tight, proc_tight = await measure([a], seconds)
+    a.set_hot(False)
+    print(f"leased ({seconds:.0f} s): worker thread {tight[0]:.2f} % of a core;"
+          f" whole process {proc_tight:.2f} %")
 
     lag_ms, dur_ms = await loop_lag_during(
         lambda: a.read(bname, one * aa, one * ba, one * size, notif=b"big")
