@@ -227,14 +227,19 @@ async def _take_areas(eng: EngineRank, staged: list[StagedPlan | None],
     areas: list[Area | None] = [None] * len(staged)
     if pool is None or not any(staged):
         return areas
-    ok = await pool.ensure()
+    if eng.staging_mode == "always":
+        ok = await pool.ensure()
+        why = "unavailable"
+    else:  # auto: never make a read wait for the pool (mapping 256 MiB takes ~1 s)
+        pool.prepare()
+        ok = pool.ready
+        why = "preparing"
     for i, sp in enumerate(staged):
         if sp is None:
             continue
         areas[i] = pool.acquire(sp.staging_bytes) if ok else None
         if areas[i] is None and metrics is not None:
-            metrics.staging_fallbacks.labels(eng.engine_id,
-                                             "full" if ok else "unavailable").inc()
+            metrics.staging_fallbacks.labels(eng.engine_id, "full" if ok else why).inc()
     return areas
 
 

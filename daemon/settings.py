@@ -57,7 +57,7 @@ class Settings:
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
     #: descriptor economy (daemon/staging_plan.py): off, auto (cost model) or always
-    staging: str = "off"
+    staging: str = "auto"
     #: sidecar-owned host staging memory per engine rank (bytes), mapped on first use
     staging_bytes: int = 256 << 20
 
@@ -262,7 +262,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
                         "reaches it can read and write registered KV memory "
                         "(env KVSIDECAR_INSECURE_PEERS=1)")
-    p.add_argument("--staging", default=_env("STAGING", "off"),
+    p.add_argument("--staging", default=_env("STAGING", "auto"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
                         "scattered descriptors: off, auto, always (env KVSIDECAR_STAGING)")

@@ -90,6 +90,12 @@ class Extents:
         self.used -= nbytes
 
 
+def _populated(nbytes: int) -> mmap.mmap:
+    """Anonymous private memory with every page faulted in (MAP_POPULATE)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, nbytes, flags=flags)
+
+
 class StagingPool:
     """Bounded staging memory for one engine rank's staged reads.
 
@@ -108,14 +114,29 @@ class StagingPool:
         self._view: U8 | None = None
         self._base = 0
         self._ready: asyncio.Future[bool] | None = None
+        self._task: asyncio.Future[bool] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._view is not None
+
+    def prepare(self) -> None:
+        """Start mapping and registering in the background (once): the engine rank's
+        first read. A prefill-only engine rank never maps staging memory."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self.ensure())
 
     async def ensure(self) -> bool:
-        """Map and register the pool once (first staged read); False if it cannot be."""
+        """Map and register the pool once; False if it cannot be (reads then post
+        scattered)."""
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_future()
             ok = False
             try:
-                mm = mmap.mmap(-1, self.capacity)
+                # Faulted in up front, off the loop: a READ into fresh pages pays a page
+                # fault per 4 KiB inside the transfer (touching 256 MiB: 0.7 s here).
+                mm = await asyncio.get_running_loop().run_in_executor(None, _populated,
+                                                                      self.capacity)
                 view = np.frombuffer(mm, dtype=np.uint8)
                 base = int(view.ctypes.data)
                 await self._worker.register([(base, self.capacity)], "DRAM", 0)

@@ -86,6 +86,7 @@ class Metrics:
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
             "that posted scattered descriptors, by reason (full: no room in the pool; "
+            "preparing: the pool is being mapped, at the engine rank's first reads; "
             "unavailable: the pool could not be mapped or registered)", (*ENGINE, "reason"))
         self.staging_bytes_in_use = g(
             "kvsidecar_staging_bytes_in_use", "Staging memory held by transfers in flight "
