@@ -233,7 +233,7 @@ async def _take_areas(eng: EngineRank, staged: list[StagedPlan | None],
     else:  # auto: never make a read wait for the pool (mapping 256 MiB takes ~1 s)
         pool.prepare()
         ok = pool.ready
-        why = "preparing"
+        why = "unavailable" if pool.failed else "preparing"
     for i, sp in enumerate(staged):
         if sp is None:
             continue

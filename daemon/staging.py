@@ -120,6 +120,12 @@ class StagingPool:
     def ready(self) -> bool:
         return self._view is not None
 
+    @property
+    def failed(self) -> bool:
+        """Mapping or registering failed (it is not tried again)."""
+        r = self._ready
+        return r is not None and r.done() and not r.result()
+
     def prepare(self) -> None:
         """Start mapping and registering in the background (once): the engine rank's
         first read. A prefill-only engine rank never maps staging memory."""
