@@ -57,7 +57,7 @@ class Settings:
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
     #: descriptor economy (daemon/staging_plan.py): off, auto (cost model) or always
-    staging: str = "auto"
+    staging: str = "off"
     #: sidecar-owned host staging memory per engine rank (bytes), mapped on first use
     staging_bytes: int = 256 << 20
 
@@ -262,10 +262,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
                         "reaches it can read and write registered KV memory "
                         "(env KVSIDECAR_INSECURE_PEERS=1)")
-    p.add_argument("--staging", default=_env("STAGING", "auto"),
+    p.add_argument("--staging", default=_env("STAGING", "off"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
-                        "scattered descriptors: off, auto, always (env KVSIDECAR_STAGING)")
+                        "scattered descriptors: off (default: on a quiet host it lost), auto, "
+                        "always (env KVSIDECAR_STAGING)")
     p.add_argument("--staging-bytes", type=_number(int, "STAGING_BYTES"),
                    default=_env("STAGING_BYTES", str(256 << 20)),
                    help="staging memory per engine rank, mapped and registered on the first "
