@@ -392,6 +392,21 @@ class SimEngine:
         self.free(rec.block_ids)
 
 
+def stop_once_posted(d: SidecarProcess, p: SidecarProcess, engine_id: str, posted: int,
+                     timeout_s: float = 60.0) -> None:
+    """SIGSTOP ``p`` once ``d`` (started with ``--metrics-port``) has posted the
+    ``posted``-th read of ``engine_id`` (its lease claim answered), plus 50 ms: a
+    stop then lands in the middle of a big transfer, never before it."""
+    assert p.proc is not None
+    deadline = time.monotonic() + timeout_s
+    while d.metric("kvsidecar_read_queue_seconds_count", engine=engine_id) < posted:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"read {posted} of {engine_id} was never posted")
+        time.sleep(0.005)
+    time.sleep(0.05)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+
+
 @contextlib.contextmanager
 def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarProcess],
             uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,

@@ -13,7 +13,7 @@ import pytest
 from kvsidecar.ipc.client import BadRequest, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion, RemoteEngine
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
 
@@ -229,14 +229,8 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
         assert p.proc is not None
         D.start_read(sent)
-        # Stop P only once D posted the read (its lease claim answered): the stop
-        # then lands mid-transfer (384 MiB over TCP takes seconds), never before.
-        deadline = time.monotonic() + 60
-        while d.metric("kvsidecar_read_queue_seconds_count", engine="stall-D") < 2:  # warm + this
-            assert time.monotonic() < deadline, "the read was never posted"
-            time.sleep(0.005)
-        time.sleep(0.05)
-        os.kill(p.proc.pid, signal.SIGSTOP)
+        # Stop P only once D posted the read: 384 MiB over TCP takes seconds.
+        stop_once_posted(d, p, "stall-D", 2)  # warm + this
         try:
             got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
             assert got.kind == "failed", got

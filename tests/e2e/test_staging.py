@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvsidecar.ipc.layout import Layout, attention_layout
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import POISON, Request
 
@@ -108,12 +108,7 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
         page = D.layout.page_bytes
         pages = [buf[b * page:(b + 1) * page] for buf in D.buffers[0]
                  for group in rec.block_ids for b in group]
-        deadline = time.monotonic() + 60
-        while d.metric("kvsidecar_read_queue_seconds_count", engine="sst-D") < 2:
-            assert time.monotonic() < deadline, "the read was never posted"
-            time.sleep(0.005)
-        time.sleep(0.05)
-        os.kill(p.proc.pid, signal.SIGSTOP)
+        stop_once_posted(d, p, "sst-D", 2)  # warm + this
         try:
             got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
             assert got.kind == "failed", got
