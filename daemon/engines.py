@@ -120,9 +120,10 @@ class EngineRank:
     async def wait_for_completion(self, wait_s: float) -> None:
         """Return when a completion arrives, ``wait_s`` passes or the rank goes
         (:meth:`wake_pollers`); the caller then polls as usual."""
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pollers.append(fut)
-        timer = asyncio.get_running_loop().call_later(wait_s, _resolve, fut)
+        timer = loop.call_later(wait_s, _resolve, fut)
         try:
             await fut
         finally:

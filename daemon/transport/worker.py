@@ -257,7 +257,6 @@ class NixlWorker:
         self._backends = tuple(backends)
         self._backend_params = {k: dict(v) for k, v in (backend_params or {}).items()}
         self._on_notif = on_notif
-        self._busy_poll_s = busy_poll_s
         self._policy = PollPolicy(busy_poll_s, hot_poll_s, hot_max_s, idle_poll_s, idle_max_s)
         self._telemetry = telemetry
         self._stop_timeout_s = stop_timeout_s
@@ -609,12 +608,16 @@ class NixlWorker:
                 self._recreate()
             return 0
         try:
-            notifs = self._agent.get_new_notifs()
+            return self._take_notifs()
         except Exception:
             log.exception("NIXL agent %r: get_new_notifs failed", self._name)
             return 0
+
+    def _take_notifs(self) -> int:
+        """Progress the agent once and queue what notifications it has for the
+        event loop; returns how many (NIXL's errors propagate)."""
         n = 0
-        for agent, msgs in notifs.items():
+        for agent, msgs in self._agent.get_new_notifs().items():
             for msg in msgs:
                 self._out_notifs.append((str(agent), bytes(msg)))
                 n += 1
@@ -759,14 +762,11 @@ class NixlWorker:
         end = time.monotonic() + _DRAIN_BEFORE_DESTROY_S
         while True:
             try:
-                notifs = self._agent.get_new_notifs()
+                self._take_notifs()
             except Exception:
                 log.debug("NIXL agent %r: progress before teardown failed", self._name,
                           exc_info=True)
                 return
-            for agent, msgs in notifs.items():
-                for msg in msgs:
-                    self._out_notifs.append((str(agent), bytes(msg)))
             if time.monotonic() >= end:
                 return
             time.sleep(0.001)
@@ -841,7 +841,7 @@ class NixlWorker:
             self._progress()
             self._flush()
             if self._inflight:
-                time.sleep(self._busy_poll_s)
+                time.sleep(self._policy.busy_s)
         stuck, self._inflight = self._inflight, []
         doomed, self._doomed = self._doomed, []
         if self._agent is not None and not stuck and not doomed and not self._stuck_handles:
