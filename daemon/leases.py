@@ -5,8 +5,10 @@ Before posting, a read claims the hold on every candidate P rank
 the read before anything is posted. While its transfers are pending it renews
 every third of the granted lease. Each grant moves that rank's bound to
 ``t0 + lease_s`` where ``t0`` is this side's monotonic clock when the claim
-was sent: P's deadline is at least as late, so while ``now <= bound`` P has
-not freed the blocks. A read whose transfers finish after the bound (or whose
+was sent (claims to one P sidecar issued together travel as one batch, see
+:mod:`~kvsidecar.daemon.peers.control`; ``t0`` is then the batch's send time):
+P's deadline is at least as late, so while ``now <= bound`` P has not freed
+the blocks. A read whose transfers finish after the bound (or whose
 renewal P refused) is reported failed, never received. A read that fails or
 is aborted *abandons* every rank it linked to, so P stops waiting at once.
 
@@ -116,9 +118,10 @@ class ReaderLeases:
 
     async def _claim(self, address: str, claim: Claim) -> tuple[bool, str]:
         """(refused by P, why); ``(False, "")`` when granted."""
-        t0 = time.monotonic()
         try:
-            reply = await self.client.control(address, claim)
+            # t0: when the message carrying the claim left (a batch's send time for
+            # every item in it), never earlier than P's receipt could be.
+            reply, t0 = await self.client.control(address, claim)
         except HandshakeFailed as e:
             return False, f"P rank {claim.tp_rank} at {address}: {e.reason}"
         if not reply.granted or not (0 < reply.lease_s < math.inf):

@@ -51,7 +51,14 @@ from kvsidecar.daemon.memory_kinds import MemoryContext
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.control import Abandon, Claim, ControlReply, ControlRequest
+from kvsidecar.daemon.peers.control import (
+    Abandon,
+    Claim,
+    ControlBatch,
+    ControlBatchReply,
+    ControlReply,
+    ControlRequest,
+)
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
     HandshakeInfo,
@@ -118,6 +125,9 @@ MAX_WAITING_POLLS = 4
 """Polls that may wait at once per engine rank (``Poll.wait_s``); more are
 answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_polls"}``)."""
 
+#: The metric label of each control item kind.
+_CONTROL_OPS: dict[type[ControlRequest], str] = {Claim: "claim", Abandon: "abandon"}
+
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``."""
 
@@ -144,7 +154,8 @@ class Sidecar:
         self.peer_auth = "curve" if keys is not None else "none"
         self._hs_client = HandshakeClient(
             timeout_s=settings.handshake_timeout_s, keys=keys,
-            on_evict=lambda what: self.metrics.peer_cache_evictions.labels(what).inc())
+            on_evict=lambda what: self.metrics.peer_cache_evictions.labels(what).inc(),
+            on_control_sent=self.metrics.control_items.labels(side="sent").observe)
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
                                 self._deliver, self.metrics)
         self._reads.tracing = self.tracing
@@ -731,18 +742,39 @@ class Sidecar:
             self.metrics.limit_refusals.labels(eng.engine_id, "early_notifications").inc()
 
     def _on_control(self, frame: bytes) -> bytes:
-        """Answer a reader's claim or abandon (see peers/control.py and holds)."""
+        """Answer a reader's claim, abandon, or batch of them (see peers/control.py
+        and holds). A batch is answered item by item: one refused (or failing)
+        item never refuses the others; only an undecodable message is refused
+        whole, with one plain reply."""
         try:
             msg = peer_control.decode_request(frame)
         except peer_control.BadControl as e:
-            self.metrics.lease_requests.labels(op="unknown", result="bad").inc()
+            op = "batch" if peer_control.op_of(frame) == "batch" else "unknown"
+            self.metrics.lease_requests.labels(op=op, result="bad").inc()
             return peer_control.encode(ControlReply(
                 granted=False, reason=str(e), req_id=peer_control.request_id_of(frame)))
-        op = "claim" if isinstance(msg, Claim) else "abandon"
-        reply = self._control_reply(msg)
+        if isinstance(msg, ControlBatch):
+            self.metrics.control_items.labels(side="answered").observe(len(msg.items))
+            return peer_control.encode(ControlBatchReply(
+                replies=[self._answer_item(item) for item in msg.items], req_id=msg.req_id))
+        self.metrics.control_items.labels(side="answered").observe(1)
+        return peer_control.encode(self._answer_item(msg))
+
+    def _answer_item(self, msg: ControlRequest) -> ControlReply:
+        """The reply to one claim or abandon, counted; never raises."""
+        op = _CONTROL_OPS[type(msg)]
+        if msg.v != peer_control.CONTROL_VERSION:
+            reply = ControlReply(granted=False, reason=(
+                f"control item v{msg.v}, this side speaks v{peer_control.CONTROL_VERSION}"))
+        else:
+            try:
+                reply = self._control_reply(msg)
+            except Exception as e:  # one bad item must not cost the others their answers
+                log.exception("answering a %s for %r failed", op, msg.request_id[:200])
+                reply = ControlReply(granted=False, reason=f"internal error: {type(e).__name__}")
         self.metrics.lease_requests.labels(
             op=op, result="granted" if reply.granted else "refused").inc()
-        return peer_control.encode(msgspec.structs.replace(reply, req_id=msg.req_id))
+        return msgspec.structs.replace(reply, req_id=msg.req_id)
 
     def _control_reply(self, msg: ControlRequest) -> ControlReply:
         eng = self._engines.get(msg.engine_id)

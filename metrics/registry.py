@@ -42,6 +42,9 @@ DESC_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 2000
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10)
 
+#: Items per batched message (control batches: 1..64).
+ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
 ENGINE = ("engine",)
 ENGINE_PEER = ("engine", "peer")
 
@@ -159,8 +162,14 @@ class Metrics:
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
         self.lease_requests = c(
-            "kvsidecar_lease_requests_total", "Peer control messages answered (P side): claims "
-            "and abandons, by result (granted, refused, bad)", ("op", "result"))
+            "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "
+            "and abandons, by result (granted, refused, bad), each item of a batch counted",
+            ("op", "result"))
+        self.control_items = h(
+            "kvsidecar_control_items_per_message", "Claims/renewals/abandons carried by one "
+            "peer control message: side=sent (D) for each message sent, side=answered (P) "
+            "for each one answered; above 1 they travelled as a batch", ("side",),
+            buckets=ITEM_BUCKETS)
         self.leases_lost = c(
             "kvsidecar_leases_lost_total", "Reads (D side) failed because their lease on the "
             "prefill blocks ran out or was refused", ENGINE)

@@ -17,6 +17,7 @@ import pytest
 
 from kvsidecar.daemon.holds import HoldBook, HoldOutcome
 from kvsidecar.daemon.leases import LeaseLost, ReaderLeases
+from kvsidecar.daemon.peers.client import ControlAnswer
 from kvsidecar.daemon.peers.control import Claim, ControlReply, ControlRequest
 from kvsidecar.daemon.peers.messages import HandshakeFailed
 
@@ -33,14 +34,16 @@ class BookPeer:
         self.sent: list[float] = []
         self.paused = False
 
-    async def control(self, address: str, msg: ControlRequest) -> ControlReply:
-        self.sent.append(time.monotonic())
+    async def control(self, address: str, msg: ControlRequest) -> ControlAnswer:
+        sent_at = time.monotonic()
+        self.sent.append(sent_at)
         if self.paused:
             await asyncio.sleep(LEASE_S * 2)
             raise HandshakeFailed(address, "no answer (paused)")
         assert isinstance(msg, Claim)
         lease = self.book.claim(msg.engine_id, msg.request_id, time.monotonic())
-        return ControlReply(granted=lease.granted, lease_s=lease.lease_s, reason=lease.reason)
+        return ControlAnswer(ControlReply(granted=lease.granted, lease_s=lease.lease_s,
+                                          reason=lease.reason), sent_at)
 
 
 def leases(peer: BookPeer) -> ReaderLeases:

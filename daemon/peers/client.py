@@ -1,13 +1,23 @@
-"""D side of the handshake: fetch (and cache) a peer rank's info over one DEALER per address."""
+"""D side of the handshake: fetch (and cache) a peer rank's info over one DEALER per address.
+
+The same DEALER carries D's control messages (lease claims, renewals,
+abandons; see :mod:`~kvsidecar.daemon.peers.control`). Those bound for one
+address at about the same time are coalesced into batches by a per-address
+:class:`~kvsidecar.daemon.peers.coalesce.Outbox` (no timers: a lone claim
+leaves on the loop's next turn), but only to a peer whose handshake info
+advertised ``control_batch_items``; to any other peer each goes alone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 import zmq
@@ -16,7 +26,15 @@ import zmq.asyncio
 from kvsidecar.daemon.peer_auth import PeerKeys
 from kvsidecar.daemon.peers import control
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
-from kvsidecar.daemon.peers.control import ControlReply, ControlRequest
+from kvsidecar.daemon.peers.coalesce import Outbox
+from kvsidecar.daemon.peers.control import (
+    BATCH_OVERHEAD_BYTES,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_ITEMS,
+    ControlBatchReply,
+    ControlReply,
+    ControlRequest,
+)
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
     AnyReply,
@@ -41,7 +59,35 @@ MAX_CONNECTIONS = 256
 #: Replies carry agent metadata and a layout; anything larger drops the connection.
 MAX_REPLY_BYTES = 64 << 20
 
-__all__ = ["HandshakeClient"]
+__all__ = ["ControlAnswer", "HandshakeClient"]
+
+
+class ControlAnswer(NamedTuple):
+    """P's answer to one control item, and when (this side's monotonic clock) the
+    message that carried it was sent: a lease granted for ``lease_s`` is valid
+    here until ``sent_at + lease_s`` (see :mod:`~kvsidecar.daemon.leases`)."""
+
+    reply: ControlReply
+    sent_at: float
+
+
+@dataclass(eq=False)
+class _Item:
+    """One control request waiting in an outbox: encoded once, with its own req_id
+    (which the peer echoes whether it travels alone or in a batch)."""
+
+    what: str
+    req_id: int
+    frame: bytes
+    future: asyncio.Future[ControlAnswer]
+
+    def settle(self, answer: ControlAnswer | HandshakeFailed) -> None:
+        if self.future.done():  # its caller gave up (cancelled) meanwhile
+            return
+        if isinstance(answer, HandshakeFailed):
+            self.future.set_exception(answer)
+        else:
+            self.future.set_result(answer)
 
 
 _Key = tuple[str, str, int, Reader | None]  # (address, engine_id, tp_rank, declared reader)
@@ -71,7 +117,8 @@ class HandshakeClient:
     def __init__(self, timeout_s: float = 5.0, *, ctx: zmq.asyncio.Context | None = None,
                  max_cached: int = MAX_CACHED, max_connections: int = MAX_CONNECTIONS,
                  on_evict: Callable[[str], None] | None = None,
-                 keys: PeerKeys | None = None) -> None:
+                 keys: PeerKeys | None = None,
+                 on_control_sent: Callable[[int], None] | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if max_cached < 1 or max_connections < 1:
@@ -83,6 +130,8 @@ class HandshakeClient:
         self.max_cached = max_cached
         self.max_connections = max_connections
         self._on_evict = on_evict
+        #: told the number of items of every control message sent (a metric)
+        self._on_control_sent = on_control_sent
         self.timeout_s = timeout_s
         self._keys = keys
         self._own_ctx = ctx is None
@@ -92,6 +141,11 @@ class HandshakeClient:
         self._inflight: dict[_Key, asyncio.Task[HandshakeInfo]] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        #: per address: the most control items its sidecar takes in one batch, as
+        #: its last handshake info said (absent or < 2: single messages only)
+        self._batching: OrderedDict[str, int] = OrderedDict()
+        self._outboxes: dict[str, Outbox[_Item]] = {}
+        self._flushes: set[asyncio.Task[None]] = set()
 
     async def fetch(self, address: str, engine_id: str, tp_rank: int,
                     reader: Reader | None = None) -> HandshakeInfo:
@@ -142,6 +196,9 @@ class HandshakeClient:
         # is what their callers expect; cancelling would look like their own cancel.
         for addr in list(self._conns):
             self._drop_conn(addr, HandshakeFailed(addr, "handshake client closed"))
+        for flush in list(self._flushes):
+            flush.cancel()
+        await asyncio.gather(*self._flushes, return_exceptions=True)
         if tasks:
             _, stuck = await asyncio.wait(tasks, timeout=self.timeout_s)
             for t in stuck:
@@ -181,20 +238,44 @@ class HandshakeClient:
                 self._evicted("handshake")
         return info
 
-    async def control(self, address: str, msg: ControlRequest) -> ControlReply:
+    async def control(self, address: str, msg: ControlRequest) -> ControlAnswer:
         """One control request (claim, abandon) to the sidecar at ``address``.
 
-        Raises :class:`HandshakeFailed` when no valid reply comes within
-        ``timeout_s`` (the connection is then replaced, as for a handshake).
+        Requests to one address that meet in its outbox travel as one batch when
+        that sidecar advertised batches; each still gets its own answer.
+        Raises :class:`HandshakeFailed` when no valid reply comes: within
+        ``timeout_s`` of its message's send (the connection is then replaced, as
+        for a handshake), after at most ``timeout_s`` waiting behind earlier
+        messages to the same address.
         """
         addr = normalise(address)
         if self._closed:
             raise HandshakeFailed(addr, "handshake client is closed")
         req_id = next(self._ids)
-        payload = control.encode(msgspec.structs.replace(msg, req_id=req_id))
+        frame = control.encode(msgspec.structs.replace(msg, req_id=req_id))
         what = type(msg).__name__.lower()
+        limit = self._batching.get(addr, 0)
+        if limit < 2:
+            return await self._control_one(addr, what, req_id, frame)
+        box = self._outboxes.get(addr)
+        if box is None:
+            box = self._outboxes[addr] = Outbox(min(limit, MAX_BATCH_ITEMS), MAX_BATCH_BYTES,
+                                                BATCH_OVERHEAD_BYTES)
+        item = _Item(what, req_id, frame, asyncio.get_running_loop().create_future())
+        if box.add(item, len(frame), time.monotonic()):
+            flush = asyncio.create_task(self._flush(addr, box), name=f"control-flush-{addr}")
+            self._flushes.add(flush)
+            flush.add_done_callback(self._flushes.discard)
+        return await item.future
+
+    async def _control_one(self, addr: str, what: str, req_id: int,
+                           frame: bytes) -> ControlAnswer:
+        """Send one control request alone and wait for its reply."""
+        if self._on_control_sent is not None:
+            self._on_control_sent(1)
+        sent_at = time.monotonic()
         try:
-            reply = await asyncio.wait_for(self._send(addr, req_id, payload), self.timeout_s)
+            reply = await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
         except asyncio.TimeoutError:
             err = HandshakeFailed(addr, f"no answer to {what} from {addr} within "
                                         f"{self.timeout_s} s")
@@ -204,8 +285,85 @@ class HandshakeClient:
             raise HandshakeFailed(addr, f"peer rejected the {what} ({reply.code}): "
                                         f"{reply.message}")
         if not isinstance(reply, ControlReply):
-            raise HandshakeFailed(addr, f"peer answered a {what} with a handshake reply")
-        return reply
+            raise HandshakeFailed(addr, f"peer answered a {what} with a "
+                                        f"{type(reply).__name__}")
+        return ControlAnswer(reply, sent_at)
+
+    async def _flush(self, addr: str, box: Outbox[_Item]) -> None:
+        """Send what ``box`` holds, one message at a time, until it is empty."""
+        live: list[_Item] = []
+        try:
+            while True:
+                taken = box.take(time.monotonic(), self.timeout_s)
+                for item in taken.expired:
+                    item.settle(HandshakeFailed(
+                        addr, f"no answer to {item.what} from {addr}: it waited "
+                              f"{self.timeout_s} s behind earlier control messages"))
+                if not taken.items:
+                    return
+                live = [item for item in taken.items if not item.future.done()]
+                if live:
+                    await self._send_items(addr, live)
+                live = []
+        finally:
+            # Cancelled (the client is closing) or a bug: nobody may wait forever.
+            err = HandshakeFailed(addr, "handshake client closed")
+            for item in live:
+                item.settle(err)
+            if not box.idle:
+                while box.waiting:
+                    box.waiting.popleft().item.settle(err)
+                box.busy = False
+            if self._outboxes.get(addr) is box:
+                del self._outboxes[addr]
+
+    async def _send_items(self, addr: str, items: list[_Item]) -> None:
+        """Send ``items`` as one message (a batch if more than one) and settle each."""
+        if len(items) > 1 and self._batching.get(addr, 0) < 2:  # no longer batching
+            await asyncio.gather(*(self._send_items(addr, [item]) for item in items))
+            return
+        if len(items) == 1:
+            (item,) = items
+            try:
+                item.settle(await self._control_one(addr, item.what, item.req_id, item.frame))
+            except HandshakeFailed as e:
+                item.settle(e)
+            return
+        req_id = next(self._ids)
+        frame = control.encode_batch([item.frame for item in items], req_id)
+        if self._on_control_sent is not None:
+            self._on_control_sent(len(items))
+        sent_at = time.monotonic()
+        try:
+            reply = await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
+        except asyncio.TimeoutError:
+            err = HandshakeFailed(addr, f"no answer to a batch of {len(items)} control "
+                                        f"messages from {addr} within {self.timeout_s} s")
+            self._drop_conn(addr, err)
+            for item in items:
+                item.settle(err)
+            return
+        except HandshakeFailed as e:
+            for item in items:
+                item.settle(e)
+            return
+        if isinstance(reply, ControlBatchReply) and len(reply.replies) == len(items):
+            for item, one in zip(items, reply.replies):
+                item.settle(ControlAnswer(one, sent_at))
+        elif isinstance(reply, ControlReply):
+            # The peer did not take the batch (an older sidecar took the address
+            # since its last handshake): single messages from now on, these too.
+            log.warning("peer %s answered a control batch with a single reply (%s): "
+                        "sending it single control messages", addr, reply.reason[:200])
+            self._batching.pop(addr, None)
+            await self._send_items(addr, items)
+        else:
+            got = (f"{len(reply.replies)} answers" if isinstance(reply, ControlBatchReply)
+                   else f"a {type(reply).__name__}")
+            err = HandshakeFailed(addr, f"peer answered a batch of {len(items)} control "
+                                        f"messages with {got}")
+            for item in items:
+                item.settle(err)
 
     async def _roundtrip(self, addr: str, engine_id: str, tp_rank: int,
                          reader: Reader | None) -> AnyReply:
@@ -235,7 +393,7 @@ class HandshakeClient:
     def _check_reply(
         self, addr: str, engine_id: str, tp_rank: int, reply: AnyReply
     ) -> HandshakeInfo:
-        if isinstance(reply, ControlReply):
+        if isinstance(reply, (ControlReply, ControlBatchReply)):
             raise HandshakeFailed(addr, "peer answered a handshake with a control reply")
         if isinstance(reply, HandshakeError):
             if reply.code == "version":
@@ -269,7 +427,18 @@ class HandshakeClient:
                 f"peer answered {info.engine_id!r} rank {info.tp_rank}",
                 field="engine_id",
             )
+        self._note_batching(addr, info.control_batch_items)
         return info
+
+    def _note_batching(self, addr: str, items: int) -> None:
+        """Remember what ``addr``'s sidecar advertised (bounded like the cache)."""
+        if items >= 2:
+            self._batching[addr] = items
+            self._batching.move_to_end(addr)
+            while len(self._batching) > self.max_cached:
+                self._batching.popitem(last=False)
+        else:
+            self._batching.pop(addr, None)
 
     def _conn(self, addr: str) -> _Connection:
         conn = self._conns.get(addr)

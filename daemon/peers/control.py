@@ -19,6 +19,23 @@ Wire (msgpack)::
                         [reason], req_id, v}
     ROUTER -> DEALER   {"type": "control", granted, lease_s, reason, req_id, v}
 
+    DEALER -> ROUTER   {"op": "batch", items: [claim|abandon, ...], req_id, v}
+    ROUTER -> DEALER   {"type": "control_batch", replies: [control, ...], req_id, v}
+
+A *batch* carries 1..:data:`MAX_BATCH_ITEMS` claims and abandons (no polls,
+no nested batches) that one D sidecar has for one P sidecar at the same
+moment, e.g. the claims of the 16 reads of one engine ``Batch``; P answers
+every item on its own, in order, in one reply: one refused item never
+refuses the others. Only a batch that cannot be decoded at all (junk, empty,
+too many items) is refused as a whole, with one plain control reply.
+
+Compatibility: a P sidecar that answers batches says so in its handshake
+info (``HandshakeInfo.control_batch_items``, 0 or absent in an older one), and
+D sends a batch only to an address whose last handshake said so; everything
+else travels as single messages, exactly as before. Should a batch still get
+a plain reply (the peer was replaced by an older one between handshakes), D
+sends those items again one by one and stops batching to that address.
+
 ``agent_name`` is the P rank's NIXL agent that D linked to: a P engine that
 re-registered since (new agent, new memory) refuses, so D never takes a
 lease on memory other than the memory it will read.
@@ -32,6 +49,17 @@ import msgspec
 from msgspec import Meta
 
 CONTROL_VERSION = 1
+
+#: Most claims/abandons one batch carries (this side's decoder refuses more).
+#: D's claims per P rank come in engine batches of up to 256 reads; 64 per
+#: message already turns per-read messages into a few per batch.
+MAX_BATCH_ITEMS = 64
+#: Most bytes of one batch message D builds: half the peer channel's request
+#: bound (``peers.server.MAX_REQUEST_BYTES``, 64 KiB), so a batch is never
+#: refused for its size. One item is at most ~11 KiB (its strings' bounds).
+MAX_BATCH_BYTES = 32 << 10
+#: A batch message's bytes besides its items (map, op, items header, req_id, v).
+BATCH_OVERHEAD_BYTES = 40
 
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Rank = Annotated[int, Meta(ge=0, le=1 << 16)]
@@ -66,6 +94,26 @@ class Abandon(_Control, tag="abandon", frozen=True, kw_only=True):
 ControlRequest: TypeAlias = Claim | Abandon
 
 
+class ControlBatch(msgspec.Struct, tag_field="op", tag="batch", frozen=True, kw_only=True):
+    """Several claims and abandons for one P sidecar, answered item by item."""
+
+    items: Annotated[list[ControlRequest], Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    req_id: int = 0
+    v: int = CONTROL_VERSION
+
+
+class _RawBatch(msgspec.Struct, tag_field="op", tag="batch", frozen=True, kw_only=True):
+    """:class:`ControlBatch` with its items already encoded: same tag and fields,
+    hence the same bytes, without encoding each item a second time."""
+
+    items: list[msgspec.Raw]
+    req_id: int = 0
+    v: int = CONTROL_VERSION
+
+
+AnyControl: TypeAlias = Claim | Abandon | ControlBatch
+
+
 class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     """``granted`` with ``lease_s`` for a claim (True for an accepted abandon);
     refused with ``reason`` otherwise."""
@@ -80,17 +128,25 @@ class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     v: int = CONTROL_VERSION
 
 
+class ControlBatchReply(msgspec.Struct, tag="control_batch", frozen=True, kw_only=True):
+    """One :class:`ControlReply` per item of a :class:`ControlBatch`, in its order."""
+
+    replies: list[ControlReply]
+    req_id: int = 0
+    v: int = CONTROL_VERSION
+
+
 class _Op(msgspec.Struct):
     op: str = ""
     req_id: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder: msgspec.msgpack.Decoder[ControlRequest] = msgspec.msgpack.Decoder(ControlRequest)
+_request_decoder: msgspec.msgpack.Decoder[AnyControl] = msgspec.msgpack.Decoder(AnyControl)
 _reply_decoder = msgspec.msgpack.Decoder(ControlReply)
 _op_decoder = msgspec.msgpack.Decoder(_Op)
 
-Op = Literal["claim", "abandon"]
+Op = Literal["claim", "abandon", "batch"]
 
 
 class BadControl(ValueError):
@@ -118,15 +174,25 @@ def request_id_of(frame: bytes) -> int:
         return 0
 
 
-def encode(msg: ControlRequest | ControlReply) -> bytes:
+def encode(msg: AnyControl | ControlReply | ControlBatchReply) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(frame: bytes) -> ControlRequest:
+def encode_batch(items: list[bytes], req_id: int) -> bytes:
+    """A batch message from items encoded with :func:`encode` (1..MAX_BATCH_ITEMS)."""
+    if not 1 <= len(items) <= MAX_BATCH_ITEMS:
+        raise ValueError(f"a control batch carries 1..{MAX_BATCH_ITEMS} items, "
+                         f"got {len(items)}")
+    return _encoder.encode(_RawBatch(items=[msgspec.Raw(i) for i in items], req_id=req_id))
+
+
+def decode_request(frame: bytes) -> AnyControl:
+    """A claim, an abandon or a batch of them; :class:`BadControl` for anything else
+    (a batch with no items, more than :data:`MAX_BATCH_ITEMS`, or a batch inside)."""
     try:
-        msg: ControlRequest = _request_decoder.decode(frame)
+        msg: AnyControl = _request_decoder.decode(frame)
     except _UNDECODABLE as e:
-        raise BadControl(f"invalid control message: {e}") from None
+        raise BadControl(f"invalid control message: {str(e)[:300]}") from None
     if msg.v != CONTROL_VERSION:
         raise BadControl(f"control message v{msg.v}, this side speaks v{CONTROL_VERSION}")
     return msg

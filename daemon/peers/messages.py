@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from kvsidecar.daemon.peers.control import ControlReply
+from kvsidecar.daemon.peers.control import MAX_BATCH_ITEMS, ControlBatchReply, ControlReply
 from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
 
 HANDSHAKE_VERSION = 1
@@ -69,7 +69,10 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     ``device_uuid`` (the GPU, '' for host memory) say what kind of memory the
     regions are, so the reader builds remote descriptors of that type.
     ``daemon_id`` changes on every daemon start, which is how a client notices
-    that the addresses it cached are stale.
+    that the addresses it cached are stale. ``control_batch_items`` is the most
+    claims/abandons this sidecar answers in one control batch (see
+    :mod:`~kvsidecar.daemon.peers.control`); 0, which is what an older
+    sidecar's info decodes to, means single messages only.
     """
 
     engine_id: str
@@ -85,6 +88,7 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: str
     protocol: int = HANDSHAKE_VERSION
     daemon_id: str
+    control_batch_items: int = 0
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
@@ -154,7 +158,7 @@ _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 _request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 decode_request = _request_decoder.decode
-AnyReply = RawReply | HandshakeError | ControlReply
+AnyReply = RawReply | HandshakeError | ControlReply | ControlBatchReply
 """What comes back on the peer channel: a handshake reply or a control reply."""
 _reply_decoder: msgspec.msgpack.Decoder[AnyReply] = msgspec.msgpack.Decoder(AnyReply)
 decode_reply = _reply_decoder.decode
@@ -192,6 +196,7 @@ def make_handshake_info(
     mem_type: str = "DRAM",
     dev_id: int = 0,
     device_uuid: str = "",
+    control_batch_items: int = MAX_BATCH_ITEMS,
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -208,6 +213,7 @@ def make_handshake_info(
         device_uuid=device_uuid,
         fingerprint=fingerprint(layout),
         daemon_id=daemon_id,
+        control_batch_items=control_batch_items,
     )
 
 
