@@ -461,10 +461,14 @@ class NixlWorker:
         """A peer is about to read our memory (it claimed or renewed a lease): poll
         every ``hot_poll_s`` for the next ``for_s`` seconds (thread-safe). Its first
         transfer wires up, and over UCX/TCP its bytes flow, only as we progress."""
-        until = time.monotonic() + for_s
-        if until > self._reads_expected_until:
-            self._reads_expected_until = until
-        self._jobs.put(None)
+        now = time.monotonic()
+        open_already = now < self._reads_expected_until
+        if now + for_s > self._reads_expected_until:
+            self._reads_expected_until = now + for_s
+        if not open_already:
+            # Wake it from a longer wait; inside an open window it polls every
+            # hot_poll_s anyway (a batch of claims would otherwise wake it per claim).
+            self._jobs.put(None)
 
     def progressed(self) -> _Fut:
         """A future that resolves once the worker has gone round its loop after this
