@@ -38,9 +38,9 @@ from typing import Protocol
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.ipc.loop_socket import LoopSocket
 
 from ..ipc.protocol import (
     BAD_MESSAGE,
@@ -119,7 +119,7 @@ class EngineServer:
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: LoopSocket | None = None
         self._task: asyncio.Task[None] | None = None
         self._answering: set[asyncio.Task[None]] = set()
 
@@ -138,12 +138,12 @@ class EngineServer:
         prepare_socket_dir(os.path.dirname(self.socket_path), shared=self.access.shared,
                            group=self.access.group)
         self._lock_fd = claim_socket(self.socket_path)  # SocketInUse: nothing was touched
-        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
+        sock = LoopSocket.of(zmq.Context.instance(), zmq.ROUTER)
+        sock.sock.setsockopt(zmq.LINGER, 0)
+        sock.sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
         try:
             with restricted_umask():
-                sock.bind(self.endpoint)
+                sock.sock.bind(self.endpoint)
             os.chmod(self.socket_path, 0o660 if self.access.shared else 0o600)
             if self.access.group is not None:
                 os.chown(self.socket_path, -1, self.access.group)
@@ -151,7 +151,7 @@ class EngineServer:
             self._inode = (st.st_dev, st.st_ino)
             refuse = self._on_refuse
             self.guard = ConnectionGuard(
-                sock, "engine", self.max_connections, local=self.socket_path,
+                sock.sock, "engine", self.max_connections, local=self.socket_path,
                 on_refuse=(lambda: refuse("connection_limit")) if refuse is not None else None)
         except BaseException:
             sock.close(linger=0)
@@ -194,7 +194,7 @@ class EngineServer:
         if fd is not None:
             os.close(fd)
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+    async def _serve(self, sock: LoopSocket) -> None:
         while True:
             msg = await sock.recv_multipart(copy=False)
             self.messages += 1
@@ -223,7 +223,7 @@ class EngineServer:
         return encode_reply(Error(FORBIDDEN, f"{who} may not use this sidecar (its operator "
                                              "can allow a uid or gid: --allow-uid, --allow-gid)"))
 
-    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes],
+    async def _answer(self, sock: LoopSocket, frames: list[bytes],
                       cred: PeerCred | None = None) -> None:
         current_peer.set(cred)  # this task's own context: the handler sees its sender
         reply = await self._reply_to(frames)

@@ -28,9 +28,9 @@ from typing import Any, TypeAlias, TypeVar
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from .layout import Layout
+from .loop_socket import LoopSocket
 from .mapping import map_refs
 from .protocol import (
     BAD_MESSAGE,
@@ -661,7 +661,7 @@ class AsyncSidecarClient:
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
         self._core = ClientCore(socket_path, timeout_s)
         self._poll_locks: dict[str, asyncio.Lock] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: LoopSocket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Reply]] = {}
 
@@ -759,11 +759,11 @@ class AsyncSidecarClient:
                 call.close()
                 raise
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self) -> LoopSocket:
         if self._sock is None:
-            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._core.endpoint)
+            sock = LoopSocket.of(zmq.Context.instance(), zmq.DEALER)
+            sock.sock.setsockopt(zmq.LINGER, 0)
+            sock.sock.connect(self._core.endpoint)
             self._sock = sock
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._sock))
@@ -781,16 +781,16 @@ class AsyncSidecarClient:
         finally:
             self._pending.pop(req.id, None)
 
-    async def _send_and_wait(self, sock: zmq.asyncio.Socket, req: Request,
+    async def _send_and_wait(self, sock: LoopSocket, req: Request,
                              fut: asyncio.Future[Reply]) -> Reply:
         await sock.send(self._core.encode(req))
         return await fut
 
-    async def _read_replies(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read_replies(self, sock: LoopSocket) -> None:
         """Route replies to waiting calls until cancelled or the socket dies."""
         try:
             while True:
-                id, outcome = self._core.decode(await sock.recv())
+                id, outcome = self._core.decode((await sock.recv_multipart())[-1])
                 self._resolve(id, outcome)
         except zmq.ZMQError as e:
             self._fail_pending(Unavailable(UNAVAILABLE, f"socket failed: {e}"))

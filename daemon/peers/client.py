@@ -48,6 +48,7 @@ from kvsidecar.daemon.peers.messages import (
     encode,
     salvage,
 )
+from kvsidecar.ipc.loop_socket import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class _Connection:
     """
 
     address: str
-    sock: zmq.asyncio.Socket
+    sock: LoopSocket
     pending: dict[int, asyncio.Future[AnyReply]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
 
@@ -447,14 +448,14 @@ class HandshakeClient:
         if conn is not None:
             return conn
         host, _ = split_address(addr)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        sock = LoopSocket.of(self._ctx, zmq.DEALER)
+        sock.sock.setsockopt(zmq.LINGER, 0)
+        sock.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         if self._keys is not None:
-            self._keys.dial_with(sock)
+            self._keys.dial_with(sock.sock)
         if ipv6(host):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(f"tcp://{addr}")
+            sock.sock.setsockopt(zmq.IPV6, 1)
+        sock.sock.connect(f"tcp://{addr}")
         conn = _Connection(addr, sock)
         conn.reader = asyncio.create_task(self._read(conn), name=f"handshake-reader-{addr}")
         self._conns[addr] = conn

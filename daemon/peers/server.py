@@ -42,6 +42,7 @@ from kvsidecar.daemon.peers.messages import (
     salvage,
     short,
 )
+from kvsidecar.ipc.loop_socket import LoopSocket
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class HandshakeServer:
         self._control = control
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: LoopSocket | None = None
         self._task: asyncio.Task[None] | None = None
         self._cache: dict[tuple[str, int], bytes] = {}
         self.address: str | None = None
@@ -105,24 +106,24 @@ class HandshakeServer:
         """Bind and start serving; returns the bound ``host:port`` (port 0 picks one)."""
         if self._sock is not None:
             raise RuntimeError("handshake server already started")
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
+        sock = LoopSocket.of(self._ctx, zmq.ROUTER)
+        sock.sock.setsockopt(zmq.LINGER, 0)
+        sock.sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
         if ipv6(self._host):
-            sock.setsockopt(zmq.IPV6, 1)
+            sock.sock.setsockopt(zmq.IPV6, 1)
         if self._keys is not None:
             self._zap = ZapHandler(self._ctx, self._keys.authorized, on_refuse=self._on_refuse)
             self._zap.start()
-            self._keys.serve_with(sock)
+            self._keys.serve_with(sock.sock)
         port = "*" if self._port in ("0", "*") else self._port
         try:
-            sock.bind(f"tcp://{self._host}:{port}")
-            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+            sock.sock.bind(f"tcp://{self._host}:{port}")
+            endpoint = sock.sock.getsockopt(zmq.LAST_ENDPOINT)
             assert isinstance(endpoint, bytes)
             self.address = normalise(endpoint.decode())
             refuse = self._on_refuse
             self.guard = ConnectionGuard(
-                sock, "handshake", self._max_connections,
+                sock.sock, "handshake", self._max_connections,
                 local=int(split_address(self.address)[1]),
                 on_refuse=(lambda: refuse("connection_limit")) if refuse is not None else None,
                 on_handshake_failure=(lambda kind: refuse(f"handshake_{kind}"))
@@ -173,7 +174,7 @@ class HandshakeServer:
         for key in [k for k in self._cache if k[0] == engine_id]:
             del self._cache[key]
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+    async def _serve(self, sock: LoopSocket) -> None:
         while True:
             try:
                 frames = await sock.recv_multipart()
