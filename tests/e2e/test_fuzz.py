@@ -72,8 +72,21 @@ PEER_TEMPLATES: list[dict[str, Any]] = [
      "reader_engine": "fz-reader", "reader_rank": 0, "reader_tp": 1, "reason": "fz",
      "req_id": 4, "v": 1},
 ]
+#: A control batch (issue #12) of the claim and the abandon above, and of a
+#: third item the fuzzer's values make out of anything.
+PEER_TEMPLATES.append({"op": "batch", "items": [PEER_TEMPLATES[2], PEER_TEMPLATES[3]],
+                       "req_id": 5, "v": 1})
 FROZEN = {"remote", "op"}  # "op" is mutated by the op-name strategy instead
-OPS = ["ping", "poll", "hold", "release", "read", "register", "deregister", "claim", "abandon"]
+OPS = ["ping", "poll", "hold", "release", "read", "register", "deregister", "claim", "abandon",
+       "batch"]
+
+
+def _with_agent(template: dict[str, Any], agent: str) -> dict[str, Any]:
+    """``template`` with its (and its batch items') ``agent_name`` set to ``agent``."""
+    out = {**template, "agent_name": agent} if "agent_name" in template else dict(template)
+    if "items" in out:
+        out["items"] = [_with_agent(i, agent) for i in out["items"]]
+    return out
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
@@ -231,7 +244,7 @@ def _fuzz(target: Target, endpoint: str, curve: bool, templates: list[dict[str, 
     if curve:  # the peer protocol: a second fleet member is served throughout too
         target.good_peer = _Channel(endpoint, curve)
         agent = target.agent_name(TARGET)
-        templates = [{**t, "agent_name": agent} if "agent_name" in t else t for t in templates]
+        templates = [_with_agent(t, agent) for t in templates]
     chan = _Channel(endpoint, curve)
     chan.roundtrip(msgspec.msgpack.encode(templates[0]))  # warm-up (connection, executors)
     for _ in range(50):
