@@ -21,7 +21,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +44,14 @@ from kvsidecar.daemon.planner import (
 )
 from kvsidecar.daemon.staging import Area, scatter
 from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
+from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.worker import (
     NixlAgentReset,
     NixlError,
     NixlTimeout,
+    NotifyOp,
+    ReadOp,
     TransferStats,
 )
 from kvsidecar.ipc.layout import Layout
@@ -152,8 +155,12 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
 
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                    timeout_s: float | None = None, metrics: Metrics | None = None,
-                   handshakes: HandshakeClient | None = None) -> ReadOutcome:
+                   handshakes: HandshakeClient | None = None, *,
+                   plans: ThreadGroups | None = None) -> ReadOutcome:
     """Carry one read through; raises on failure (the caller turns it into a completion).
+
+    With ``plans`` (over ``planner``) the reads that reach planning in one loop
+    iteration, e.g. those of one Batch, are planned in one planning-thread job.
 
     With ``handshakes`` the read holds leases on the P ranks' blocks (see
     :mod:`~kvsidecar.daemon.leases`): claimed before posting (a refusal fails
@@ -189,10 +196,10 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
               if peer.info.mem_type == "DRAM"}
              if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
-        planning = loop.run_in_executor(
-            planner, _plan_and_address, eng.layout, eng.tp_rank, layout, req, eng.bases,
-            {p: peer.bases for p, peer in zip(cands, peers)}, modes,
-        )
+        args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
+                {p: peer.bases for p, peer in zip(cands, peers)}, modes)
+        planning = (plans.submit(_plan_and_address, *args) if plans is not None
+                    else loop.run_in_executor(planner, _plan_and_address, *args))
         planning.add_done_callback(_retrieve)
         leases = None
         if handshakes is not None:
@@ -270,7 +277,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
     gens = {p: peer.generation for p, peer in zip(cands, peers)}
     infos = {p: peer.info for p, peer in zip(cands, peers)}
-    ops: list[Coroutine[Any, Any, TransferStats | None]] = []
+    todo: list[ReadOp | NotifyOp] = []
     for i, post in enumerate(posts):
         sp, area = staged[i], areas[i]
         if sp is not None and area is not None:
@@ -280,14 +287,16 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
                 metrics.staged_transfers.labels(eng.engine_id).inc()
         if post.length.size:
             far = infos[post.rank]
-            ops.append(eng.worker.read(agents[post.rank], post.local, post.remote, post.length,
-                                       notif=note, timeout_s=timeout_s,
-                                       generation=gens[post.rank],
-                                       mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
-                                       remote_mem_type=far.mem_type,
-                                       remote_dev_id=far.dev_id))
+            todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
+                               notif=note, timeout_s=timeout_s, generation=gens[post.rank],
+                               mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
+                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id))
         else:
-            ops.append(eng.worker.notify(agents[post.rank], note))
+            todo.append(NotifyOp(agents[post.rank], note))
+    # All or nothing of this read is handed over (nothing above posts), together
+    # with every other read's posts of this loop iteration as one worker job;
+    # each is still its own transfer with its own notification and outcome.
+    ops = [eng.worker.post_soon(op) for op in todo]
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
@@ -436,6 +445,8 @@ class ReadTable:
                  deliver: Callable[[EngineRank, Completion], None],
                  metrics: Metrics) -> None:
         self._planner = planner
+        #: the planning of reads that reach it in one loop iteration, as one job
+        self._plans = ThreadGroups(planner)
         self._metrics = metrics
         #: set by the Sidecar when tracing is configured
         self.tracing: Tracing | None = None
@@ -566,7 +577,7 @@ class ReadTable:
         try:
             try:
                 out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
-                                     self._handshakes)
+                                     self._handshakes, plans=self._plans)
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
@@ -585,7 +596,7 @@ class ReadTable:
                          extra=_event(eng, req, "retry", str(e)))
                 job.posted = False
                 out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
-                                     self._handshakes)
+                                     self._handshakes, plans=self._plans)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvsidecar.daemon.transport.worker import NixlError, NixlWorker, TransferStats, transport_note
+from kvsidecar.daemon.transport.worker import (
+    NixlError,
+    NixlWorker,
+    NotifyOp,
+    ReadOp,
+    TransferStats,
+    transport_note,
+)
 
 MiB = 1 << 20
 
@@ -333,6 +340,54 @@ async def test_errors_fail_the_call_not_the_worker(local: Any, peer: Any) -> Non
     stats = await w.read(name, i64([mem.addr]), i64([paddr]), one, notif=b"after-errors")
     assert stats.bytes == 4096
     assert await p.call("notifs", 1, 10.0) == [(w.agent_name, b"after-errors")]
+
+
+@pytest.mark.timeout(120)
+async def test_posts_of_one_loop_iteration_go_as_one_job_and_fail_alone(
+        local: Any, peer: Any, peer_mem: ShmBuf) -> None:
+    """Reads and notifications posted with post_soon in one loop iteration reach
+    the thread as one queue entry; each is still its own transfer with its own
+    notification, and the bad ones (a range NIXL rejects, an unknown agent, bad
+    arguments) fail only their own futures."""
+    w, _, mem, _ = local
+    p, md, paddr = peer
+    name = await w.add_remote(md)
+    mem.view[:] = 0
+    rng = np.random.default_rng(11)
+    good = []
+    ops: list[ReadOp | NotifyOp] = []
+    for i in range(6):  # 4 KiB from scattered peer offsets into consecutive slots of ours
+        src = int(rng.integers(0, MiB // 4096)) * 4096
+        good.append((i, src))
+        ops.append(ReadOp(name, i64([mem.addr + i * 4096]), i64([paddr + src]), i64([4096]),
+                          notif=f"g{i}".encode()))
+    ops.insert(2, ReadOp(name, i64([mem.addr]), i64([paddr + MiB - 100]), i64([4096]),
+                         notif=b"past-the-end"))
+    ops.insert(4, ReadOp("nobody", i64([mem.addr]), i64([paddr]), i64([4096]), notif=b"who"))
+    ops.insert(5, ReadOp(name, i64([mem.addr, mem.addr]), i64([paddr]), i64([4096])))
+    ops.append(NotifyOp(name, b"bare"))
+    puts = []
+    real_put = w._jobs.put
+    w._jobs.put = lambda entry: (puts.append(entry), real_put(entry))  # type: ignore[method-assign]
+    try:
+        futs = [w.post_soon(op) for op in ops]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+    finally:
+        del w._jobs.put
+    assert len(puts) == 1 and len(puts[0]) == len(ops) - 1  # the bad-shape one never left
+    assert isinstance(results[2], NixlError) and results[2].remote == name
+    assert isinstance(results[4], NixlError) and "nobody" in str(results[4])
+    assert isinstance(results[5], ValueError)
+    assert results[-1] is None
+    stats = [r for i, r in enumerate(results) if i not in (2, 4, 5) and i != len(ops) - 1]
+    assert all(isinstance(r, TransferStats) and r.bytes == 4096 for r in stats)
+    for i, src in good:
+        assert np.array_equal(mem.view[i * 4096:(i + 1) * 4096],
+                              peer_mem.view[src:src + 4096]), i
+    got = await p.call("notifs", 7, 10.0)
+    assert sorted(m for _, m in got) == sorted([f"g{i}".encode() for i in range(6)] + [b"bare"])
+    # Still serving, one read at a time too.
+    assert (await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))).bytes == 64
 
 
 @pytest.mark.timeout(120)

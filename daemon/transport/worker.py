@@ -9,7 +9,10 @@ still let two threads progress the same UCX worker. Instead every NIXL call
 (agent creation and destruction included) happens on :class:`NixlWorker`'s own
 thread. The event loop never touches the agent: coroutines put jobs on a
 :class:`queue.Queue` and await asyncio futures that the thread resolves with
-``loop.call_soon_threadsafe``.
+``loop.call_soon_threadsafe`` (once per round, for everything that round
+finished). :meth:`NixlWorker.post_soon` puts the reads and notifications of
+one loop iteration (a batch of reads) on the queue as one entry: one put and
+one wake-up of the thread instead of one per read.
 
 *Why not on the loop.* On host memory UCX reads through CMA
 (``process_vm_readv``) and ``transfer()`` performs the whole copy inline: a
@@ -105,9 +108,11 @@ from kvsidecar.daemon.transport.probe import transport_note
 log = logging.getLogger(__name__)
 
 __all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlTimeout", "NixlWorker",
-           "PollPolicy", "TransferStats", "transport_note"]
+           "NotifyOp", "PollPolicy", "ReadOp", "TransferStats", "transport_note"]
 
-_MAX_JOBS_PER_ROUND = 64  # keep polling in-flight reads while a burst of jobs arrives
+#: keep polling in-flight reads while a burst of jobs arrives (a group of posts
+#: counts each post; a group is never split)
+_MAX_JOBS_PER_ROUND = 64
 #: After a reset whose agent could not be created again (e.g. UCX finds no usable
 #: network device while the link is down), retry after these many seconds,
 #: doubling up to the cap: a link that comes back brings the worker back.
@@ -200,6 +205,36 @@ class _Job:
     remote: str | None
 
 
+#: what the job queue carries: the jobs of one submission (one put, one wake-up of
+#: the thread), or None, which only wakes it
+_Entry = tuple[_Job, ...] | None
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """One read for :meth:`NixlWorker.post_soon`: the arguments of :meth:`NixlWorker.read`."""
+
+    remote_agent: str
+    local_addr: npt.NDArray[np.int64]
+    remote_addr: npt.NDArray[np.int64]
+    length: npt.NDArray[np.int64]
+    notif: bytes | None = None
+    mem_type: str = "DRAM"
+    dev_id: int = 0
+    remote_dev_id: int | None = None
+    timeout_s: float | None = None
+    generation: int | None = None
+    remote_mem_type: str | None = None
+
+
+@dataclass(frozen=True)
+class NotifyOp:
+    """One bare notification for :meth:`NixlWorker.post_soon`."""
+
+    remote_agent: str
+    message: bytes
+
+
 @dataclass
 class _Inflight:
     handle: Any
@@ -266,7 +301,11 @@ class NixlWorker:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # None only wakes the thread
+        self._jobs: queue.Queue[_Entry] = queue.Queue()
+        #: posts of this loop iteration, put on the queue as one entry by _post_soon_now
+        self._soon: list[tuple[ReadOp | NotifyOp, _Fut]] = []
+        self._prepare: dict[type, Callable[[Any], tuple[str, _JobFn]]] = {
+            ReadOp: self._prepare_read, NotifyOp: self._prepare_notify}
         self._lock = threading.Lock()  # orders submissions against shutdown
         self._stop_requested = False
         self._closed = False
@@ -416,34 +455,82 @@ class NixlWorker:
         agent generation the caller linked ``remote_agent`` in; a read for an
         older generation fails with NixlAgentReset without posting anything.
         """
-        n = len(local_addr)
-        for label, arr in (("local_addr", local_addr), ("remote_addr", remote_addr),
-                           ("length", length)):
+        op = ReadOp(remote_agent, local_addr, remote_addr, length, notif, mem_type, dev_id,
+                    remote_dev_id, timeout_s, generation, remote_mem_type)
+        what, fn = self._prepare_read(op)
+        stats: TransferStats = await self._submit(what, fn, remote=remote_agent)
+        return stats
+
+    async def notify(self, remote_agent: str, message: bytes) -> None:
+        what, fn = self._prepare_notify(NotifyOp(remote_agent, message))
+        await self._submit(what, fn, remote=remote_agent)
+
+    def post_soon(self, op: ReadOp | NotifyOp) -> asyncio.Future[TransferStats | None]:
+        """:meth:`read` or :meth:`notify` without a coroutine: the returned future
+        resolves as theirs would. Every op posted this way in one event-loop
+        iteration reaches the thread as ONE queue entry (one put, one wake-up)
+        right after it; the thread still posts each op on its own, so each keeps
+        its own transfer, notification, future and failure (a bad op, or one
+        whose transfer fails, fails only its own future; a read whose failure
+        resets the agent fails those in flight with it, as with :meth:`read`).
+        Must be called on the event loop thread."""
+        loop = self._loop
+        if loop is None:
+            raise NixlError("post: worker not started", remote=op.remote_agent)
+        fut: _Fut = loop.create_future()
+        if not self._soon:
+            loop.call_soon(self._post_soon_now)
+        self._soon.append((op, fut))
+        return fut
+
+    def _post_soon_now(self) -> None:
+        ops, self._soon = self._soon, []
+        jobs: list[_Job] = []
+        for op, fut in ops:
+            if fut.done():  # cancelled before it was handed over
+                continue
+            try:
+                what, fn = self._prepare[type(op)](op)
+            except (ValueError, TypeError) as exc:
+                fut.set_exception(exc)
+                continue
+            jobs.append(_Job(fn, fut, what, op.remote_agent))
+        if not jobs:
+            return
+        with self._lock:
+            stopped = self._stop_requested or self._closed
+            if not stopped:
+                self._jobs.put(tuple(jobs))
+        if stopped:
+            for job in jobs:
+                job.fut.set_exception(NixlError(f"{job.what}: worker stopped",
+                                                remote=job.remote))
+
+    def _prepare_read(self, op: ReadOp) -> tuple[str, _JobFn]:
+        """Check a read's arguments (raises ValueError/TypeError) and make its job."""
+        n = len(op.local_addr)
+        for label, arr in (("local_addr", op.local_addr), ("remote_addr", op.remote_addr),
+                           ("length", op.length)):
             if np.ndim(arr) != 1:
                 raise ValueError(f"{label} must be one-dimensional")
             if len(arr) != n:
                 raise ValueError(
                     f"local_addr, remote_addr and length differ in length "
-                    f"({n}, {len(remote_addr)}, {len(length)})"
+                    f"({n}, {len(op.remote_addr)}, {len(op.length)})"
                 )
-        if notif is not None and not isinstance(notif, bytes):
+        if op.notif is not None and not isinstance(op.notif, bytes):
             raise TypeError("notif must be bytes")
         fn = functools.partial(
-            self._do_read, remote_agent, local_addr, remote_addr, length, notif, mem_type,
-            dev_id, dev_id if remote_dev_id is None else remote_dev_id, timeout_s, generation,
-            mem_type if remote_mem_type is None else remote_mem_type,
+            self._do_read, op.remote_agent, op.local_addr, op.remote_addr, op.length, op.notif,
+            op.mem_type, op.dev_id, op.dev_id if op.remote_dev_id is None else op.remote_dev_id,
+            op.timeout_s, op.generation,
+            op.mem_type if op.remote_mem_type is None else op.remote_mem_type,
         )
-        stats: TransferStats = await self._submit(
-            f"read of {n} descriptors from remote agent {remote_agent!r}", fn, remote=remote_agent
-        )
-        return stats
+        return f"read of {n} descriptors from remote agent {op.remote_agent!r}", fn
 
-    async def notify(self, remote_agent: str, message: bytes) -> None:
-        await self._submit(
-            f"notify remote agent {remote_agent!r}",
-            functools.partial(self._do_notify, remote_agent, bytes(message)),
-            remote=remote_agent,
-        )
+    def _prepare_notify(self, op: NotifyOp) -> tuple[str, _JobFn]:
+        return (f"notify remote agent {op.remote_agent!r}",
+                functools.partial(self._do_notify, op.remote_agent, bytes(op.message)))
 
     def set_hot(self, hot: bool) -> None:
         """Blocks are held: poll notifications from ``hot_poll_s`` escalating to
@@ -492,7 +579,7 @@ class NixlWorker:
         with self._lock:
             if self._stop_requested or self._closed:
                 raise NixlError(f"{what}: worker stopped", remote=remote)
-            self._jobs.put(_Job(fn, fut, what, remote))
+            self._jobs.put((_Job(fn, fut, what, remote),))
         return fut
 
     # -- worker thread ---------------------------------------------------------------------------
@@ -554,23 +641,25 @@ class NixlWorker:
             self._poll_wait_s = wait
             active = False
             try:
-                job = self._jobs.get(timeout=wait)
+                entry = self._jobs.get(timeout=wait)
             except queue.Empty:
                 continue
             active = True  # a job or a wake-up: start escalating again from the floor
-            if job is not None:
+            for job in entry or ():
                 self._run_job(job)
 
     def _drain_jobs(self) -> int:
-        """Run up to _MAX_JOBS_PER_ROUND queued jobs; returns how many were taken."""
-        n = 0
-        for _ in range(_MAX_JOBS_PER_ROUND):
+        """Run queued jobs, about _MAX_JOBS_PER_ROUND at most (a group is run
+        whole); returns how many entries were taken."""
+        n = jobs = 0
+        while jobs < _MAX_JOBS_PER_ROUND:
             try:
-                job = self._jobs.get_nowait()
+                entry = self._jobs.get_nowait()
             except queue.Empty:
                 return n
             n += 1
-            if job is not None:
+            jobs += len(entry) if entry else 1
+            for job in entry or ():
                 self._run_job(job)
         return n
 
@@ -834,10 +923,10 @@ class NixlWorker:
             self._closed = True
         while True:
             try:
-                job = self._jobs.get_nowait()
+                entry = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            for job in entry or ():
                 self._fail(job.fut, NixlError(f"{job.what}: worker stopped", remote=job.remote))
         self._flush()
         deadline = time.monotonic() + self._stop_timeout_s

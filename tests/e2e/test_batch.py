@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvsidecar.ipc.client import BadRequest, Duplicate, HoldSpec, ReadSpec, UnknownEngine
@@ -79,3 +81,33 @@ def test_a_batch_is_bounded(pool) -> None:
         with pytest.raises(ValueError, match=f"at most {MAX_BATCH}"):
             P.clients[0].hold_many(P.engine_id, [spec] * (MAX_BATCH + 1))
         assert P.clients[0].hold_many(P.engine_id, []) == []
+
+
+def test_reads_planned_and_posted_as_a_group_fail_alone(pool) -> None:
+    """16 reads in one read_many are planned in one planning-thread job and
+    posted in one worker job. One whose remote block ids lie outside P's cache
+    (found only when planning) fails alone, one aborted right after the batch
+    ends aborted, and the other 14 land oracle-exact."""
+    with pool.engines(attn(8), 1, 1) as (P, (D,)):
+        sents = [P.prefill(f"g{i}", Request(seed=70 + i, prompt_tokens=8 + 3 * i))
+                 for i in range(16)]
+        bad = sents[5]
+        sents[5] = dataclasses.replace(
+            bad, block_ids=[[P.layout.num_blocks + 7, *bad.block_ids[0][1:]]])
+        recs = D.start_reads(sents)
+        D.clients[0].release(D.engine_id, "g9")
+        rids = [s.request_id for s in sents]
+        got = {rid: per[0] for rid, per in D.wait_for(rids).items()}
+        assert got["g5"].kind == "failed" and "out of range" in got["g5"].reason
+        assert got["g5"].invalid_block_ids == recs[5].block_ids
+        assert got["g9"].kind == "aborted"
+        assert got["g9"].invalid_block_ids == recs[9].block_ids
+        for rid in rids:
+            if rid not in ("g5", "g9"):
+                assert got[rid].kind == "received", (rid, got[rid])
+                assert not D.verify(rid), rid
+        # P's holds of the good reads were all read; the failed read gave its hold
+        # up (the aborted one may have been read before the abort came).
+        sent_back = {rid: per[0].kind for rid, per in P.wait_for(rids).items()}
+        assert {k for rid, k in sent_back.items() if rid not in ("g5", "g9")} == {"sent"}
+        assert sent_back["g5"] == "aborted"

@@ -1,0 +1,92 @@
+"""Calls for a worker thread, gathered per event-loop iteration into one job.
+
+A Batch of reads (or several engine messages answered in one loop iteration)
+would hand the planning thread one job per read: an executor submit, a wake-up
+of the thread and a ``call_soon_threadsafe`` (a write to the loop's self-pipe)
+back per read, and the loop wakes once per read to resume it. Calls submitted
+here in one loop iteration go to the thread as ONE job that runs them in turn
+and come back in ONE callback, which resolves each caller's future with its
+own result or its own exception: a call that raises fails only its caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_Call = tuple[Callable[..., Any], tuple[Any, ...]]
+#: a call's outcome on the thread: (True, result) or (False, the exception it raised)
+_Outcome = tuple[bool, Any]
+
+
+def run_calls(calls: Sequence[_Call]) -> list[_Outcome]:
+    """Run each call in turn (on the worker thread); one raising does not stop the rest."""
+    out: list[_Outcome] = []
+    for fn, args in calls:
+        try:
+            out.append((True, fn(*args)))
+        except Exception as e:
+            out.append((False, e))
+    return out
+
+
+class ThreadGroups:
+    """``submit`` is ``loop.run_in_executor`` with the calls of one loop
+    iteration grouped (see the module docstring). Event loop thread only."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` on the executor's thread, with the other calls submitted in
+        this loop iteration; cancelling the future before its group leaves skips it."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush, loop)
+        self._pending.append((fn, args, fut))
+        return fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        calls = [c for c in self._pending if not c[2].done()]
+        self._pending = []
+        if not calls:
+            return
+        futs = [fut for _, _, fut in calls]
+        try:
+            done = loop.run_in_executor(self._executor, run_calls,
+                                        [(fn, args) for fn, args, _ in calls])
+        except RuntimeError as e:  # the executor was shut down
+            _resolve_all(futs, e)
+            return
+        done.add_done_callback(functools.partial(_resolve, futs))
+
+
+def _resolve(futs: list[asyncio.Future[Any]], done: asyncio.Future[list[_Outcome]]) -> None:
+    if done.cancelled():  # nobody cancels it; should it happen, its callers end the same way
+        for fut in futs:
+            fut.cancel()
+        return
+    exc = done.exception()
+    if exc is not None:  # only a BaseException escapes run_calls
+        _resolve_all(futs, exc)
+        return
+    for fut, (ok, value) in zip(futs, done.result()):
+        if fut.done():  # its caller was cancelled meanwhile
+            continue
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+
+def _resolve_all(futs: list[asyncio.Future[Any]], exc: BaseException) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_exception(exc)
