@@ -57,6 +57,10 @@ I32 = NDArray[np.int32]
 BlockIds = Sequence[Sequence[int] | NDArray[np.integer]]
 
 
+_umax = np.maximum.reduce
+_uany = np.logical_or.reduce
+
+
 class PlanError(ValueError):
     """A read request that cannot be planned; the message names the problem."""
 
@@ -183,7 +187,10 @@ def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int, num_blocks: int)
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError) as e:
         raise BlockRangeError(f"{side} group {gi}: block ids are not integers ({e})") from None
-    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
+    # One C-level reduction for both bounds: a negative id is huge as unsigned.
+    # (ufunc.reduce directly: ndarray.max() goes through a Python wrapper, and
+    # this runs for every group of every read.)
+    if arr.size and int(_umax(arr.view(np.uint64))) >= num_blocks:
         bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
         raise BlockRangeError(
             f"{side} group {gi}: block id {bad} out of range [0, {num_blocks})"
@@ -197,11 +204,15 @@ def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local")
         raise GroupCountError(
             f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
         )
-    arrs = [_ids(ids, side, gi, layout.num_blocks) for gi, ids in enumerate(block_ids)]
+    nb = layout.num_blocks
+    arrs = [_ids(ids, side, gi, nb) for gi, ids in enumerate(block_ids)]
     if side == "local" and arrs:
-        allids = np.sort(np.concatenate(arrs))  # sort + neighbours: np.unique costs 5x more
-        twice = allids[1:][allids[1:] == allids[:-1]]
-        if twice.size:
+        # sort + neighbours: np.unique costs 5x more
+        allids = np.concatenate(arrs) if len(arrs) > 1 else arrs[0].copy()
+        allids.sort()
+        same = allids[1:] == allids[:-1]
+        if same.size and _uany(same):
+            twice = allids[1:][same]
             raise DuplicateBlockError(
                 f"local block id {int(twice[0])} named twice: a page would be written twice"
             )
@@ -331,7 +342,7 @@ def coalesce(region: I32, loff: I64, roff: I64, length: I64) -> tuple[I32, I64, 
     np.not_equal(loff[1:], loff[:-1] + length[:-1], out=brk[1:])
     brk[1:] |= roff[1:] != roff[:-1] + length[:-1]
     brk[1:] |= region[1:] != region[:-1]
-    starts = np.flatnonzero(brk)
+    starts = brk.nonzero()[0]
     if starts.size == n:
         return region, loff, roff, length
     return region[starts], loff[starts], roff[starts], np.add.reduceat(length, starts)
@@ -383,6 +394,28 @@ def _piece_groups(local: Layout, d_rank: int, remote: Layout
     return out
 
 
+def _descriptors(regions: I32, lpair: I64, rpair: I64, po_l: I64, po_r: I64, po_n: I64
+                 ) -> tuple[I32, I64, I64, I64]:
+    """Every (region, pair, piece) descriptor of one piece group, in that order.
+
+    Filled by broadcasting assignment into preallocated arrays: C-level only
+    (``np.broadcast_to`` + ``reshape`` cost several Python calls per array, a
+    quarter of a small read's planning)."""
+    shape = (regions.size, lpair.size, po_n.size)
+    reg = np.empty(shape, np.int32)
+    reg[...] = regions[:, None, None]
+    lo = np.empty(shape, np.int64)
+    np.add(lpair[:, None], po_l[None, :], out=lo[0])
+    ro = np.empty(shape, np.int64)
+    np.add(rpair[:, None], po_r[None, :], out=ro[0])
+    if shape[0] > 1:
+        lo[1:] = lo[0]
+        ro[1:] = ro[0]
+    ln = np.empty(shape, np.int64)
+    ln[...] = po_n
+    return reg.reshape(-1), lo.reshape(-1), ro.reshape(-1), ln.reshape(-1)
+
+
 def plan_read(
     local: Layout,
     d_rank: int,
@@ -414,21 +447,17 @@ def plan_read(
         chunks: list[tuple[I32, I64, I64, I64]] = []
         for gi, regions, po_l, po_r, po_n in groups:
             lpair, rpair = pairs[gi]
-            if not lpair.size:
-                continue
-            nreg, npair, npc = regions.size, lpair.size, po_n.size
-            shape = (nreg, npair, npc)
-            reg = np.broadcast_to(regions[:, None, None], shape).reshape(-1)
-            lo = np.broadcast_to(lpair[None, :, None] + po_l[None, None, :], shape).reshape(-1)
-            ro = np.broadcast_to(rpair[None, :, None] + po_r[None, None, :], shape).reshape(-1)
-            ln = np.broadcast_to(po_n[None, None, :], shape).reshape(-1)
-            chunks.append((reg, lo, ro, ln))
+            if lpair.size:
+                chunks.append(_descriptors(regions, lpair, rpair, po_l, po_r, po_n))
         if not chunks:
             continue
-        reg = np.concatenate([c[0] for c in chunks])
-        lo = np.concatenate([c[1] for c in chunks])
-        ro = np.concatenate([c[2] for c in chunks])
-        ln = np.concatenate([c[3] for c in chunks])
+        if len(chunks) == 1:
+            reg, lo, ro, ln = chunks[0]
+        else:
+            reg = np.concatenate([c[0] for c in chunks])
+            lo = np.concatenate([c[1] for c in chunks])
+            ro = np.concatenate([c[2] for c in chunks])
+            ln = np.concatenate([c[3] for c in chunks])
         before = int(ln.size)
         reg, lo, ro, ln = coalesce(reg, lo, ro, ln)
         reads.append(RankRead(p, reg, lo, ro, ln, before))

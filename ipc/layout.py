@@ -143,6 +143,9 @@ def view_offsets(layout: Layout, group: Group, block_ids: NDArray[np.int64]) -> 
     """Region-relative start of every view the pages ``block_ids`` hold, in token
     order (page by page, kernel block by kernel block): the one place that turns
     block ids into byte offsets. Add a segment's ``offset`` to reach the segment."""
+    if group.sub_blocks == 1:  # one view per page (mamba; attention on equal tp): no outer sum
+        first: NDArray[np.int64] = block_ids * layout.page_bytes
+        return first
     ks = np.arange(group.sub_blocks, dtype=np.int64) * view_bytes(layout, group)
     out: NDArray[np.int64] = (block_ids[:, None] * layout.page_bytes + ks[None, :]).reshape(-1)
     return out
