@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -379,6 +380,45 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
+@dataclass(frozen=True)
+class _TransferSeries:
+    """The labelled series count_transfers touches for one (engine, peer): looked
+    up once, not ``labels()`` (a lock and a label tuple each) eight times per
+    transfer. Only gauges are ever removed from the registry, so these stay valid."""
+
+    failures: Any
+    seconds: Any
+    post_seconds: Any
+    nbytes: Any
+    descriptors: Any
+    planned: Any
+    read_bytes: Any
+    notif_failed: Any
+
+
+_SERIES_CACHE_MAX = 4096  # (engine, peer) pairs per daemon; cleared whole past it
+_series_cache: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str], _TransferSeries]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _transfer_series(m: Metrics, engine: str, peer: str) -> _TransferSeries:
+    cache = _series_cache.setdefault(m, {})
+    got = cache.get((engine, peer))
+    if got is None:
+        if len(cache) >= _SERIES_CACHE_MAX:
+            cache.clear()
+        labels = (engine, peer)
+        # Failure series exist (at 0) from the first transfer on, so dashboards and
+        # alerts see "no failures" rather than "no data".
+        got = cache[(engine, peer)] = _TransferSeries(
+            m.transfer_failures.labels(*labels), m.transfer_seconds.labels(*labels),
+            m.transfer_post_seconds.labels(*labels), m.transfer_bytes.labels(*labels),
+            m.transfer_descriptors.labels(*labels),
+            m.transfer_descriptors_planned.labels(*labels), m.read_bytes.labels(*labels),
+            m.notifications_sent.labels(engine, "failed"))
+    return got
+
+
 def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
                     results: list[TransferStats | BaseException | None], *,
                     request_id: str = "") -> None:
@@ -386,25 +426,23 @@ def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
     and counters. Bare notifications (nothing read from that rank) count as
     notifications, not transfers. The request id rides along as an exemplar on
     the latency histogram (OpenMetrics), never as a label."""
-    labels = (engine, peer)
+    series = _transfer_series(m, engine, peer)
     exemplar = {"request_id": request_id[:64]} if request_id else None
-    # Failure series exist (at 0) from the first transfer on, so dashboards and
-    # alerts see "no failures" rather than "no data".
-    m.transfer_failures.labels(*labels)
-    m.notifications_sent.labels(engine, "failed")
     for post, r in zip(posts, results):
         if not post.length.size:
-            m.notifications_sent.labels(engine, "failed" if isinstance(r, BaseException)
-                                        else "ok").inc()
+            if isinstance(r, BaseException):
+                series.notif_failed.inc()
+            else:  # rare (nothing to read from that rank): not worth a cached series
+                m.notifications_sent.labels(engine, "ok").inc()
         elif isinstance(r, BaseException):
-            m.transfer_failures.labels(*labels).inc()
+            series.failures.inc()
         elif isinstance(r, TransferStats):
-            m.transfer_seconds.labels(*labels).observe(r.xfer_us / 1e6, exemplar)
-            m.transfer_post_seconds.labels(*labels).observe(r.post_us / 1e6)
-            m.transfer_bytes.labels(*labels).observe(r.bytes)
-            m.transfer_descriptors.labels(*labels).observe(r.descriptors)
-            m.transfer_descriptors_planned.labels(*labels).observe(post.descriptors_before)
-            m.read_bytes.labels(*labels).inc(r.bytes)
+            series.seconds.observe(r.xfer_us / 1e6, exemplar)
+            series.post_seconds.observe(r.post_us / 1e6)
+            series.nbytes.observe(r.bytes)
+            series.descriptors.observe(r.descriptors)
+            series.planned.observe(post.descriptors_before)
+            series.read_bytes.inc(r.bytes)
 
 
 def _event(eng: EngineRank, req: Read, outcome: str, reason: str) -> dict[str, object]:

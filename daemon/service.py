@@ -208,6 +208,9 @@ class Sidecar:
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
             Reserve: self._reserve, Batch: self._batch,
         }
+        #: the requests counter's series per (request type, error code): both closed
+        #: sets, looked up once instead of labels() for every item of every batch
+        self._request_series: dict[tuple[type, str], Any] = {}
         #: allocations engines reserved before registering (vLLM's KV pool)
         self._reservations = Reservations(on_limit=lambda engine_id: self.metrics.limit_refusals
                                           .labels(engine_id[:200], "reservations").inc())
@@ -311,7 +314,11 @@ class Sidecar:
             raise
         finally:
             # op comes from the closed set of request types, error from ERROR_CODES.
-            self.metrics.requests.labels(op=kind.__name__.lower(), error=error).inc()
+            series = self._request_series.get((kind, error))
+            if series is None:
+                series = self._request_series[(kind, error)] = self.metrics.requests.labels(
+                    op=kind.__name__.lower(), error=error)
+            series.inc()
 
     async def _batch(self, req: Batch) -> Reply:
         """Answer each item as if it came alone, in order; a refusal (or a bug)
