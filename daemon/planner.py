@@ -57,6 +57,7 @@ I32 = NDArray[np.int32]
 BlockIds = Sequence[Sequence[int] | NDArray[np.integer]]
 
 
+_SET_CHECK_MAX = 512  # local ids up to this many are checked for duplicates with a set
 _umax = np.maximum.reduce
 _uany = np.logical_or.reduce
 
@@ -207,6 +208,20 @@ def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local")
     nb = layout.num_blocks
     arrs = [_ids(ids, side, gi, nb) for gi, ids in enumerate(block_ids)]
     if side == "local" and arrs:
+        total = sum(a.size for a in arrs)
+        if total <= _SET_CHECK_MAX:
+            # A Python set: numpy's sort drops the GIL even for 16 ids, and this
+            # runs on the event loop (accept) for every read, which then waits
+            # for the planning or NIXL thread to hand the GIL back.
+            flat = [i for a in arrs for i in a.tolist()]
+            if len(set(flat)) == total:
+                return arrs
+            seen: set[int] = set()
+            for i in flat:
+                if i in seen:
+                    raise DuplicateBlockError(
+                        f"local block id {i} named twice: a page would be written twice")
+                seen.add(i)
         # sort + neighbours: np.unique costs 5x more
         allids = np.concatenate(arrs) if len(arrs) > 1 else arrs[0].copy()
         allids.sort()
