@@ -10,7 +10,9 @@ work authenticates), told apart from a handshake request by its ``op`` field.
 Lease arithmetic without clock sync: D notes its monotonic ``t0`` before it
 sends a claim; P grants ``lease_s`` seconds from the moment it receives it;
 D treats the lease as valid until ``t0 + lease_s`` on its own clock, which
-cannot be later than P's deadline (receipt happens after ``t0``).
+cannot be later than P's deadline (receipt happens after ``t0``). For a
+claim that travelled in a batch, ``t0`` is when the batch was sent: P
+receives (and grants) every item of it later than that.
 
 Wire (msgpack)::
 
