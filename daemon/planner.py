@@ -60,6 +60,7 @@ BlockIds = Sequence[Sequence[int] | NDArray[np.integer]]
 _SET_CHECK_MAX = 512  # local ids up to this many are checked for duplicates with a set
 _umax = np.maximum.reduce
 _uany = np.logical_or.reduce
+_uadd = np.add.reduce
 
 
 class PlanError(ValueError):
@@ -234,6 +235,39 @@ def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local")
     return arrs
 
 
+def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> None:
+    """:func:`validate_block_ids` (same checks, same errors) without building
+    arrays: for the event loop, which checks every read's ids on acceptance and
+    has no use for the arrays. Lists of up to ``_SET_CHECK_MAX`` Python ints
+    are checked in Python (``np.asarray`` of a 16-id list cost a few percent of
+    the loop); anything else goes through :func:`validate_block_ids`."""
+    if len(block_ids) != len(layout.groups):
+        raise GroupCountError(
+            f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
+        )
+    nb = layout.num_blocks
+    flat: list[int] = []
+    for gi, ids in enumerate(block_ids):
+        if type(ids) is not list or not all(type(i) is int for i in ids):
+            validate_block_ids(layout, block_ids, side)
+            return
+        if ids and (min(ids) < 0 or max(ids) >= nb):
+            bad = next(i for i in ids if i < 0 or i >= nb)
+            raise BlockRangeError(f"{side} group {gi}: block id {bad} out of range [0, {nb})")
+        flat.extend(ids)
+    if side != "local" or len(set(flat)) == len(flat):
+        return
+    if len(flat) > _SET_CHECK_MAX:  # the same duplicate as validate_block_ids names
+        validate_block_ids(layout, block_ids, side)
+        return
+    seen: set[int] = set()
+    for i in flat:
+        if i in seen:
+            raise DuplicateBlockError(
+                f"local block id {i} named twice: a page would be written twice")
+        seen.add(i)
+
+
 def pair_group(
     gi: int,
     local: Layout,
@@ -319,7 +353,7 @@ class RankRead:
 
     @property
     def nbytes(self) -> int:
-        return int(self.length.sum())
+        return int(_uadd(self.length))  # the ufunc: ndarray.sum() has a Python wrapper
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,8 @@ from kvsidecar.daemon.planner import (
     PlanError,
     ReadPlan,
     candidate_ranks,
+    check_block_ids,
     plan_read,
-    validate_block_ids,
 )
 from kvsidecar.daemon.staging import Area, scatter
 from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
@@ -521,7 +521,7 @@ class ReadTable:
                                             "addresses")
         try:
             candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
-            validate_block_ids(eng.layout, req.local_block_ids, "local")
+            check_block_ids(eng.layout, req.local_block_ids, "local")
             if len(req.remote_block_ids) != len(eng.layout.groups):
                 raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
                                 f"the layout has {len(eng.layout.groups)}")

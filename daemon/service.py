@@ -67,7 +67,7 @@ from kvsidecar.daemon.peers.messages import (
     new_daemon_id,
 )
 from kvsidecar.daemon.peers.server import HandshakeServer
-from kvsidecar.daemon.planner import PlanError, validate_block_ids
+from kvsidecar.daemon.planner import PlanError, check_block_ids
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
@@ -669,7 +669,7 @@ class Sidecar:
         self._admit(eng, "holds", len(eng.holds), self.settings.max_holds_per_engine,
                     "holds open")
         try:
-            validate_block_ids(eng.layout, req.block_ids, "held")
+            check_block_ids(eng.layout, req.block_ids, "held")
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
         try:

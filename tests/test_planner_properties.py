@@ -5,6 +5,7 @@ D needs exactly once (and nothing else)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +117,29 @@ def test_plans_are_in_bounds_disjoint_and_complete(spec: tuple, data: st.DataObj
     for r in range(D.num_regions):
         assert got[r].max(initial=0) <= 1, f"region {r}: a local byte is written twice"
         assert np.array_equal(got[r] == 1, need[r] == 1), f"region {r}: coverage differs"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.integers(-3, 40), max_size=30), min_size=1, max_size=3),
+       st.sampled_from(["local", "remote", "held"]), st.booleans())
+def test_check_block_ids_agrees_with_validate_block_ids(ids, side, big) -> None:
+    """The event loop's array-free check raises exactly what the planner's does
+    (type and message), and passes exactly what it passes."""
+    from kvsidecar.daemon.planner import PlanError, check_block_ids, validate_block_ids
+    from kvsidecar.ipc.layout import attention_layout
+
+    layout = attention_layout(model="m", num_layers=1, total_kv_heads=1, head_dim=8,
+                              block_tokens=8, tp_size=1, num_blocks=32)
+    layout = layout.with_blocks(32)
+    groups = ids[:1] if not big else [ids[0] * 40]  # > 512 ids: the sorting path
+    results = []
+    for fn in (validate_block_ids, check_block_ids):
+        try:
+            fn(layout, groups, side)
+            results.append(None)
+        except PlanError as e:
+            results.append((type(e), str(e)))
+    assert results[0] == results[1]
+    wrong = ids if len(ids) > 1 else [*ids, []]  # group count differs from the layout's
+    with pytest.raises(PlanError, match="groups"):
+        check_block_ids(layout, wrong, side)
