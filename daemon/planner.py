@@ -217,12 +217,7 @@ def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local")
             flat = [i for a in arrs for i in a.tolist()]
             if len(set(flat)) == total:
                 return arrs
-            seen: set[int] = set()
-            for i in flat:
-                if i in seen:
-                    raise DuplicateBlockError(
-                        f"local block id {i} named twice: a page would be written twice")
-                seen.add(i)
+            _raise_first_duplicate(flat)
         # sort + neighbours: np.unique costs 5x more
         allids = np.concatenate(arrs) if len(arrs) > 1 else arrs[0].copy()
         allids.sort()
@@ -260,6 +255,11 @@ def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") ->
     if len(flat) > _SET_CHECK_MAX:  # the same duplicate as validate_block_ids names
         validate_block_ids(layout, block_ids, side)
         return
+    _raise_first_duplicate(flat)
+
+
+def _raise_first_duplicate(flat: list[int]) -> None:
+    """Raise DuplicateBlockError naming the first id of ``flat`` seen twice."""
     seen: set[int] = set()
     for i in flat:
         if i in seen:

@@ -275,13 +275,7 @@ class HandshakeClient:
         if self._on_control_sent is not None:
             self._on_control_sent(1)
         sent_at = time.monotonic()
-        try:
-            reply = await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
-        except asyncio.TimeoutError:
-            err = HandshakeFailed(addr, f"no answer to {what} from {addr} within "
-                                        f"{self.timeout_s} s")
-            self._drop_conn(addr, err)
-            raise err from None
+        reply = await self._send_timed(addr, req_id, frame, what)
         if isinstance(reply, HandshakeError):
             raise HandshakeFailed(addr, f"peer rejected the {what} ({reply.code}): "
                                         f"{reply.message}")
@@ -336,14 +330,8 @@ class HandshakeClient:
             self._on_control_sent(len(items))
         sent_at = time.monotonic()
         try:
-            reply = await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
-        except asyncio.TimeoutError:
-            err = HandshakeFailed(addr, f"no answer to a batch of {len(items)} control "
-                                        f"messages from {addr} within {self.timeout_s} s")
-            self._drop_conn(addr, err)
-            for item in items:
-                item.settle(err)
-            return
+            reply = await self._send_timed(addr, req_id, frame,
+                                           f"a batch of {len(items)} control messages")
         except HandshakeFailed as e:
             for item in items:
                 item.settle(e)
@@ -375,6 +363,17 @@ class HandshakeClient:
             req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id,
                                    reader.engine_id, reader.tp_rank, reader.agent)
         return await self._send(addr, req_id, encode(req))
+
+    async def _send_timed(self, addr: str, req_id: int, frame: bytes, what: str) -> AnyReply:
+        """:meth:`_send` within ``timeout_s``; no answer in time drops the
+        connection (the next request gets a fresh one) and raises HandshakeFailed."""
+        try:
+            return await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
+        except asyncio.TimeoutError:
+            err = HandshakeFailed(addr, f"no answer to {what} from {addr} within "
+                                        f"{self.timeout_s} s")
+            self._drop_conn(addr, err)
+            raise err from None
 
     async def _send(self, addr: str, req_id: int, msg: bytes) -> AnyReply:
         if self._closed:
