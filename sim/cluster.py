@@ -31,6 +31,7 @@ from typing import IO, Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsidecar.daemon.engines import remove_stale_segments, shm_prefix_for
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc.client import ReadSpec, Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
@@ -152,12 +153,21 @@ class SidecarProcess:
             rc = self.proc.wait()
         if self._log:
             self._log.close()
+        self._remove_segments()
         return rc
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._remove_segments()
+
+    def _remove_segments(self) -> None:
+        """Unlink what a sidecar that died (killed, or aborted in UCX) left in
+        /dev/shm, as its next start on this socket would: tests that kill
+        sidecars otherwise leak hundreds of MiB of tmpfs (RAM) per suite run."""
+        if self.proc is not None and self.proc.poll() is not None:
+            remove_stale_segments(shm_prefix_for(self.socket))
 
 
 @dataclass
