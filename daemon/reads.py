@@ -154,14 +154,13 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
                          for p in posts]
 
 
-async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
+async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
                    timeout_s: float | None = None, metrics: Metrics | None = None,
-                   handshakes: HandshakeClient | None = None, *,
-                   plans: ThreadGroups | None = None) -> ReadOutcome:
+                   handshakes: HandshakeClient | None = None) -> ReadOutcome:
     """Carry one read through; raises on failure (the caller turns it into a completion).
 
-    With ``plans`` (over ``planner``) the reads that reach planning in one loop
-    iteration, e.g. those of one Batch, are planned in one planning-thread job.
+    ``plans`` (over ``planner``, the planning thread) plans the reads that reach
+    planning in one loop iteration, e.g. those of one Batch, as one job.
 
     With ``handshakes`` the read holds leases on the P ranks' blocks (see
     :mod:`~kvsidecar.daemon.leases`): claimed before posting (a refusal fails
@@ -191,7 +190,6 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
                 f"remote engine {remote.engine_id!r} ranks {cands[0]} and {p} report different "
                 "layouts (cache sizes differ between ranks)"
             )
-    loop = asyncio.get_running_loop()
     # Staging: host memory on both sides only (a GPU engine posts scattered descriptors).
     modes = ({p: eng.staging_mode for p, peer in zip(cands, peers)
               if peer.info.mem_type == "DRAM"}
@@ -199,8 +197,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor,
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
         args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
                 {p: peer.bases for p, peer in zip(cands, peers)}, modes)
-        planning = (plans.submit(_plan_and_address, *args) if plans is not None
-                    else loop.run_in_executor(planner, _plan_and_address, *args))
+        planning = plans.submit(_plan_and_address, *args)
         planning.add_done_callback(_retrieve)
         leases = None
         if handshakes is not None:
@@ -614,8 +611,8 @@ class ReadTable:
                                           decode_request_id=req.request_id)
         try:
             try:
-                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
-                                     self._handshakes, plans=self._plans)
+                out = await run_read(eng, job, self._planner, self._plans, self._timeout_s,
+                                     self._metrics, self._handshakes)
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
@@ -633,8 +630,8 @@ class ReadTable:
                 log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,
                          extra=_event(eng, req, "retry", str(e)))
                 job.posted = False
-                out = await run_read(eng, job, self._planner, self._timeout_s, self._metrics,
-                                     self._handshakes, plans=self._plans)
+                out = await run_read(eng, job, self._planner, self._plans, self._timeout_s,
+                                     self._metrics, self._handshakes)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
