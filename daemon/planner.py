@@ -194,18 +194,24 @@ def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int, num_blocks: int)
     # this runs for every group of every read.)
     if arr.size and int(_umax(arr.view(np.uint64))) >= num_blocks:
         bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
-        raise BlockRangeError(
-            f"{side} group {gi}: block id {bad} out of range [0, {num_blocks})"
-        )
+        raise _out_of_range(side, gi, bad, num_blocks)
     return arr
 
 
-def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
-    """Check count, range and uniqueness of one side's block ids (all groups share pages)."""
+def _out_of_range(side: str, gi: int, bad: int, num_blocks: int) -> BlockRangeError:
+    return BlockRangeError(f"{side} group {gi}: block id {bad} out of range [0, {num_blocks})")
+
+
+def _check_group_count(layout: Layout, block_ids: BlockIds, side: str) -> None:
     if len(block_ids) != len(layout.groups):
         raise GroupCountError(
             f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
         )
+
+
+def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
+    """Check count, range and uniqueness of one side's block ids (all groups share pages)."""
+    _check_group_count(layout, block_ids, side)
     nb = layout.num_blocks
     arrs = [_ids(ids, side, gi, nb) for gi, ids in enumerate(block_ids)]
     if side == "local" and arrs:
@@ -236,10 +242,7 @@ def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") ->
     has no use for the arrays. Lists of up to ``_SET_CHECK_MAX`` Python ints
     are checked in Python (``np.asarray`` of a 16-id list cost a few percent of
     the loop); anything else goes through :func:`validate_block_ids`."""
-    if len(block_ids) != len(layout.groups):
-        raise GroupCountError(
-            f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
-        )
+    _check_group_count(layout, block_ids, side)
     nb = layout.num_blocks
     flat: list[int] = []
     for gi, ids in enumerate(block_ids):
@@ -248,7 +251,7 @@ def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") ->
             return
         if ids and (min(ids) < 0 or max(ids) >= nb):
             bad = next(i for i in ids if i < 0 or i >= nb)
-            raise BlockRangeError(f"{side} group {gi}: block id {bad} out of range [0, {nb})")
+            raise _out_of_range(side, gi, bad, nb)
         flat.extend(ids)
     if side != "local" or len(set(flat)) == len(flat):
         return
