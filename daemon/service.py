@@ -1023,7 +1023,9 @@ class Sidecar:
             m.staging_bytes_quarantined.labels(e).set(quarantined)
 
         eng.staging_mode = self.settings.staging
-        eng.staging = StagingPool(self.settings.staging_bytes, eng.worker, gauges)
+        eng.staging = StagingPool(self.settings.staging_bytes, eng.worker, gauges,
+                                  m.staging_bytes_mapped.labels(e).set)
+        eng.staging.prepare()  # now, in the background: reads then find it ready
 
     async def _drop_engine(self, engine_id: str, why: str) -> None:
         eng = self._engines.pop(engine_id, None)

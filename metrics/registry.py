@@ -89,11 +89,16 @@ class Metrics:
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
             "that posted scattered descriptors, by reason (full: no room in the pool; "
-            "preparing: the pool is being mapped, at the engine rank's first reads; "
+            "preparing: the pool is still being mapped, right after the engine rank registered; "
             "unavailable: the pool could not be mapped or registered)", (*ENGINE, "reason"))
         self.staging_bytes_in_use = g(
             "kvsidecar_staging_bytes_in_use", "Staging memory held by transfers in flight "
             "(or scattering)", ENGINE)
+        self.staging_bytes_mapped = g(
+            "kvsidecar_staging_bytes_mapped", "Staging memory mapped, faulted in and "
+            "registered with NIXL for this engine rank (--staging-bytes once ready, mapped "
+            "when the engine registers; 0 while preparing or if it could not be mapped)",
+            ENGINE)
         self.staging_bytes_quarantined = g(
             "kvsidecar_staging_bytes_quarantined", "Staging memory kept out of use until the "
             "NIXL agent is reset (a transfer into it ended with an unknown outcome)", ENGINE)
@@ -219,7 +224,8 @@ class Metrics:
         """Drop the gauges of an engine that left (its counters stay: they are history)."""
         for gauge in (self.reads_in_flight, self.holds_in_flight, self.registered_bytes,
                       self.registered_regions, self.peers, self.worker_lag,
-                      self.staging_bytes_in_use, self.staging_bytes_quarantined):
+                      self.staging_bytes_in_use, self.staging_bytes_quarantined,
+                      self.staging_bytes_mapped):
             with contextlib.suppress(KeyError):
                 gauge.remove(engine_id)
 
