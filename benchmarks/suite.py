@@ -39,7 +39,7 @@ from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import nemotron_like
 from kvsidecar.sim.oracle import Request, fill_shard
-from kvsidecar.sim.raw_nixl import RawPair, raw_latencies, raw_read_seconds
+from kvsidecar.sim.raw_nixl import RawPair, RawReader, raw_latencies, raw_read_seconds
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -60,9 +60,9 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale("full", bulk_repeats=3, hetero_requests=8, latency_reads=300,
+    "full": Scale("full", bulk_repeats=7, hetero_requests=8, latency_reads=300,
                   sustained_requests=2000, cpu_calls=1000, idle_s=5.0),
-    "quick": Scale("quick", bulk_mib=64, bulk_repeats=2, hetero_requests=3, latency_reads=100,
+    "quick": Scale("quick", bulk_mib=64, bulk_repeats=3, hetero_requests=3, latency_reads=100,
                    sustained_requests=400, cpu_calls=200, startup_pages=5000, idle_s=2.0),
     "smoke": Scale("smoke", bulk_mib=4, bulk_repeats=1, hetero_requests=2, hetero_layers=2,
                    latency_reads=5, sustained_requests=40, sustained_in_flight=8,
@@ -229,15 +229,22 @@ def check(engine: SimEngine, got: dict[str, dict[int, Completion]]) -> None:
 # -- bulk ----------------------------------------------------------------------------------------
 
 def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
-    """256 MiB homogeneous tp1 -> tp1, consecutive blocks: engine ``read`` to ``received``."""
+    """256 MiB homogeneous tp1 -> tp1, consecutive blocks: engine ``read`` to ``received``,
+    each read followed by one raw NIXL READ of the same size between two bare agents
+    (alive through the whole loop), so every pair of figures shares its minute of a
+    noisy host; the ratio is the median over the pairs."""
     nbytes = s.bulk_mib << 20
     blocks = nbytes // (4 * 65536)
     make = bulk_attention(s.bulk_mib)
-    times = []
+    times: list[float] = []
+    raws: list[float] = []
     moved = 0
-    with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
+    with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0), RawPair(nbytes) as raw_pair:
+        raw = RawReader(raw_pair, nbytes)
+        raw.once()  # wires the bare agents up
         pair = Pair(p0, d0, make, blocks, "bulk")
         P, D = pair.P, pair.D
+        inside = _InsideD(d0.metrics_port)
         try:
             # P fills its blocks once (the oracle's bytes) and holds them again for
             # every repeat; D checks the first read against the oracle and the
@@ -261,18 +268,24 @@ def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
                 D.finish(sent.request_id)
                 if i:
                     times.append(dt)
+                    raws.append(raw.once())
+                else:
+                    inside.start()
                 moved = sum(c.nbytes for c in got[sent.request_id].values())
+            where = inside.stop()
         finally:
             pair.close()
-    raw = raw_read_seconds(nbytes, repeats=s.bulk_repeats)
-    ours = min(times)
-    ratio = raw / ours
+    ratio = statistics.median(r / t for r, t in zip(raws, times))
+    ours, base = statistics.median(times), statistics.median(raws)
     return [Figure(
         f"bulk {s.bulk_mib} MiB, homogeneous tp1→tp1, consecutive blocks, engine `read` to "
-        f"`received` (best of {s.bulk_repeats})",
-        f"{moved / ours / 1e9:.2f} GB/s ({ms(ours)}; median {ms(statistics.median(times))})",
-        f"raw NIXL one READ: {nbytes / raw / 1e9:.2f} GB/s ({ms(raw)})", f"{ratio:.2f}x",
-        "≥ 0.95x", ratio >= 0.95)]
+        f"`received` ({s.bulk_repeats} reads, each paired with a raw READ right after it)",
+        f"{moved / ours / 1e9:.2f} GB/s (median {ms(ours)}; best {ms(min(times))})",
+        f"raw NIXL one READ: {nbytes / base / 1e9:.2f} GB/s (median {ms(base)}; best "
+        f"{ms(min(raws))})", f"{ratio:.2f}x (median of the pairs' ratios)",
+        "≥ 0.95x", ratio >= 0.95,
+        [f"inside the D sidecar (means over the timed reads, from its /metrics): {where}",
+         "pairs' ratios: " + ", ".join(f"{r / t:.2f}" for r, t in zip(raws, times))])]
 
 
 # -- hetero-TP -----------------------------------------------------------------------------------

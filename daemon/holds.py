@@ -12,7 +12,8 @@ gave up, ``expired`` at its deadline. Every outcome lists the reading engines
 that reported (:class:`ReaderOutcome`): which were served, which gave up,
 which had reported only some ranks.
 
-Leases (no clock sync): a reader claims the hold before it posts and renews
+Leases (no clock sync): a reader claims the hold (before it posts, or while
+its transfers run but before it notifies) and renews
 while its read is pending; each claim or renewal moves the deadline to at
 least ``receipt + lease_s`` on this clock. The reader noted its own send time
 ``t0`` and treats the lease as valid until ``t0 + lease_s`` on its clock,

@@ -1,8 +1,11 @@
 """D side: the leases one read holds on the P ranks it reads from.
 
-Before posting, a read claims the hold on every candidate P rank
-(:class:`~kvsidecar.daemon.peers.control.Claim`); a refusal or no answer fails
-the read before anything is posted. While its transfers are pending it renews
+A read claims the hold on every candidate P rank
+(:class:`~kvsidecar.daemon.peers.control.Claim`) before it posts, or, over
+links P confirmed within ``--post-during-claim`` seconds, while its transfers
+run (its notifications then wait for the grant, see
+:func:`~kvsidecar.daemon.reads.run_read`); a refusal or no answer fails the
+read, before anything is posted when it claimed first. While its transfers are pending it renews
 every third of the granted lease. Each grant moves that rank's bound to
 ``t0 + lease_s`` where ``t0`` is this side's monotonic clock when the claim
 was sent (claims to one P sidecar issued together travel as one batch, see

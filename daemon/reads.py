@@ -6,6 +6,10 @@
              ─▶ planning (planner + addresses, on the planning thread)
              ─▶ posted (one NIXL READ per P rank with bytes, carrying the notification;
                         a bare notification to candidates we read nothing from)
+
+The lease claim goes out with planning. Over links P confirmed recently
+(``--post-during-claim``) the read posts without waiting for it, and its
+notifications follow once the transfers ended and the claim was granted.
              ─▶ received | failed | aborted
 
 An abort before posting cancels the job at once. After posting the job waits
@@ -163,9 +167,13 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
     planning in one loop iteration, e.g. those of one Batch, as one job.
 
     With ``handshakes`` the read holds leases on the P ranks' blocks (see
-    :mod:`~kvsidecar.daemon.leases`): claimed before posting (a refusal fails
-    the read with nothing posted), renewed while transfers are pending, and
-    checked when they end: a read that ends past its lease fails.
+    :mod:`~kvsidecar.daemon.leases`): claimed while the planning thread works
+    and awaited before posting (a refusal fails the read with nothing posted),
+    renewed while transfers are pending, and checked when they end: a read
+    that ends past its lease fails. Over links P granted a claim on within
+    ``eng.post_during_claim_s`` the read posts without awaiting its claim: the
+    claim round trip (2-3 ms here, the largest part of a small read's latency)
+    then overlaps the transfer, and the notifications wait for the grant.
     """
     req = job.req
     remote = req.remote
@@ -200,6 +208,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         planning = plans.submit(_plan_and_address, *args)
         planning.add_done_callback(_retrieve)
         leases = None
+        claiming: asyncio.Future[None] | None = None
         if handshakes is not None:
             rid = req.remote_request_id or req.request_id
             leases = job.leases = ReaderLeases(handshakes, [
@@ -208,21 +217,44 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
                     request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
                     reader_tp=eng.layout.tp_size))
                 for p, peer in zip(cands, peers)])
-            await leases.claim()  # while the planning thread works
-        plan, posts, staged = await planning
+            claiming = asyncio.ensure_future(_claim(eng, leases, peers))
+            try:
+                if not (eng.post_during_claim_s > 0 and eng.peers.confirmed_within(
+                        peers, eng.post_during_claim_s, time.monotonic())):
+                    await claiming  # while the planning thread works
+                plan, posts, staged = await planning
+            except BaseException:
+                claiming.add_done_callback(_retrieve)  # its refusal is news to no one now
+                raise
+            if claiming.done():
+                claiming.result()  # a refusal fails the read with nothing posted
+                claiming = None
+        else:
+            plan, posts, staged = await planning
     if job.abort_reason is not None:
+        if claiming is not None:
+            claiming.add_done_callback(_retrieve)
         raise asyncio.CancelledError
-    if leases is not None:
+    if leases is not None and claiming is None:
         leases.check(time.monotonic())  # never start on an expired lease
     areas = await _take_areas(eng, staged, metrics)
+    if claiming is not None and metrics is not None:
+        metrics.posted_during_claim.labels(eng.engine_id).inc()
     try:
         return await _post_and_wait(eng, job, planner, timeout_s, metrics, cands, peers, plan,
-                                    posts, staged, areas)
+                                    posts, staged, areas, claiming)
     finally:
         if eng.staging is not None:
             for area in areas:
                 if area is not None:
                     eng.staging.release(area)
+
+
+async def _claim(eng: EngineRank, leases: ReaderLeases, peers: list[Peer]) -> None:
+    """Claim every rank; a grant confirms the links' agents were current (see
+    :meth:`~kvsidecar.daemon.peers.links.PeerLinks.confirmed_within`)."""
+    await leases.claim()
+    eng.peers.confirm(peers, time.monotonic())
 
 
 async def _take_areas(eng: EngineRank, staged: list[StagedPlan | None],
@@ -252,9 +284,18 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
                          timeout_s: float | None, metrics: Metrics | None,
                          cands: Sequence[int],
                          peers: list[Peer], plan: ReadPlan, posts: list[PostList],
-                         staged: list[StagedPlan | None], areas: list[Area | None]
-                         ) -> ReadOutcome:
+                         staged: list[StagedPlan | None], areas: list[Area | None],
+                         claiming: asyncio.Future[None] | None = None) -> ReadOutcome:
     """Post every P rank's transfer, wait for all, scatter what was staged.
+
+    ``claiming``: the lease claim, when the read is posted before P answered it
+    (links P confirmed recently, ``--post-during-claim``). The transfers then
+    carry no notification: P must not count the read done before it granted
+    the lease, or the late claim would find the hold ended and be refused. The
+    notifications go once every transfer ended and the claim was granted; a
+    refusal fails the read (its bytes landed but nothing vouched for them).
+    Over a stale link the READ fails like any failed transfer (agent reset and
+    one retry), hence the recency condition.
 
     Staging areas (``areas[i]`` for ``posts[i]``) are released by the caller
     when this returns or raises with every transfer's outcome known: DONE, or
@@ -275,7 +316,8 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
     gens = {p: peer.generation for p, peer in zip(cands, peers)}
     infos = {p: peer.info for p, peer in zip(cands, peers)}
-    todo: list[ReadOp | NotifyOp] = []
+    attached = note if claiming is None else None
+    todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
     for i, post in enumerate(posts):
         sp, area = staged[i], areas[i]
         if sp is not None and area is not None:
@@ -286,23 +328,38 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         if post.length.size:
             far = infos[post.rank]
             todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
-                               notif=note, timeout_s=timeout_s, generation=gens[post.rank],
+                               notif=attached, timeout_s=timeout_s, generation=gens[post.rank],
                                mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
                                remote_mem_type=far.mem_type, remote_dev_id=far.dev_id))
         else:
-            todo.append(NotifyOp(agents[post.rank], note))
+            todo.append(NotifyOp(agents[post.rank], note) if claiming is None else None)
     # All or nothing of this read is handed over (nothing above posts), together
     # with every other read's posts of this loop iteration as one worker job;
     # each is still its own transfer with its own notification and outcome.
-    ops = [eng.worker.post_soon(op) for op in todo]
+    ops = [eng.worker.post_soon(op) if op is not None else _nothing_posted() for op in todo]
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
+    # They start once the claim was granted (a renewal before it would find no
+    # bound to extend).
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
-    renewing = (asyncio.ensure_future(leases.renew_forever(until)) if leases is not None
-                else None)
+    renewing: asyncio.Future[None] | None = None
+
+    def renew(claim: asyncio.Future[None] | None = None) -> None:
+        nonlocal renewing
+        if leases is not None and (claim is None or (not claim.cancelled()
+                                                      and claim.exception() is None)):
+            renewing = asyncio.ensure_future(leases.renew_forever(until))
+
+    if claiming is None:
+        renew()
+    else:
+        claiming.add_done_callback(renew)
     generation = eng.worker.generation
     try:
-        results = await asyncio.gather(*ops, return_exceptions=True)
+        results: list[Any] = list(await asyncio.gather(*ops, return_exceptions=True))
+        if claiming is not None:
+            results = await _notify_after_grant(eng, claiming, posts, agents, note, results,
+                                                metrics)
     except BaseException:
         # Cancelled with transfers maybe in flight: their areas stay out of use
         # until an agent reset has provably killed them.
@@ -313,6 +370,9 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
                     areas[i] = None
         raise
     finally:
+        if claiming is not None:
+            claiming.remove_done_callback(renew)
+            claiming.add_done_callback(_retrieve)
         if renewing is not None:
             renewing.cancel()
     if metrics is not None:
@@ -354,6 +414,41 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
                                        r.xfer_us / 1e6)
                         for post, r in zip(posts, results)
                         if isinstance(r, TransferStats) and post.length.size])
+
+
+async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
+                              posts: list[PostList], agents: dict[int, str], note: bytes,
+                              results: list[Any], metrics: Metrics | None) -> list[Any]:
+    """Every transfer of a read posted during its claim has ended: wait for the
+    claim (a refusal raises), then notify every P rank, without waiting for the
+    notifications to leave: the bytes are in and the lease vouches for them, so
+    the read is received now. A notification that fails is counted and logged;
+    P then ends that hold by its lease instead (``results``, per post, as given)."""
+    if any(isinstance(r, BaseException) for r in results):
+        return results  # failed transfers decide; the abandon tells P
+    await claiming
+    for post in posts:
+        sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note))
+        sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
+    return results
+
+
+def _notified(engine_id: str, rank: int, metrics: Metrics | None,
+              sent: asyncio.Future[None]) -> None:
+    """A deferred notification left, or failed (counted; P's lease ends the hold)."""
+    if sent.cancelled() or sent.exception() is None:
+        return
+    log.warning("engine %r: the notification to P rank %d failed: %s (P ends the hold when "
+                "the lease runs out)", engine_id, rank, sent.exception())
+    if metrics is not None:
+        metrics.notifications_sent.labels(engine_id, "failed").inc()
+
+
+def _nothing_posted() -> asyncio.Future[None]:
+    """The outcome of a rank nothing was posted to yet (notified after the grant)."""
+    f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    f.set_result(None)
+    return f
 
 
 def _in_executor(executor: Executor, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:

@@ -496,6 +496,7 @@ class Sidecar:
             on_complete=self._traced_completion if self.tracing.enabled else None,
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
+            post_during_claim_s=self.settings.post_during_claim_s,
         )
         self._attach_staging(eng, mem_type)
         eng.fd_token = self._offer_fds(eng)

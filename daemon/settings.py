@@ -60,6 +60,9 @@ class Settings:
     staging: str = "off"
     #: sidecar-owned host staging memory per engine rank (bytes), mapped on first use
     staging_bytes: int = 256 << 20
+    #: D side: post a read while its lease claim is on the way when P granted a
+    #: claim over the same links this recently (seconds; 0: always claim first)
+    post_during_claim_s: float = 2.0
 
     @property
     def bind_host(self) -> str:
@@ -272,6 +275,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="staging memory per engine rank, mapped and registered on the first "
                         "staged read; a read that finds no room posts scattered descriptors "
                         "(env KVSIDECAR_STAGING_BYTES)")
+    p.add_argument("--post-during-claim", type=_number(float, "POST_DURING_CLAIM"),
+                   default=_env("POST_DURING_CLAIM", "2"),
+                   help="D side: post a read's transfers while its lease claim is still on its "
+                        "way to P when P granted a claim over the same links within this many "
+                        "seconds (the notification waits for the grant; a refusal fails the "
+                        "read once its transfers end); 0 claims first, always "
+                        "(env KVSIDECAR_POST_DURING_CLAIM)")
     p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
                    default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
@@ -321,6 +331,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if ns.staging not in ("off", "auto", "always"):
         raise ConfigError(f"--staging (env KVSIDECAR_STAGING) must be one of off, auto, "
                           f"always, got {ns.staging!r}")
+    if not 0 <= ns.post_during_claim <= 3600:
+        raise ConfigError(f"--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be "
+                          f"0..3600 seconds, got {ns.post_during_claim}")
     if ns.staging_bytes < 0:
         raise ConfigError(f"--staging-bytes (env KVSIDECAR_STAGING_BYTES) must be >= 0, "
                           f"got {ns.staging_bytes}")
@@ -360,4 +373,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         cuda_attach=ns.cuda_attach,
         staging=ns.staging,
         staging_bytes=ns.staging_bytes,
+        post_during_claim_s=ns.post_during_claim,
     )

@@ -86,6 +86,10 @@ class Metrics:
         self.staged_transfers = c(
             "kvsidecar_staged_transfers_total", "Transfers read as whole remote runs into "
             "staging memory, then scattered locally (--staging)", ENGINE)
+        self.posted_during_claim = c(
+            "kvsidecar_reads_posted_during_claim_total", "Reads posted while their lease "
+            "claim was still on its way to P (links P confirmed within the last "
+            "--post-during-claim seconds); their notifications follow the grant", ENGINE)
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
             "that posted scattered descriptors, by reason (full: no room in the pool; "

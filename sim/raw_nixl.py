@@ -126,24 +126,44 @@ class RawPair:
                 self._proc.kill()
 
 
+class RawReader:
+    """One READ of ``nbytes`` through an open :class:`RawPair`, as one descriptor
+    or as ``descriptors`` equal pieces in every other slot (nothing adjacent),
+    timed on demand: a benchmark can interleave this baseline with its own
+    reads, so both see the same minutes of a noisy host."""
+
+    def __init__(self, pair: RawPair, nbytes: int, descriptors: int = 1) -> None:
+        size = nbytes // descriptors
+        slots = np.arange(descriptors, dtype=np.int64) * (1 if descriptors == 1 else 2)
+        self.pair = pair
+        self.local = pair.agent.get_xfer_descs(pair.table(pair.region.address, slots, size),
+                                               "DRAM")
+        self.remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, slots, size),
+                                                "DRAM")
+
+    @staticmethod
+    def span(nbytes: int, descriptors: int = 1) -> int:
+        """Bytes each side of the pair needs for :meth:`once`."""
+        return nbytes if descriptors == 1 else 2 * descriptors * (nbytes // descriptors)
+
+    def once(self) -> float:
+        """Wall seconds of one READ, posted and polled to completion."""
+        pair = self.pair
+        t0 = time.perf_counter()
+        pair.finish(pair.agent.initialize_xfer("READ", self.local, self.remote, pair.peer, b""))
+        dt = time.perf_counter() - t0
+        if int(pair.region.numpy()[0]) != 7:
+            raise RuntimeError("raw NIXL read moved no data")
+        return dt
+
+
 def raw_read_seconds(nbytes: int, repeats: int = 3, descriptors: int = 1) -> float:
     """Best wall time of one READ of ``nbytes`` cross-process, as one descriptor or
     as ``descriptors`` equal pieces in every other slot (nothing adjacent)."""
-    size = nbytes // descriptors
-    span = nbytes if descriptors == 1 else 2 * descriptors * size
-    with RawPair(span) as pair:
-        slots = np.arange(descriptors, dtype=np.int64) * (1 if descriptors == 1 else 2)
-        local = pair.agent.get_xfer_descs(pair.table(pair.region.address, slots, size), "DRAM")
-        remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, slots, size), "DRAM")
-        best = float("inf")
-        for i in range(repeats + 1):  # the first one wires up
-            t0 = time.perf_counter()
-            pair.finish(pair.agent.initialize_xfer("READ", local, remote, pair.peer, b""))
-            if i:
-                best = min(best, time.perf_counter() - t0)
-        if int(pair.region.numpy()[0]) != 7:
-            raise RuntimeError("raw NIXL read moved no data")
-        return float(best)
+    with RawPair(RawReader.span(nbytes, descriptors)) as pair:
+        reader = RawReader(pair, nbytes, descriptors)
+        reader.once()  # the first one wires up
+        return min(reader.once() for _ in range(repeats))
 
 
 def raw_latencies(nbytes: int, count: int) -> list[float]:

@@ -25,6 +25,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.socket == f"/tmp/kvsidecar-{os.geteuid()}/cpu.sock"
     assert s.backends == ("UCX",) and s.handshake_port == 0 and s.metrics_port == -1
     assert s.advertised == "127.0.0.1"
+    assert s.post_during_claim_s == 2.0
+    assert parse(["--post-during-claim", "0"]).post_during_claim_s == 0.0
 
 
 def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,6 +75,8 @@ def test_wildcard_bind_advertises_a_dialable_host() -> None:
     (["--transport-check", "maybe"], {}, "must be one of require-zero-copy, allow-tcp, off"),
     ([], {"KVSIDECAR_CUDA_ATTACH": "yes"},
      "--cuda-attach (env KVSIDECAR_CUDA_ATTACH) must be one of serve, warn, refuse"),
+    (["--post-during-claim", "-1"], {},
+     "--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be 0..3600 seconds"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str],
                                               msg: str) -> None:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +92,9 @@ class PeerLinks:
         self._on_refused = on_refused
         #: reads holding each link (see get(user=...) and release())
         self._users: dict[Key, int] = {}
+        #: when P last granted a lease claimed over each link (this clock); a Peer
+        #: that is forgotten or replaced drops out with its last reference
+        self._confirmed: weakref.WeakKeyDictionary[Peer, float] = weakref.WeakKeyDictionary()
         #: memory types this sidecar can read from (VRAM only with a GPU of its own)
         self._readable = readable
         #: (engine id, rank) of the local engine rank: declared with the worker's
@@ -161,6 +166,16 @@ class PeerLinks:
                 self._links.move_to_end(peer.key)
             self._users[peer.key] = self._users.get(peer.key, 0) + 1
             user.append(peer.key)
+
+    def confirm(self, peers: list[Peer], now: float) -> None:
+        """P granted a lease over these links at ``now``: their agents were current then."""
+        for peer in peers:
+            self._confirmed[peer] = now
+
+    def confirmed_within(self, peers: list[Peer], window_s: float, now: float) -> bool:
+        """Whether P granted a lease over every one of these links in the last
+        ``window_s`` seconds (a read may then post before its own claim returns)."""
+        return all(now - self._confirmed.get(peer, -math.inf) <= window_s for peer in peers)
 
     def release(self, keys: list[Key]) -> None:
         """A read is done with these links (each once per get(user=...))."""

@@ -101,8 +101,12 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
     timeout) ends with the transfer, not at its deadline."""
     env = {"UCX_TLS": "tcp,self"}
     p = SidecarProcess(tmp_path, "lease-p", env=env, args=["--hold-lease", "1"]).start()
+    # Claim first (--post-during-claim 0): this test is about renewals after a
+    # grant; posted during its claim, the read could meet the stopped P before
+    # the grant, and fail on the unanswered claim instead (see the test below).
     d = SidecarProcess(tmp_path, "lease-d", env=env, args=[
-        "--read-timeout", "60", "--handshake-timeout", "1", "--metrics-port", "0"]).start()
+        "--read-timeout", "60", "--handshake-timeout", "1", "--metrics-port", "0",
+        "--post-during-claim", "0"]).start()
     P = SimEngine("lease-P", _big, 1, 100, [p], timeout_s=60)
     D = SimEngine("lease-D", _big, 1, 100, [d], timeout_s=60)
     try:
@@ -145,3 +149,56 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
         P.close()
         assert d.stop() == 0
         p.stop()
+
+
+def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) -> None:
+    """The first read over a link claims first; the next ones (P granted a claim
+    over that link moments ago) post while their claim is on its way, and notify
+    P only after the grant: their bytes are oracle-exact and P's holds end
+    ``sent``. A read whose claim P refuses (the engine released the hold) fails
+    although its bytes landed, and leaves the link good for the next read. With
+    ``--post-during-claim 0`` every read claims first."""
+    p = SidecarProcess(tmp_path, "pdc-p", args=["--metrics-port", "0"]).start()
+    d = SidecarProcess(tmp_path, "pdc-d", args=["--metrics-port", "0"]).start()
+    d0 = SidecarProcess(tmp_path, "pdc-d0", args=["--metrics-port", "0",
+                                                  "--post-during-claim", "0"]).start()
+    P = SimEngine("pdc-P", attn(8), 1, 64, [p])
+    D = SimEngine("pdc-D", attn(8), 1, 64, [d])
+    D0 = SimEngine("pdc-D0", attn(8), 1, 64, [d0])
+    early = "kvsidecar_reads_posted_during_claim_total"
+    try:
+        for i, reader in enumerate((D, D, D0, D0)):
+            rid = f"r{i}"
+            reader.start_read(P.prefill(rid, Request(seed=i, prompt_tokens=24)))
+            got = reader.wait_for([rid])[rid][0]
+            assert got.kind == "received", got
+            assert reader.verify(rid) == []
+            assert P.wait_for([rid], timeout_s=10)[rid][0].kind == "sent"
+            reader.finish(rid)
+        assert d.metric(early, engine="pdc-D") == 1  # the second read
+        assert d0.metric(early, engine="pdc-D0") == 0
+
+        sent = P.prefill("gone", Request(seed=9, prompt_tokens=24), timeout_s=60)
+        P.clients[0].release(P.engine_id, "gone")
+        assert P.wait_for(["gone"])["gone"][0].kind == "aborted"
+        rec = D.start_read(sent)
+        got = D.wait_for(["gone"])["gone"][0]
+        assert got.kind == "failed" and "refused the lease" in got.reason, got
+        assert got.invalid_block_ids == rec.block_ids
+        assert d.metric(early, engine="pdc-D") == 2  # posted, then refused
+        D.finish("gone")
+
+        D.start_read(P.prefill("after", Request(seed=10, prompt_tokens=24)))
+        assert D.wait_for(["after"])["after"][0].kind == "received"
+        assert D.verify("after") == []
+        assert P.wait_for(["after"], timeout_s=10)["after"][0].kind == "sent"
+        assert d.metric(early, engine="pdc-D") == 3
+        assert d.metric("kvsidecar_agent_resets_total", engine="pdc-D") == 0
+        # One notification per received read (none for the refused one): a read
+        # posted during its claim never carries one on its transfer as well.
+        assert p.metric("kvsidecar_notifications_received_total", outcome="ok") == 5
+    finally:
+        for e in (D0, D, P):
+            e.close()
+        for s in (d0, d, p):
+            assert s.stop() == 0
