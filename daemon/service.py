@@ -68,6 +68,7 @@ from kvsidecar.daemon.peers.messages import (
 )
 from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, check_block_ids
+from kvsidecar.daemon.prefault import prefault
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
@@ -498,6 +499,7 @@ class Sidecar:
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
             post_during_claim_s=self.settings.post_during_claim_s,
         )
+        self._prefault(eng, mem_type)
         self._attach_staging(eng, mem_type)
         eng.fd_token = self._offer_fds(eng)
         self._engines[req.engine_id] = eng
@@ -1011,6 +1013,20 @@ class Sidecar:
         await self._reads.abort_all(eng.engine_id, why, self._drain_timeout)
         eng.holds.drop_engine(eng.engine_id)
         eng.worker.set_hot(False)
+
+    def _prefault(self, eng: EngineRank, mem_type: str) -> None:
+        """Map the pages of a host engine's regions now, in the background (see
+        :mod:`~kvsidecar.daemon.prefault`): otherwise the first read into each
+        block pays a page fault per 4 KiB. Registration does not wait for it.
+        Memory the engine attached: only its pages that exist (no hole gets
+        allocated on its behalf)."""
+        if mem_type != "DRAM":
+            return
+        size = eng.layout.region_bytes
+        done = asyncio.get_running_loop().run_in_executor(
+            None, partial(prefault, [(r.address, size) for r in eng.regions],
+                          existing_only=not eng.owned))
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _attach_staging(self, eng: EngineRank, mem_type: str) -> None:
         """Staged reads (settings.staging) for host memory only: GPU engines always
