@@ -39,17 +39,28 @@ class CostModel:
     - ``desc_s``: one scattered descriptor. bench_staging: 28.2 ms for 8,192
       descriptors of 2 KiB minus 4.1 ms of wire time -> 2.9 us; 9.3 ms for 2,048
       of 8 KiB -> 2.6 us; the hetero baseline's raw NIXL posting 29,440
-      descriptors: 5.5 us. 3 us is the low end (staging must win on its merit).
+      descriptors: 5.5 us (load 3.5: 5.3 us). 3 us is the low end (staging must
+      win on its merit).
     - ``wire_bps``: one READ of a 32 MiB run in 8.2 ms -> 4.1 GB/s.
-    - ``piece_s`` and ``copy_bps``: numpy row scatter of 16 MiB, 4.5 ms in
-      2 KiB pieces and 3.3 ms in 8 KiB pieces; the two-point fit gives 0.2 us
-      per piece plus 5.8 GB/s.
+    - ``piece_s`` and ``copy_bps``: the daemon's own
+      :func:`~kvsidecar.daemon.staging.scatter` of 16 MiB into faulted-in
+      memory, every other slot (2026-11-23 23:01, load
+      3.3, best of 5): 7.5 ms in 2 KiB pieces, 4.8-5.1 ms in 8 KiB pieces; the
+      two-point fit gives 0.4 us per piece plus 4.0-4.4 GB/s. (The first
+      constants, 0.2 us and 5.8 GB/s, came from a bare numpy row copy, which the
+      real scatter, grouping pieces by region and length, does not reach.)
+
+    What made staging lose in the benchmarks was not these constants but costs
+    outside the model, now gone: the staging pool mapped at the first reads
+    instead of at registration, and page faults in the sidecar's fresh mapping
+    of the engine's blocks (:mod:`~kvsidecar.daemon.prefault`), which the
+    scatter paid in user space, 1.1 us per 4 KiB.
     """
 
     desc_s: float = 3e-6
     wire_bps: float = 4.1e9
-    piece_s: float = 0.2e-6
-    copy_bps: float = 5.8e9
+    piece_s: float = 0.4e-6
+    copy_bps: float = 4.0e9
 
     @property
     def merge_gap(self) -> int:
