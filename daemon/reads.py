@@ -316,6 +316,10 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     agents = {p: peer.agent for p, peer in zip(cands, peers)}
     gens = {p: peer.generation for p, peer in zip(cands, peers)}
     infos = {p: peer.info for p, peer in zip(cands, peers)}
+    # Peers that accept batched notifications get this read's posts merged
+    # with other reads' of the same flush (one transfer, one notification).
+    merge = {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
+             for p, peer in zip(cands, peers)}
     attached = note if claiming is None else None
     todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
     for i, post in enumerate(posts):
@@ -330,12 +334,17 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
                                notif=attached, timeout_s=timeout_s, generation=gens[post.rank],
                                mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
-                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id))
+                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
+                               merge=merge[post.rank]))
         else:
-            todo.append(NotifyOp(agents[post.rank], note) if claiming is None else None)
+            todo.append(NotifyOp(agents[post.rank], note, merge[post.rank])
+                        if claiming is None else None)
     # All or nothing of this read is handed over (nothing above posts), together
     # with every other read's posts of this loop iteration as one worker job;
-    # each is still its own transfer with its own notification and outcome.
+    # each keeps its own outcome. Posts to a peer that advertised batched
+    # notifications share one transfer and notification with the other reads'
+    # posts to that agent (a failed transfer fails every read in it); a read
+    # refused at claim time never gets here, so it never joins one.
     ops = [eng.worker.post_soon(op) if op is not None else _nothing_posted() for op in todo]
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
@@ -358,8 +367,8 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     try:
         results: list[Any] = list(await asyncio.gather(*ops, return_exceptions=True))
         if claiming is not None:
-            results = await _notify_after_grant(eng, claiming, posts, agents, note, results,
-                                                metrics)
+            results = await _notify_after_grant(eng, claiming, posts, agents, note, merge,
+                                                results, metrics)
     except BaseException:
         # Cancelled with transfers maybe in flight: their areas stay out of use
         # until an agent reset has provably killed them.
@@ -418,6 +427,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
 
 async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
                               posts: list[PostList], agents: dict[int, str], note: bytes,
+                              merge: dict[int, int],
                               results: list[Any], metrics: Metrics | None) -> list[Any]:
     """Every transfer of a read posted during its claim has ended: wait for the
     claim (a refusal raises), then notify every P rank, without waiting for the
@@ -428,7 +438,7 @@ async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
         return results  # failed transfers decide; the abandon tells P
     await claiming
     for post in posts:
-        sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note))
+        sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note, merge[post.rank]))
         sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
     return results
 
@@ -486,6 +496,7 @@ class _TransferSeries:
     planned: Any
     read_bytes: Any
     notif_failed: Any
+    reads: Any
 
 
 _SERIES_CACHE_MAX = 4096  # (engine, peer) pairs per daemon; cleared whole past it
@@ -507,7 +518,8 @@ def _transfer_series(m: Metrics, engine: str, peer: str) -> _TransferSeries:
             m.transfer_post_seconds.labels(*labels), m.transfer_bytes.labels(*labels),
             m.transfer_descriptors.labels(*labels),
             m.transfer_descriptors_planned.labels(*labels), m.read_bytes.labels(*labels),
-            m.notifications_sent.labels(engine, "failed"))
+            m.notifications_sent.labels(engine, "failed"),
+            m.transfer_reads.labels(*labels))
     return got
 
 
@@ -533,6 +545,8 @@ def count_transfers(m: Metrics, engine: str, peer: str, posts: list[PostList],
             series.post_seconds.observe(r.post_us / 1e6)
             series.nbytes.observe(r.bytes)
             series.descriptors.observe(r.descriptors)
+            if r.first:  # one observation per NIXL transfer, merged or not
+                series.reads.observe(r.reads)
             series.planned.observe(post.descriptors_before)
             series.read_bytes.inc(r.bytes)
 

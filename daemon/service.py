@@ -459,7 +459,9 @@ class Sidecar:
         worker = NixlWorker(agent, backends=self.settings.backends,
                             on_notif=partial(self._on_notif, req.engine_id),
                             on_reset=partial(self._on_agent_reset, req.engine_id),
-                            thread_init=self._gpu.make_current if self._gpu else None)
+                            thread_init=self._gpu.make_current if self._gpu else None,
+                            join_notifs=notifications.join,
+                            max_notif_bytes=notifications.MAX_NOTIF_BYTES)
         mem_type, device = uniform(regions)
         try:
             await worker.start()
@@ -489,6 +491,7 @@ class Sidecar:
                 engine_id=req.engine_id, tp_rank=req.tp_rank, agent_name=worker.agent_name,
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
                 mem_type=mem_type, dev_id=device.index, device_uuid=device.uuid,
+                notif_batch_reads=self.settings.notif_batch_reads,
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
             hold_lease_s=self.settings.hold_lease_s, hold_max_life_s=self.settings.hold_max_life_s,
@@ -647,7 +650,7 @@ class Sidecar:
         eng.info = make_handshake_info(
             engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
             agent_metadata=reset.metadata, layout=eng.layout, bases=[int(b) for b in eng.bases],
-            daemon_id=self.daemon_id,
+            daemon_id=self.daemon_id, notif_batch_reads=self.settings.notif_batch_reads,
         )
         self._hs_server.invalidate(engine_id)
         for address, remote_engine, _ in eng.peers.reset():
@@ -718,12 +721,30 @@ class Sidecar:
             self.metrics.declared_readers_evicted.inc()
 
     def _on_notif(self, engine_id: str, agent: str, msg: bytes) -> None:
+        """One NIXL notification: a single read's, or a batch naming several
+        reads of one transfer. A malformed batch counts once as ``bad`` and
+        ends nothing; in a well-formed one each read is checked on its own
+        (sender, engine, then the hold's own lease checks), so a forged or
+        unknown id is refused alone and the others still end their holds."""
         try:
-            note = notifications.decode(msg)
+            if notifications.is_batch(msg):
+                items = notifications.decode_batch(msg)
+            else:
+                items = [notifications.decode(msg)]
         except notifications.BadNotification as e:
             self.metrics.notifications_received.labels(outcome="bad").inc()
             log.warning("ignoring a notification from %s: %s", agent, e)
             return
+        self.metrics.notification_reads.observe(len(items))
+        for item in items:
+            if isinstance(item, notifications.BadNotification):
+                self.metrics.notifications_received.labels(outcome="bad").inc()
+                log.warning("ignoring one read of a batched notification from %s: %s",
+                            agent, item)
+            else:
+                self._on_read_done(agent, item)
+
+    def _on_read_done(self, agent: str, note: notifications.ReadDone) -> None:
         eng = self._engines.get(note.target_engine)
         if eng is None:
             self.metrics.notifications_received.labels(outcome="unknown_engine").inc()

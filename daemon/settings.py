@@ -63,6 +63,9 @@ class Settings:
     #: D side: post a read while its lease claim is on the way when P granted a
     #: claim over the same links this recently (seconds; 0: always claim first)
     post_during_claim_s: float = 2.0
+    #: P side: the most reads a reader may name in one batched notification, which
+    #: lets it post the reads of one flush as one NIXL transfer (0: one per read)
+    notif_batch_reads: int = 64
 
     @property
     def bind_host(self) -> str:
@@ -282,6 +285,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "seconds (the notification waits for the grant; a refusal fails the "
                         "read once its transfers end); 0 claims first, always "
                         "(env KVSIDECAR_POST_DURING_CLAIM)")
+    p.add_argument("--notif-batch-reads", type=_number(int, "NOTIF_BATCH_READS"),
+                   default=_env("NOTIF_BATCH_READS", "64"),
+                   help="P side: advertise that a reader may merge up to this many reads it "
+                        "posts together into one NIXL transfer carrying one notification "
+                        "naming them all (a failed transfer fails each read in it); 0 asks "
+                        "for one transfer and notification per read, 0..64 "
+                        "(env KVSIDECAR_NOTIF_BATCH_READS)")
     p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
                    default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
@@ -334,6 +344,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not 0 <= ns.post_during_claim <= 3600:
         raise ConfigError(f"--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be "
                           f"0..3600 seconds, got {ns.post_during_claim}")
+    if not 0 <= ns.notif_batch_reads <= 64:
+        raise ConfigError(f"--notif-batch-reads (env KVSIDECAR_NOTIF_BATCH_READS) must be "
+                          f"0..64, got {ns.notif_batch_reads}")
     if ns.staging_bytes < 0:
         raise ConfigError(f"--staging-bytes (env KVSIDECAR_STAGING_BYTES) must be >= 0, "
                           f"got {ns.staging_bytes}")
@@ -374,4 +387,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         staging=ns.staging,
         staging_bytes=ns.staging_bytes,
         post_during_claim_s=ns.post_during_claim,
+        notif_batch_reads=ns.notif_batch_reads,
     )

@@ -120,6 +120,14 @@ class Metrics:
             "kvsidecar_notifications_received_total", "Notifications received from readers, by "
             "outcome (ok, bad, unknown_engine, unclaimed, rejected, wrong_sender: not from "
             "the agent the reader declared in its handshake)", ("outcome",))
+        self.notification_reads = h(
+            "kvsidecar_notification_reads", "Reads named by one NIXL notification received "
+            "(P side): above 1 a reader merged them into one transfer", (),
+            buckets=ITEM_BUCKETS)
+        self.transfer_reads = h(
+            "kvsidecar_transfer_reads", "Reads carried by one NIXL transfer posted (D side): "
+            "above 1 reads of one flush to the same P agent went as one transfer with one "
+            "notification", (*ENGINE, "peer"), buckets=ITEM_BUCKETS)
         self.peer_cache_evictions = c(
             "kvsidecar_peer_cache_evictions_total", "Least recently used entries dropped from "
             "the handshake client at its bounds (handshake answers, peer connections)",

@@ -687,3 +687,52 @@ async def test_an_agent_that_cannot_be_created_again_is_retried_and_registration
         await w.stop()
         keep.close()
         region.close()
+
+
+@pytest.mark.timeout(120)
+async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_together(
+        peer: Any, peer_mem: ShmBuf) -> None:
+    """With ``merge`` (the peer accepts batched notifications) the reads of one
+    flush to one agent are ONE transfer carrying one joined notification, and
+    notifications likewise; each read gets its own stats (its bytes, the shared
+    times, how many reads the transfer carried). A failure of that transfer
+    fails every read in it; reads that may not merge stay apart."""
+    from kvsidecar.daemon import notifications
+
+    mem = ShmBuf(MiB)
+    w = NixlWorker(f"merge-{uuid.uuid4().hex[:8]}", join_notifs=notifications.join)
+    await w.start()
+    try:
+        await w.register([(mem.addr, mem.nbytes)])
+        p, md, paddr = peer
+        name = await w.add_remote(md)
+        await p.call("notifs", 0, 0.5)  # forget what earlier tests left
+        notes = [notifications.encode("P", f"m{i}", "D", 0, 1) for i in range(6)]
+        ops: list[ReadOp | NotifyOp] = [
+            ReadOp(name, i64([mem.addr + i * 4096]), i64([paddr + 8192 * i]), i64([4096]),
+                   notif=notes[i], merge=8) for i in range(5)]
+        ops.append(ReadOp(name, i64([mem.addr + 5 * 4096]), i64([paddr]), i64([4096]),
+                          notif=notes[5]))  # merge=0: its own transfer
+        ops += [NotifyOp(name, notes[0], merge=8), NotifyOp(name, notes[1], merge=8)]
+        results = await asyncio.gather(*(w.post_soon(op) for op in ops))
+        stats = [r for r in results if isinstance(r, TransferStats)]
+        assert [(s.bytes, s.reads, s.first) for s in stats] == [
+            (4096, 5, True), *[(4096, 5, False)] * 4, (4096, 1, True)]
+        assert results[6:] == [None, None]
+        for i in range(5):
+            assert np.array_equal(mem.view[i * 4096:(i + 1) * 4096],
+                                  peer_mem.view[8192 * i:8192 * i + 4096]), i
+        got = sorted(m for _, m in await p.call("notifs", 3, 10.0))
+        assert got == sorted([notifications.join(notes[:5]), notes[5],
+                              notifications.join(notes[:2])])
+        # One bad range fails the transfer, so every read merged with it.
+        bad = [ReadOp(name, i64([mem.addr]), i64([paddr]), i64([4096]), merge=8),
+               ReadOp(name, i64([mem.addr]), i64([paddr + MiB - 100]), i64([4096]), merge=8)]
+        failed = await asyncio.gather(*(w.post_soon(op) for op in bad), return_exceptions=True)
+        assert all(isinstance(r, NixlError) for r in failed), failed
+        assert failed[0] is failed[1]
+        # Still serving.
+        assert (await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))).bytes == 64
+    finally:
+        await w.stop()
+        mem.close()

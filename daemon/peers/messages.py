@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from kvsidecar.daemon.notifications import MAX_NOTIF_READS
 from kvsidecar.daemon.peers.control import MAX_BATCH_ITEMS, ControlBatchReply, ControlReply
 from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
 
@@ -73,6 +74,11 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     claims/abandons this sidecar answers in one control batch (see
     :mod:`~kvsidecar.daemon.peers.control`); 0, which is what an older
     sidecar's info decodes to, means single messages only.
+    ``notif_batch_reads`` is the most reads this sidecar accepts named in one
+    batched completion notification (see :mod:`~kvsidecar.daemon.notifications`);
+    a reader merges the reads it posts to this rank in one flush into one NIXL
+    transfer only when it is 2 or more. 0 (an older sidecar) means one
+    notification per read.
     """
 
     engine_id: str
@@ -89,6 +95,7 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     protocol: int = HANDSHAKE_VERSION
     daemon_id: str
     control_batch_items: int = 0
+    notif_batch_reads: int = 0
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
@@ -197,6 +204,7 @@ def make_handshake_info(
     dev_id: int = 0,
     device_uuid: str = "",
     control_batch_items: int = MAX_BATCH_ITEMS,
+    notif_batch_reads: int = MAX_NOTIF_READS,
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -214,6 +222,7 @@ def make_handshake_info(
         fingerprint=fingerprint(layout),
         daemon_id=daemon_id,
         control_batch_items=control_batch_items,
+        notif_batch_reads=notif_batch_reads,
     )
 
 

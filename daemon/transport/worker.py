@@ -95,13 +95,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.daemon.transport.errors import NixlAgentReset, NixlError, NixlTimeout, wrap
+from kvsidecar.daemon.transport.merging import group_posts
 from kvsidecar.daemon.transport.metadata import peek_agent_name
 from kvsidecar.daemon.transport.probe import transport_note
 
@@ -130,7 +131,11 @@ class TransferStats:
     spent posting (``transfer()``, which on host memory includes the CMA copy)
     and ``xfer_us`` the time from the post to the moment the worker saw DONE.
     Both come from NIXL's telemetry when ``telemetry`` is true, else from the
-    worker's own clock.
+    worker's own clock. A read that travelled in one transfer with others
+    (see :mod:`~kvsidecar.daemon.transport.merging`) keeps its own ``bytes``
+    and ``descriptors`` and shares the transfer's times; ``reads`` is how many
+    reads that transfer carried and ``first`` is true for one of them only
+    (count transfers by it).
     """
 
     bytes: int
@@ -138,6 +143,8 @@ class TransferStats:
     post_us: float
     xfer_us: float
     telemetry: bool = False
+    reads: int = 1
+    first: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,14 +232,20 @@ class ReadOp:
     timeout_s: float | None = None
     generation: int | None = None
     remote_mem_type: str | None = None
+    #: the most reads the peer accepts named in one notification (its handshake's
+    #: ``notif_batch_reads``): 2 or more lets this read share one transfer with
+    #: other reads of the same flush to that agent; 0 never
+    merge: int = 0
 
 
 @dataclass(frozen=True)
 class NotifyOp:
-    """One bare notification for :meth:`NixlWorker.post_soon`."""
+    """One bare notification for :meth:`NixlWorker.post_soon` (``merge`` as for
+    ReadOp: notifications of one flush to that agent go as one)."""
 
     remote_agent: str
     message: bytes
+    merge: int = 0
 
 
 @dataclass
@@ -246,6 +259,25 @@ class _Inflight:
     t_post: float
     deadline: float | None = None
     timed_out: bool = False
+
+
+def _share(futs: list[_Fut], parts: list[tuple[int, int]] | None, merged: _Fut) -> None:
+    """Hand a merged transfer's outcome to each read in it (loop thread): its
+    own bytes and descriptors, the shared times; a failure fails them all."""
+    exc = None if merged.cancelled() else merged.exception()
+    for i, fut in enumerate(futs):
+        if fut.done():
+            continue
+        if merged.cancelled():
+            fut.cancel()
+        elif exc is not None:
+            fut.set_exception(exc)
+        elif parts is None:
+            fut.set_result(None)
+        else:
+            nbytes, ndesc = parts[i]
+            fut.set_result(replace(merged.result(), bytes=nbytes, descriptors=ndesc,
+                                   reads=len(futs), first=i == 0))
 
 
 def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -276,7 +308,12 @@ class NixlWorker:
         telemetry: bool = True,
         stop_timeout_s: float = _STOP_WAIT_S,
         thread_init: Callable[[], None] | None = None,
+        join_notifs: Callable[[list[bytes]], bytes] | None = None,
+        max_notif_bytes: int = 16384,
     ) -> None:
+        """``join_notifs`` makes one notification out of several (see
+        :func:`kvsidecar.daemon.notifications.join`); without it, or for ops
+        whose ``merge`` is below 2, every post is its own transfer."""
         if not name:
             raise ValueError("agent name must not be empty")
         self._base_name = name
@@ -298,6 +335,8 @@ class NixlWorker:
         #: runs first on the worker thread: a GPU sidecar makes its CUDA context
         #: current there, before the agent registers VRAM or transfers
         self._thread_init = thread_init
+        self._join_notifs = join_notifs
+        self._max_notif_bytes = max_notif_bytes
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -473,7 +512,13 @@ class NixlWorker:
         its own transfer, notification, future and failure (a bad op, or one
         whose transfer fails, fails only its own future; a read whose failure
         resets the agent fails those in flight with it, as with :meth:`read`).
-        Must be called on the event loop thread."""
+        Must be called on the event loop thread.
+
+        Exception: reads (and notifications) with ``merge`` of 2 or more to the
+        same agent in one flush travel as ONE transfer carrying one joined
+        notification (see :mod:`~kvsidecar.daemon.transport.merging`); each
+        still gets its own future, and if that transfer fails, every read in it
+        fails with the same error."""
         loop = self._loop
         if loop is None:
             raise NixlError("post: worker not started", remote=op.remote_agent)
@@ -485,7 +530,7 @@ class NixlWorker:
 
     def _post_soon_now(self) -> None:
         ops, self._soon = self._soon, []
-        jobs: list[_Job] = []
+        valid: list[tuple[ReadOp | NotifyOp, _Fut, str, _JobFn]] = []
         for op, fut in ops:
             if fut.done():  # cancelled before it was handed over
                 continue
@@ -494,7 +539,14 @@ class NixlWorker:
             except (ValueError, TypeError) as exc:
                 fut.set_exception(exc)
                 continue
-            jobs.append(_Job(fn, fut, what, op.remote_agent))
+            valid.append((op, fut, what, fn))
+        jobs: list[_Job] = []
+        for group in self._group(valid):
+            if len(group) == 1:
+                op, fut, what, fn = valid[group[0]]
+                jobs.append(_Job(fn, fut, what, op.remote_agent))
+            else:
+                jobs.append(self._merged_job([valid[i][:2] for i in group]))
         if not jobs:
             return
         with self._lock:
@@ -505,6 +557,55 @@ class NixlWorker:
             for job in jobs:
                 job.fut.set_exception(NixlError(f"{job.what}: worker stopped",
                                                 remote=job.remote))
+
+    def _group(self, valid: Sequence[tuple[ReadOp | NotifyOp, _Fut, str, _JobFn]]
+               ) -> list[list[int]]:
+        """Which valid posts of this flush share a transfer (index groups)."""
+        if self._join_notifs is None or len(valid) < 2:
+            return [[i] for i in range(len(valid))]
+        keys: list[tuple[object, ...] | None] = []
+        sizes: list[int] = []
+        for op, *_ in valid:
+            if isinstance(op, ReadOp):
+                key: tuple[object, ...] | None = (
+                    "read", op.remote_agent, op.generation, op.mem_type, op.dev_id,
+                    op.remote_dev_id, op.remote_mem_type) if len(op.length) else None
+                sizes.append(len(op.notif or b""))
+            else:
+                key = ("notify", op.remote_agent)
+                sizes.append(len(op.message))
+            keys.append(key if op.merge >= 2 else None)
+        return group_posts(keys, [op.merge for op, *_ in valid], sizes,
+                           self._max_notif_bytes - 16)
+
+    def _merged_job(self, members: list[tuple[ReadOp | NotifyOp, _Fut]]) -> _Job:
+        """One job for posts :meth:`_group` put together: one transfer (or one
+        notification) whose outcome every member's future gets."""
+        assert self._loop is not None and self._join_notifs is not None
+        ops = [op for op, _ in members]
+        first = ops[0]
+        futs = [fut for _, fut in members]
+        fut: _Fut = self._loop.create_future()
+        if isinstance(first, NotifyOp):
+            msgs = [op.message for op in ops if isinstance(op, NotifyOp)]
+            what, fn = self._prepare_notify(NotifyOp(first.remote_agent,
+                                                     self._join_notifs(msgs)))
+            fut.add_done_callback(functools.partial(_share, futs, None))
+        else:
+            reads = [op for op in ops if isinstance(op, ReadOp)]
+            notes = [op.notif for op in reads if op.notif]
+            timeouts = [op.timeout_s for op in reads if op.timeout_s is not None]
+            merged = replace(
+                first, local_addr=np.concatenate([_as_int64(op.local_addr) for op in reads]),
+                remote_addr=np.concatenate([_as_int64(op.remote_addr) for op in reads]),
+                length=np.concatenate([_as_int64(op.length) for op in reads]),
+                notif=self._join_notifs(notes) if notes else None,
+                timeout_s=min(timeouts) if timeouts else None)
+            what, fn = self._prepare_read(merged)
+            what = f"{what} ({len(reads)} reads in one transfer)"
+            parts = [(int(_as_int64(op.length).sum()), len(op.length)) for op in reads]
+            fut.add_done_callback(functools.partial(_share, futs, parts))
+        return _Job(fn, fut, what, first.remote_agent)
 
     def _prepare_read(self, op: ReadOp) -> tuple[str, _JobFn]:
         """Check a read's arguments (raises ValueError/TypeError) and make its job."""
