@@ -271,13 +271,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staging", default=_env("STAGING", "off"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
-                        "scattered descriptors: off (default: on a quiet host it lost), auto, "
-                        "always (env KVSIDECAR_STAGING)")
+                        "scattered descriptors: off (default: auto maps --staging-bytes per host "
+                        "engine rank at registration), auto (faster on the hetero demo "
+                        "shapes), always (env KVSIDECAR_STAGING)")
     p.add_argument("--staging-bytes", type=_number(int, "STAGING_BYTES"),
                    default=_env("STAGING_BYTES", str(256 << 20)),
-                   help="staging memory per engine rank, mapped and registered on the first "
-                        "staged read; a read that finds no room posts scattered descriptors "
-                        "(env KVSIDECAR_STAGING_BYTES)")
+                   help="staging memory per engine rank, mapped and registered in the "
+                        "background when the engine rank registers; a read that finds no "
+                        "room posts scattered descriptors (env KVSIDECAR_STAGING_BYTES)")
     p.add_argument("--post-during-claim", type=_number(float, "POST_DURING_CLAIM"),
                    default=_env("POST_DURING_CLAIM", "2"),
                    help="D side: post a read's transfers while its lease claim is still on its "
