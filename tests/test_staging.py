@@ -156,3 +156,57 @@ def test_scatter_vectorises_aligned_pieces_and_spans_regions() -> None:
     for s, d in zip(src2, dst2):
         o = d - bases[1]
         assert np.array_equal(regions[1][o:o + 999], area[s:s + 999])
+
+
+def _demo_posts(p_tp: int, d_tp: int, tokens: int) -> list[tuple[np.ndarray, ...]]:
+    """The real planner's posts for one request of the demo's hybrid shapes
+    (Nemotron-like, 4 layers), D rank 0, scattered block ids, distinct bases."""
+    from kvsidecar.daemon.planner import plan_read
+    from kvsidecar.daemon.reads import build_posts
+    from kvsidecar.sim.models import nemotron_like
+
+    nb = 40
+    make = nemotron_like(4)
+    P, D = make(p_tp, nb), make(d_tp, nb)
+    rng = np.random.default_rng(tokens)
+
+    def ids(layout) -> list[list[int]]:
+        order = [int(b) for b in rng.permutation(nb)]
+        out = []
+        for g in layout.groups:
+            per = g.sub_blocks * g.block_tokens
+            k = -(-tokens // per) if g.kind == "attention" else 1
+            out.append(order[:k])
+            order = order[k:]
+        return out
+
+    plan = plan_read(D, 0, P, ids(D), ids(P), num_tokens=tokens)
+    local = np.arange(D.num_regions, dtype=np.int64) * (1 << 34) + (1 << 40)
+    remote = {p: np.arange(P.num_regions, dtype=np.int64) * (1 << 34) + (1 << 44)
+              for p in range(p_tp)}
+    return [(p.local, p.remote, p.length) for p in build_posts(plan, local, remote)
+            if p.length.size]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+def test_auto_stages_the_demo_shapes(p_tp: int, d_tp: int) -> None:
+    """The hetero demo's posts of a long prompt (thousands of 2 KiB pieces) are
+    staged by the calibrated model, into few runs: the choice behind the measured
+    A/B (README, Measured). A model that drifts into declining them fails here."""
+    for local, remote, length in _demo_posts(p_tp, d_tp, 5000):
+        assert length.size > 1000
+        plan = plan_staging(local, remote, length)
+        assert plan is not None, "auto declined a demo post"
+        assert plan.length.size <= 64 and plan.staged_s < plan.scattered_s
+
+
+def test_auto_leaves_big_pieces_scattered() -> None:
+    """Homogeneous reads of whole blocks (64 KiB pieces, every other block of a
+    run): the extra bytes and the copy cost more than the descriptors saved."""
+    n = 512
+    remote = np.arange(n, dtype=np.int64) * 2 * 65536
+    local = np.arange(n, dtype=np.int64) * 65536
+    assert plan_staging(local, remote, np.full(n, 65536, np.int64)) is None
+    # and 8 KiB pieces with 8 KiB gaps, the measured tie (bench_staging 1.00x): scattered
+    remote = np.arange(n, dtype=np.int64) * 2 * 8192
+    assert plan_staging(local // 8, remote, np.full(n, 8192, np.int64)) is None
