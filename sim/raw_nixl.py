@@ -195,3 +195,27 @@ def raw_latencies(nbytes: int, count: int) -> list[float]:
             raise RuntimeError(f"raw NIXL target never received notification {i}")
         out.append(max(dones[i], seen) - starts[i])
     return out
+
+
+def forger_agent(handshake_address: str, engine_id: str) -> tuple[Any, str]:
+    """A bare NIXL agent of a fleet member (it holds the fleet key) linked to P
+    rank 0 of ``engine_id`` through its real handshake, and that agent's name:
+    what the peer channel's authentication cannot stop, so tests of P's sender
+    and per-read checks send forged notifications from it."""
+    import asyncio
+
+    from kvsidecar.daemon.peer_auth import load_keys
+    from kvsidecar.daemon.peers.client import HandshakeClient
+    from kvsidecar.sim.cluster import fleet_keys
+
+    async def fetch() -> Any:
+        client = HandshakeClient(timeout_s=10, keys=load_keys(fleet_keys()))
+        try:
+            return await client.fetch(handshake_address, engine_id, 0)
+        finally:
+            await client.close()
+
+    info = asyncio.run(fetch())
+    agent = bare_agent(f"forger-{engine_id}")
+    target = agent.add_remote_agent(info.agent_metadata)
+    return agent, target.decode() if isinstance(target, bytes) else str(target)

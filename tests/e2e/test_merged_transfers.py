@@ -8,7 +8,6 @@ each test its own pair so the counters count this test only."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +15,10 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.daemon import notifications
-from kvsidecar.daemon.peer_auth import load_keys
-from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.messages import HandshakeInfo
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine, fleet_keys
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
-from kvsidecar.sim.raw_nixl import bare_agent
+from kvsidecar.sim.raw_nixl import forger_agent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -90,13 +86,6 @@ def test_sixteen_reads_reach_p_as_few_transfers_with_oracle_exact_bytes(
         P.close()
 
 
-async def _fetch(address: str, engine_id: str) -> HandshakeInfo:
-    client = HandshakeClient(timeout_s=10, keys=load_keys(fleet_keys()))
-    try:
-        return await client.fetch(address, engine_id, 0)
-    finally:
-        await client.close()
-
 
 def test_a_forged_or_malformed_batched_notification_ends_nothing(tmp_path: Path) -> None:
     """A fleet member's foreign NIXL agent sends P batched notifications: one
@@ -112,10 +101,7 @@ def test_a_forged_or_malformed_batched_notification_ends_nothing(tmp_path: Path)
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
         assert P.wait_for(["warm"])["warm"][0].kind == "sent"
         sent = P.prefill("victim", Request(seed=2, prompt_tokens=24))
-        info = asyncio.run(_fetch(P.registrations[0].handshake_address, P.engine_id))
-        forger = bare_agent(f"forger-{P.engine_id}")
-        target = forger.add_remote_agent(info.agent_metadata)
-        target = target.decode() if isinstance(target, bytes) else target
+        forger, target = forger_agent(P.registrations[0].handshake_address, P.engine_id)
         wrong0 = p.metric("kvsidecar_notifications_received_total", outcome="wrong_sender")
         bad0 = p.metric("kvsidecar_notifications_received_total", outcome="bad")
         forged = notifications.join([

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
 from kvsidecar.daemon import notifications
-from kvsidecar.daemon.peer_auth import load_keys
-from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.messages import HandshakeInfo
-from kvsidecar.sim.cluster import fleet_keys
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
-from kvsidecar.sim.raw_nixl import bare_agent
+from kvsidecar.sim.raw_nixl import forger_agent
 
 pytestmark = pytest.mark.e2e
 
-
-async def _fetch(address: str, engine_id: str) -> HandshakeInfo:
-    # The forger is a fleet member (it has the key): what the peer channel's
-    # authentication cannot stop, the sender check must.
-    client = HandshakeClient(timeout_s=10, keys=load_keys(fleet_keys()))
-    try:
-        return await client.fetch(address, engine_id, 0)
-    finally:
-        await client.close()
 
 
 def test_a_forged_notification_does_not_release_a_hold(pool) -> None:
@@ -42,10 +28,7 @@ def test_a_forged_notification_does_not_release_a_hold(pool) -> None:
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
         assert P.wait_for(["warm"])["warm"][0].kind == "sent"
         sent = P.prefill("victim", Request(seed=2, prompt_tokens=24))
-        info = asyncio.run(_fetch(P.registrations[0].handshake_address, P.engine_id))
-        forger = bare_agent(f"forger-{P.engine_id}")
-        target = forger.add_remote_agent(info.agent_metadata)
-        target = target.decode() if isinstance(target, bytes) else target
+        forger, target = forger_agent(P.registrations[0].handshake_address, P.engine_id)
         forged = notifications.encode(P.engine_id, "victim", D.engine_id, 0, D.tp)
         forger.send_notif(target, forged)
         deadline = time.monotonic() + 60
