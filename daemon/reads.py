@@ -217,18 +217,22 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
                     request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
                     reader_tp=eng.layout.tp_size))
                 for p, peer in zip(cands, peers)])
-            claiming = asyncio.ensure_future(_claim(eng, leases, peers))
-            try:
-                if not (eng.post_during_claim_s > 0 and eng.peers.confirmed_within(
-                        peers, eng.post_during_claim_s, time.monotonic())):
-                    await claiming  # while the planning thread works
-                plan, posts, staged = await planning
-            except BaseException:
-                claiming.add_done_callback(_retrieve)  # its refusal is news to no one now
-                raise
-            if claiming.done():
-                claiming.result()  # a refusal fails the read with nothing posted
-                claiming = None
+            window = eng.post_during_claim_s
+            if window > 0 and eng.peers.confirmed_within(peers, window, time.monotonic()):
+                claiming = asyncio.ensure_future(_claim(eng, leases, peers))
+                try:
+                    plan, posts, staged = await planning
+                except BaseException:
+                    claiming.add_done_callback(_retrieve)  # its refusal is news to no one now
+                    raise
+                if claiming.done():
+                    claiming.result()  # a refusal fails the read with nothing posted
+                    claiming = None
+            else:
+                # Claim first (a task and a link confirmation only when the
+                # feature is on): a refusal fails the read with nothing posted.
+                await (_claim(eng, leases, peers) if window > 0 else leases.claim())
+                plan, posts, staged = await planning  # planned while the claim travelled
         else:
             plan, posts, staged = await planning
     if job.abort_reason is not None:
