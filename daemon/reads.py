@@ -503,6 +503,9 @@ class _TransferSeries:
     reads: Any
 
 
+#: more tries for a read whose link the local agent's reset made stale before it
+#: posted anything (see ReadTable._attempts)
+_RESET_RETRIES = 2
 _SERIES_CACHE_MAX = 4096  # (engine, peer) pairs per daemon; cleared whole past it
 _series_cache: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str], _TransferSeries]] = (
     weakref.WeakKeyDictionary())
@@ -723,28 +726,7 @@ class ReadTable:
                                           rank=eng.tp_rank, peer=req.remote.engine_id,
                                           decode_request_id=req.request_id)
         try:
-            try:
-                out = await run_read(eng, job, self._planner, self._plans, self._timeout_s,
-                                     self._metrics, self._handshakes)
-            except PartialReadError:
-                self._forget_peers(eng, job)  # the next request re-links the failed ranks
-                raise
-            except (NixlError, LeaseRefused) as e:
-                # Retry once only over links older than the request (or made
-                # before the local agent was reset), and never after a timeout
-                # (the peer is stalled, not restarted). A P engine that
-                # registered again refuses leases taken over an old link;
-                # other refusals (the hold ended) leave the shared links alone.
-                if isinstance(e, LeaseRefused) and not e.stale_link:
-                    raise
-                stale = self._forget_peers(eng, job) or isinstance(e, NixlAgentReset)
-                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
-                    raise
-                log.info("read %r: %s; retrying once with a fresh handshake", req.request_id, e,
-                         extra=_event(eng, req, "retry", str(e)))
-                job.posted = False
-                out = await run_read(eng, job, self._planner, self._plans, self._timeout_s,
-                                     self._metrics, self._handshakes)
+            out = await self._attempts(eng, job)
         except asyncio.CancelledError:
             c = _aborted_before_posting(job)
         except Exception as e:  # every failure becomes a completion, never a crash
@@ -766,6 +748,44 @@ class ReadTable:
                     time.perf_counter() - t0, {"request_id": req.request_id[:64]})
         self._tell_p(eng, job, c)  # nothing of this read is in flight any more
         self._finish(eng, job, c)
+
+    async def _attempts(self, eng: EngineRank, job: ReadJob) -> ReadOutcome:
+        """Run the read, again after a failure a stale link explains.
+
+        Retry once only over links older than the request (or made before the
+        local agent was reset), and never after a timeout (the peer is stalled,
+        not restarted). A P engine that registered again refuses leases taken
+        over an old link; other refusals (the hold ended) leave the shared links
+        alone. :class:`NixlAgentReset` posted nothing (the agent was reset under
+        a link, typically because a concurrent read over the same stale peer
+        failed): it may happen to the retry too, so it alone earns up to
+        ``_RESET_RETRIES`` more tries.
+        """
+        req = job.req
+        retries, resets = 1, _RESET_RETRIES
+        while True:
+            try:
+                return await run_read(eng, job, self._planner, self._plans, self._timeout_s,
+                                      self._metrics, self._handshakes)
+            except PartialReadError:
+                self._forget_peers(eng, job)  # the next request re-links the failed ranks
+                raise
+            except (NixlError, LeaseRefused) as e:
+                if isinstance(e, LeaseRefused) and not e.stale_link:
+                    raise
+                reset = isinstance(e, NixlAgentReset)
+                stale = self._forget_peers(eng, job) or reset
+                if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
+                    raise
+                if retries:
+                    retries -= 1
+                elif reset and resets:
+                    resets -= 1
+                else:
+                    raise
+                log.info("read %r: %s; retrying with a fresh handshake", req.request_id, e,
+                         extra=_event(eng, req, "retry", str(e)))
+                job.posted = False
 
     def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:
         """Drop the links (and cached handshakes) this read used; True if one of

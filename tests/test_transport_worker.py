@@ -634,13 +634,15 @@ async def test_an_agent_that_cannot_be_created_again_is_retried_and_registration
     await w.start()
     keep, drop = ShmBuf(MiB), ShmBuf(MiB)
     name = f"peer-{uuid.uuid4().hex[:8]}"
-    region = ShmBuf(65536)
+    region, region2 = ShmBuf(65536), ShmBuf(65536)
     p = Peer(name)
+    name2 = f"peer-{uuid.uuid4().hex[:8]}"
+    p2 = Peer(name2)
     try:
         reg_keep = await w.register([(keep.addr, keep.nbytes)])
         reg_drop = await w.register([(drop.addr, drop.nbytes)])
         md, addr, _ = await p.call("register", region.path, timeout=60.0)
-        assert await w.add_remote(md) == name
+        assert await w.add_remote_at(md) == (name, 0)  # loaded into generation 0
         p.proc.kill()
         p.proc.wait()
         p.conn.close()
@@ -680,13 +682,19 @@ async def test_an_agent_that_cannot_be_created_again_is_retried_and_registration
         assert registered == [keep.addr]  # only what is still registered
         assert resets[0].agent_name == w.agent_name and w.agent_name.endswith("-g3")
         assert await w.metadata() == resets[0].metadata
+        # A remote loaded now is loaded into the generation that runs, and says so
+        # (links label themselves with it; reads check it before posting).
+        md2, _, _ = await p2.call("register", region2.path, timeout=60.0)
+        assert await w.add_remote_at(md2) == (name2, 3)
         await w.deregister(reg_keep)
     finally:
         if p.proc.poll() is None:
             p.close()
+        p2.close()
         await w.stop()
         keep.close()
         region.close()
+        region2.close()
 
 
 @pytest.mark.timeout(120)

@@ -38,6 +38,7 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, Reader, check_peer
+from kvsidecar.daemon.transport.errors import NixlAgentReset
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout, LayoutError, validate
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _UNLOAD_RETRY_S = 1.0
 _UNLOAD_TRIES = 300  # reads end within --read-timeout; this outlasts any sane one
+_LINK_TRIES = 3
 
 
 def same_peer(a: HandshakeInfo, b: HandshakeInfo) -> bool:
@@ -207,6 +209,29 @@ class PeerLinks:
                 self._spawn_unload(task.result().agent, key)
 
     async def _link(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer:
+        """Fetch and load, again if the local agent was reset meanwhile.
+
+        The handshake declares the local agent by name (P accepts notifications
+        only from the declared agent), and the remote agent is loaded into one
+        generation of it: both must be the generation the link ends up in, or
+        every read over it fails (or its notifications are refused). A reset
+        between the two is rare (another read failed at that moment), so a few
+        tries suffice; the last failure says so.
+        """
+        for _ in range(_LINK_TRIES):
+            declared = self._worker.generation
+            peer = await self._fetch_and_load(address, engine_id, tp_size, rank)
+            if peer.generation == declared == self._worker.generation:
+                return peer
+            log.info("link to %s engine %r rank %d: the local NIXL agent was reset while "
+                     "linking (generation %d -> %d); linking again", address, engine_id,
+                     rank, declared, peer.generation)
+            self._client.forget(address, engine_id)  # re-declare the reader's new agent
+        raise NixlAgentReset(f"link to {address} engine {engine_id!r} rank {rank}: the local "
+                             f"NIXL agent was reset during each of {_LINK_TRIES} tries")
+
+    async def _fetch_and_load(self, address: str, engine_id: str, tp_size: int,
+                              rank: int) -> Peer:
         reader = (None if self._reader is None
                   else Reader(self._reader[0], self._reader[1], self._worker.agent_name))
         info = await self._client.fetch(address, engine_id, rank, reader)
@@ -237,8 +262,7 @@ class PeerLinks:
             raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
         check_peer(info, engine_id, tp_size, self._layout, address=address,
                    readable=self._readable)
-        generation = self._worker.generation
-        agent = await self._worker.add_remote(info.agent_metadata)
+        agent, generation = await self._worker.add_remote_at(info.agent_metadata)
         return Peer((address, engine_id, rank), info, agent,
                     np.asarray(info.bases, dtype=np.int64), time.monotonic(), generation)
 

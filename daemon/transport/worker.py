@@ -451,14 +451,26 @@ class NixlWorker:
         the old entry first, since NIXL would otherwise keep the stale regions;
         that needs no reads to the peer in flight.
         """
+        name, _ = await self.add_remote_at(metadata)
+        return name
+
+    async def add_remote_at(self, metadata: bytes) -> tuple[str, int]:
+        """:meth:`add_remote`, also returning the generation of this agent the
+        metadata was loaded into, as the worker thread saw it when it loaded.
+
+        Why not read :attr:`generation` around the call: the job may run after
+        a reset the event loop has not heard of yet (or before one it has), and
+        a link labelled with the wrong generation either fails every read over
+        it with :class:`NixlAgentReset` or lets a read post over a gone agent.
+        """
         if not metadata:
             raise ValueError("empty metadata")
         peek = peek_agent_name(metadata)
         what = f"add remote agent {peek!r}" if peek else "add remote agent"
-        name: str = await self._submit(
+        got: tuple[str, int] = await self._submit(
             what, functools.partial(self._do_add_remote, bytes(metadata)), remote=peek
         )
-        return name
+        return got
 
     async def remove_remote(self, agent: str) -> None:
         await self._submit(
@@ -1103,12 +1115,12 @@ class NixlWorker:
     def _do_metadata(self, _fut: _Fut) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def _do_add_remote(self, metadata: bytes, _fut: _Fut) -> str:
+    def _do_add_remote(self, metadata: bytes, _fut: _Fut) -> tuple[str, int]:
         name = peek_agent_name(metadata)
         if name is not None:
             known = self._remotes.get(name)
             if known == metadata:
-                return name
+                return name, self._gen
             if known is not None:
                 self._check_idle(name, "replace the metadata of")
                 self._agent.remove_remote_agent(name)
@@ -1121,7 +1133,7 @@ class NixlWorker:
             self._agent.remove_remote_agent(loaded)
             loaded = self._load(metadata)
         self._remotes[loaded] = metadata
-        return loaded
+        return loaded, self._gen
 
     def _load(self, metadata: bytes) -> str:
         got = self._agent.add_remote_agent(metadata)

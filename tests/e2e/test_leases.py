@@ -159,10 +159,12 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
     although its bytes landed, and leaves the link good for the next read. With
     ``--post-during-claim 0`` every read claims first."""
     p = SidecarProcess(tmp_path, "pdc-p", args=["--metrics-port", "0"]).start()
-    # A window no loaded CI host outlasts between these back-to-back reads (the
-    # default, 2 s, is a deployment's choice, not what this test is about).
+    # A window no loaded CI host outlasts between these reads (the default, 2 s,
+    # is a deployment's choice, not what this test is about): 30 s was seen to
+    # lapse between D's last granted claim and the read after the refused one
+    # (the whole test took 125 s at load 2).
     d = SidecarProcess(tmp_path, "pdc-d", args=["--metrics-port", "0",
-                                                "--post-during-claim", "30"]).start()
+                                                "--post-during-claim", "600"]).start()
     d0 = SidecarProcess(tmp_path, "pdc-d0", args=["--metrics-port", "0",
                                                   "--post-during-claim", "0"]).start()
     P = SimEngine("pdc-P", attn(8), 1, 64, [p])
