@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 from numpy.typing import NDArray
 
 from kvsidecar.daemon.transport.worker import NixlWorker
@@ -49,6 +50,8 @@ U8 = NDArray[np.uint8]
 
 #: pieces per (region, length) group below which a plain loop of slice copies is used
 _MIN_VECTOR = 16
+#: fewest pieces in a run worth one strided copy
+_MIN_RUN = 4
 #: smallest row (bytes) worth a fancy-indexed copy, and most rows per piece
 _MIN_ROW = 256
 _MAX_ROWS = 64
@@ -235,21 +238,64 @@ class StagingPool:
             self._on_change(self.in_use - self.quarantined, self.quarantined)
 
 
+def strided_runs(s_off: I64, d_off: I64, length: int, min_run: int) -> tuple[I64, I64]:
+    """Runs of pieces (indices ``[start, stop)`` into the arrays as given) whose
+    source and destination offsets both advance by one constant step, the
+    destination's at least ``length`` (pieces never overlap there) and the
+    source's positive: each run is one strided copy. Runs shorter than
+    ``min_run`` pieces are not returned; a piece belongs to at most one run.
+
+    Pure and vectorised (no loop over pieces): the scatter of a staged hetero
+    read is tens of thousands of pieces, most of them in such runs (one
+    segment's pieces of consecutive pages).
+    """
+    n = s_off.size
+    empty = np.empty(0, np.int64)
+    if n < max(2, min_run):
+        return empty, empty
+    ds, dd = np.diff(s_off), np.diff(d_off)
+    # link i joins piece i and i + 1; maximal stretches of equal links
+    brk = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
+    a = np.concatenate(([0], brk)).astype(np.int64)          # first link of each stretch
+    b = np.concatenate((brk, [n - 1])).astype(np.int64)      # one past its last link
+    ok = (ds[a] > 0) & (dd[a] >= length) & (b - a + 1 >= min_run)
+    # a stretch's first piece is the previous stretch's last: the earlier one keeps it
+    prev_ok = np.concatenate(([False], ok[:-1]))
+    start = a + prev_ok
+    stop = b + 1
+    keep = ok & (stop - start >= min_run)
+    return start[keep], stop[keep]
+
+
+def _strided_copy(src: U8, s0: int, s_step: int, dst: U8, d0: int, d_step: int,
+                  count: int, length: int) -> None:
+    """``dst[d0 + i*d_step:][:length] = src[s0 + i*s_step:][:length]`` for ``i < count``,
+    as one numpy copy over strided views (no temporary, no index arrays)."""
+    if (s0 < 0 or d0 < 0 or s0 + (count - 1) * s_step + length > src.size
+            or d0 + (count - 1) * d_step + length > dst.size):
+        raise ValueError(f"strided copy of {count} x {length} bytes out of bounds")
+    sv = as_strided(src[s0:], shape=(count, length), strides=(s_step, 1), writeable=False)
+    dv = as_strided(dst[d0:], shape=(count, length), strides=(d_step, 1))
+    np.copyto(dv, sv)
+
+
 def scatter(area: U8, src: I64, dst: I64, size: I64, bases: I64, views: list[U8]) -> int:
     """Copy piece ``j`` (``size[j]`` bytes at ``area[src[j]:]``) to engine address
     ``dst[j]``, which lies in region ``i`` at ``bases[i]`` (viewed by ``views[i]``).
 
-    Pieces of one length into one region go as one fancy-indexed row copy when
-    their offsets share a row size ``g`` (the gcd; numpy releases the GIL for
-    the copy), otherwise as a loop of slice copies. Returns how many groups
-    took the vectorised path (for tests and benchmarks).
+    Per (region, length) group, in source order: runs of pieces at constant
+    source and destination steps go as one strided copy each (no temporary;
+    numpy releases the GIL for it); the rest as one fancy-indexed row copy
+    when their offsets share a row size ``g`` (the gcd), otherwise as a loop
+    of slice copies. Returns how many vectorised copies (strided runs and
+    fancy-indexed groups) it made, for tests and benchmarks.
     """
     order = np.argsort(bases)
     sb = bases[order]
     region = order[np.searchsorted(sb, dst, side="right") - 1]
     off = dst - bases[region]
     vectorised = 0
-    keys = np.lexsort((size, region))
+    keys = np.lexsort((src, size, region))
     r_s, l_s = region[keys], size[keys]
     cut = np.flatnonzero((np.diff(r_s) != 0) | (np.diff(l_s) != 0)) + 1
     for grp in np.split(keys, cut):
@@ -257,7 +303,18 @@ def scatter(area: U8, src: I64, dst: I64, size: I64, bases: I64, views: list[U8]
         length = int(size[grp[0]])
         dview = views[reg]
         s_off, d_off = src[grp], off[grp]
-        if grp.size >= _MIN_VECTOR:
+        if grp.size >= _MIN_RUN:
+            starts, stops = strided_runs(s_off, d_off, length, _MIN_RUN)
+            if starts.size:
+                left = np.ones(grp.size, bool)
+                for a, b in zip(starts.tolist(), stops.tolist()):
+                    s0, d0 = int(s_off[a]), int(d_off[a])
+                    _strided_copy(area, s0, int(s_off[a + 1]) - s0, dview, d0,
+                                  int(d_off[a + 1]) - d0, b - a, length)
+                    left[a:b] = False
+                vectorised += starts.size
+                s_off, d_off = s_off[left], d_off[left]
+        if s_off.size >= _MIN_VECTOR:
             g = int(np.gcd.reduce(np.concatenate((s_off, d_off, [length]))))
             rows = length // g
             if g >= _MIN_ROW and rows <= _MAX_ROWS:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.daemon.staging import Extents, scatter
+from kvsidecar.daemon.staging import Extents, scatter, strided_runs
 from kvsidecar.daemon.staging_plan import CostModel, plan_staging
 
 REMOTE = 1 << 20
@@ -149,13 +149,63 @@ def test_scatter_vectorises_aligned_pieces_and_spans_regions() -> None:
         r = 0 if d >= bases[0] else 1
         o = d - bases[r]
         assert np.array_equal(regions[r][o:o + 1024], area[s:s + 1024])
-    # unaligned pieces take the loop and are still right
+    # unaligned pieces at constant steps: one strided copy, still right
     src2 = np.arange(20, dtype=np.int64) * 1001
     dst2 = bases[1] + np.arange(20, dtype=np.int64) * 1200
-    assert scatter(area, src2, dst2, np.full(20, 999, np.int64), bases, regions) == 0
+    assert scatter(area, src2, dst2, np.full(20, 999, np.int64), bases, regions) == 1
     for s, d in zip(src2, dst2):
         o = d - bases[1]
         assert np.array_equal(regions[1][o:o + 999], area[s:s + 999])
+    # unaligned pieces at irregular places take the loop and are still right
+    regions[1][:] = 0
+    src3 = np.cumsum(rng.integers(999, 1100, 20)).astype(np.int64)
+    dst3 = bases[1] + rng.permutation(20).astype(np.int64) * 1200
+    assert scatter(area, src3, dst3, np.full(20, 999, np.int64), bases, regions) == 0
+    for s, d in zip(src3, dst3):
+        o = d - bases[1]
+        assert np.array_equal(regions[1][o:o + 999], area[s:s + 999])
+
+
+def test_strided_runs_finds_constant_step_runs_once_each() -> None:
+    # pieces 0-4: steps (10, 20); 5-8: steps (7, 30); 9-10 irregular; 11-13: 3 pieces only
+    s = np.array([0, 10, 20, 30, 40, 47, 54, 61, 68, 500, 900, 1000, 1100, 1200], np.int64)
+    d = np.array([0, 20, 40, 60, 80, 110, 140, 170, 200, 999, 2000, 3000, 3100, 3200],
+                 np.int64)
+    starts, stops = strided_runs(s, d, 10, 4)
+    # 0..4 is a run; 4 is also the first piece of (4..8) at (7, 30): it stays with the first
+    assert list(zip(starts.tolist(), stops.tolist())) == [(0, 5), (5, 9)]
+    # destination step shorter than the piece (overlapping writes): never a run
+    assert strided_runs(np.arange(8, dtype=np.int64) * 16, np.arange(8, dtype=np.int64) * 8,
+                        16, 4)[0].size == 0
+    # a run shortened below min_run by its neighbour is dropped, and nothing is lost
+    starts, stops = strided_runs(s, d, 10, 5)
+    assert list(zip(starts.tolist(), stops.tolist())) == [(0, 5)]
+    assert strided_runs(s[:1], d[:1], 10, 1)[0].size == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 4), st.integers(2, 6)),
+                min_size=1, max_size=12), st.integers(2, 6))
+def test_strided_runs_are_disjoint_constant_and_long_enough(parts, min_run) -> None:
+    """Random concatenations of arithmetic progressions: every returned run has
+    constant steps, a destination step of at least the length, ``min_run`` pieces,
+    and no piece is in two runs."""
+    s_list: list[int] = []
+    d_list: list[int] = []
+    for ss, dd, k in parts:
+        s0 = (s_list[-1] + 5) if s_list else 0
+        d0 = (d_list[-1] + 7) if d_list else 0
+        s_list += [s0 + i * ss for i in range(k)]
+        d_list += [d0 + i * dd for i in range(k)]
+    s, d = np.array(s_list, np.int64), np.array(d_list, np.int64)
+    starts, stops = strided_runs(s, d, 2, min_run)
+    seen = np.zeros(s.size, int)
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        assert b - a >= min_run
+        assert len(set(np.diff(s[a:b]).tolist())) == 1 and np.diff(s[a:b])[0] > 0
+        assert len(set(np.diff(d[a:b]).tolist())) == 1 and np.diff(d[a:b])[0] >= 2
+        seen[a:b] += 1
+    assert seen.max(initial=0) <= 1
 
 
 def _demo_posts(p_tp: int, d_tp: int, tokens: int) -> list[tuple[np.ndarray, ...]]:
