@@ -414,12 +414,16 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         # Only now, every transfer DONE and the lease valid, do engine blocks get
         # the staged bytes. Off the loop; never abandoned half way (the engine
         # must not get a completion while its blocks are still being written).
+        t_scatter = time.perf_counter()
         scattering = _in_executor(planner, _scatter_all, eng, staged, areas)
         try:
             await asyncio.shield(scattering)
         except asyncio.CancelledError:
             await asyncio.wait([scattering])
             raise
+        if metrics is not None:
+            metrics.scatter_seconds.labels(eng.engine_id).observe(
+                time.perf_counter() - t_scatter)
     posted = sum(int(p.length.size) for p in posts)
     return ReadOutcome(plan.nbytes, posted, plan.descriptors_before_coalescing,
                        [r for r in results if isinstance(r, TransferStats)],

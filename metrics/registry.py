@@ -86,6 +86,11 @@ class Metrics:
         self.staged_transfers = c(
             "kvsidecar_staged_transfers_total", "Transfers read as whole remote runs into "
             "staging memory, then scattered locally (--staging)", ENGINE)
+        self.scatter_seconds = h(
+            "kvsidecar_scatter_seconds", "Time from a staged read's last transfer done to "
+            "its staged bytes scattered into the engine's blocks (the copy, off the event "
+            "loop, including any wait for the planning thread)", ENGINE,
+            buckets=XFER_BUCKETS)
         self.posted_during_claim = c(
             "kvsidecar_reads_posted_during_claim_total", "Reads posted while their lease "
             "claim was still on its way to P (links P confirmed within the last "
