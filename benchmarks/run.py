@@ -40,7 +40,8 @@ def git(*args: str) -> str:
 
 
 def render(scale: str, rows: list[suite.Figure], errors: dict[str, str], started: float,
-           load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float) -> str:
+           load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float,
+           steal: float | None = None) -> str:
     m = suite.machine()
     when = datetime.datetime.fromtimestamp(started, datetime.timezone.utc)
     stamp = when.strftime("%Y-%m-%d %H:%M UTC")
@@ -59,7 +60,8 @@ def render(scale: str, rows: list[suite.Figure], errors: dict[str, str], started
         "(UCX over CMA/shared memory between processes on one host)",
         f"- load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, "
         f"after {'/'.join(f'{x:.2f}' for x in load_after)}",
-        f"- wall time of the run: {wall:.0f} s",
+        f"- wall time of the run: {wall:.0f} s"
+        + ("" if steal is None else f"; CPU time stolen by the hypervisor: {steal:.1%}"),
         "",
         "| figure | ours | baseline (same run) | ratio | target | met |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -77,6 +79,25 @@ def render(scale: str, rows: list[suite.Figure], errors: dict[str, str], started
         out += [f"- `{k}`: {v}" for k, v in errors.items()]
     out += ["", gpu_on_paper.SECTION]
     return "\n".join(out) + "\n"
+
+
+def cpu_times() -> list[int]:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq
+    softirq steal ...), in ticks; empty where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Share of the run's CPU time the hypervisor stole (field 8 of /proc/stat):
+    on a shared guest it is the noise the figures carry."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -100,6 +121,7 @@ def main() -> int:
     scale = suite.SCALES[args.scale]
     started, t0 = time.time(), time.perf_counter()
     load_before = os.getloadavg()
+    cpu_before = cpu_times()
     rows: list[suite.Figure] = []
     errors: dict[str, str] = {}
     with suite.Fleet() as fleet:
@@ -118,7 +140,8 @@ def main() -> int:
                       flush=True)
             print(f"   ({time.perf_counter() - t:.0f} s)", flush=True)
     wall = time.perf_counter() - t0
-    text = render(args.scale, rows, errors, started, load_before, os.getloadavg(), wall)
+    text = render(args.scale, rows, errors, started, load_before, os.getloadavg(), wall,
+                  steal_share(cpu_before, cpu_times()))
     out = args.out or ("" if args.scale == "smoke" else str(HERE / "RESULTS.md"))
     if out:
         Path(out).write_text(text)
