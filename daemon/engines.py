@@ -109,7 +109,7 @@ class EngineRank:
 
     def complete(self, c: Completion) -> None:
         if self.metrics is not None:
-            self.metrics.completions.labels(self.engine_id, c.kind).inc()
+            self.metrics.series(self.metrics.completions, self.engine_id, c.kind).inc()
         if self.on_complete is not None:
             self.on_complete(self.engine_id, c)
         self._seq += 1

@@ -37,7 +37,6 @@ sockets or timers: the daemon feeds it events and calls
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -329,7 +328,8 @@ class HoldBook:
         readers = tuple(ReaderOutcome(e, tuple(sorted(ranks)), e in h.done_engines,
                                       h.failures.get(e, ""))
                         for e, ranks in h.seen.items())
-        self._on_done(dataclasses.replace(outcome, readers=readers))
+        self._on_done(HoldOutcome(outcome.engine_id, outcome.request_id, outcome.kind,
+                                  outcome.reason, readers))
 
     def _remember_end(self, key: Key, why: str) -> None:
         self._ended[key] = why

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import platform
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -54,6 +55,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         c, g, h = self._counter, self._gauge, self._histogram
 
         # --- per transfer: one read request x one remote rank (D side)
@@ -231,6 +233,18 @@ class Metrics:
     def _histogram(self, name: str, doc: str, labels: Sequence[str] = (), *,
                    buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def series(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once per daemon: ``labels()``
+        takes a lock and validates its tuple every call (2-3 us), and the hot
+        paths touch several series per read. Counters and histograms only (their
+        series are never removed; gauges are, see :meth:`forget_engine`); the
+        labels' cardinality is bounded (module docstring), the cache with it."""
+        key = (id(metric), labels)
+        got = self._series.get(key)
+        if got is None:
+            got = self._series[key] = metric.labels(*labels)
+        return got
 
     def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A counter whose value a component already keeps as a plain number
