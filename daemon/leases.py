@@ -72,10 +72,18 @@ class ReaderLeases:
     async def claim(self) -> None:
         """Claim every rank at once; raise :class:`LeaseRefused` naming the first refusal."""
         self._stale = False
-        outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
+        if len(self.targets) == 1:  # the usual case (same tp): no task, no gather
+            outcomes = [await self._claim(*self.targets[0])]
+        else:
+            outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
         problems = [(refused, why) for refused, why in outcomes if why]
         if problems:
             raise LeaseRefused(problems[0][1], answered=problems[0][0], stale_link=self._stale)
+
+    @property
+    def renew_every_s(self) -> float:
+        """How long after a grant the next renewal goes out (a third of the lease)."""
+        return max(0.05, self.lease_s / 3)
 
     async def renew_forever(self, until: float = math.inf) -> None:
         """Renew every rank each third of the lease until cancelled (the read ended),
@@ -83,28 +91,39 @@ class ReaderLeases:
         own deadline), whichever comes first. After that the last grant runs out
         on its own, so P's hold ends at most one lease after ``until``."""
         while True:
-            await asyncio.sleep(max(0.05, self.lease_s / 3))
-            now = time.monotonic()
-            if now > self.bound:
-                if not self.lost:
-                    self.lost = (f"the lease ran out {now - self.bound:.3f} s before a renewal "
-                                 "was granted (the prefill side did not answer in time); "
-                                 "renewing it now would vouch for blocks it may have reused")
-                    log.warning("lease lapsed: %s", self.lost)
+            await asyncio.sleep(self.renew_every_s)
+            if not await self._renew(until):
                 return
-            if now >= until:
-                log.warning("read still pending at its deadline: lease renewals stop, the "
-                            "prefill side frees its blocks when the last lease runs out")
-                return
-            outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
-            for refused, why in outcomes:
-                # Refused: P no longer holds the blocks. Unanswered: the bound
-                # simply stops moving and runs out on its own.
-                if refused and not self.lost:
-                    self.lost = f"the prefill side refused to renew the lease: {why}"
-                    log.warning("lease renewal refused: %s", why)
-            if self.lost:
-                return
+
+    def renew_later(self, until: float = math.inf) -> Renewals:
+        """:meth:`renew_forever` in the background, started only when its first
+        renewal is due: a read that ends sooner (nearly every read; a lease is
+        seconds, a read milliseconds) costs one timer, not a task, its sleep and
+        its cancellation. ``cancel()`` the result when the read ends."""
+        return Renewals(self, until)
+
+    async def _renew(self, until: float) -> bool:
+        """One renewal of every rank, due now; False once renewals must stop."""
+        now = time.monotonic()
+        if now > self.bound:
+            if not self.lost:
+                self.lost = (f"the lease ran out {now - self.bound:.3f} s before a renewal "
+                             "was granted (the prefill side did not answer in time); "
+                             "renewing it now would vouch for blocks it may have reused")
+                log.warning("lease lapsed: %s", self.lost)
+            return False
+        if now >= until:
+            log.warning("read still pending at its deadline: lease renewals stop, the "
+                        "prefill side frees its blocks when the last lease runs out")
+            return False
+        outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
+        for refused, why in outcomes:
+            # Refused: P no longer holds the blocks. Unanswered: the bound
+            # simply stops moving and runs out on its own.
+            if refused and not self.lost:
+                self.lost = f"the prefill side refused to renew the lease: {why}"
+                log.warning("lease renewal refused: %s", why)
+        return not self.lost
 
     def check(self, now: float) -> None:
         """Raise :class:`LeaseLost` unless every rank's lease is valid at ``now``."""
@@ -146,3 +165,31 @@ class ReaderLeases:
         except Exception as e:  # e.g. an address the read named that is not one: log, never raise
             log.info("could not tell P rank %d at %r that request %r was abandoned: %s",
                      claim.tp_rank, address[:200], claim.request_id, e)
+
+
+class Renewals:
+    """The renewals of one read (:meth:`ReaderLeases.renew_later`): a timer until
+    the first renewal is due, then a task renewing each third of the lease."""
+
+    def __init__(self, leases: ReaderLeases, until: float) -> None:
+        self._leases = leases
+        self._until = until
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            leases.renew_every_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while await self._leases._renew(self._until):
+            await asyncio.sleep(self._leases.renew_every_s)
+
+    def cancel(self) -> None:
+        """The read ended: no more renewals (one in flight is abandoned)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None:
+            self._task.cancel()

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +36,7 @@ from numpy.typing import NDArray
 
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.leases import LeaseLost, LeaseRefused, ReaderLeases
+from kvsidecar.daemon.leases import LeaseLost, LeaseRefused, ReaderLeases, Renewals
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.links import Peer
@@ -179,7 +179,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
     remote = req.remote
     cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
     tr = job.tracing
-    with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _nothing():
+    with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _NOTHING:
         known = [eng.peers.cached(remote.handshake[p], remote.engine_id, remote.tp_size, p)
                  for p in cands]
         if None in known:
@@ -202,7 +202,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
     modes = ({p: eng.staging_mode for p, peer in zip(cands, peers)
               if peer.info.mem_type == "DRAM"}
              if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
-    with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _nothing():
+    with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
         args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
                 {p: peer.bases for p, peer in zip(cands, peers)}, modes)
         planning = plans.submit(_plan_and_address, *args)
@@ -243,7 +243,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         leases.check(time.monotonic())  # never start on an expired lease
     areas = await _take_areas(eng, staged, metrics)
     if claiming is not None and metrics is not None:
-        metrics.posted_during_claim.labels(eng.engine_id).inc()
+        metrics.series(metrics.posted_during_claim, eng.engine_id).inc()
     try:
         return await _post_and_wait(eng, job, planner, timeout_s, metrics, cands, peers, plan,
                                     posts, staged, areas, claiming)
@@ -313,7 +313,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     leases = job.leases
     job.posted = True
     if metrics is not None:
-        metrics.read_queue_seconds.labels(eng.engine_id).observe(
+        metrics.series(metrics.read_queue_seconds, eng.engine_id).observe(
             time.monotonic() - job.accepted_at)
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
@@ -332,7 +332,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             post = posts[i] = PostList(post.rank, sp.post_local(area.address), sp.remote,
                                        sp.length, post.descriptors_before)
             if metrics is not None:
-                metrics.staged_transfers.labels(eng.engine_id).inc()
+                metrics.series(metrics.staged_transfers, eng.engine_id).inc()
         if post.length.size:
             far = infos[post.rank]
             todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
@@ -355,13 +355,13 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     # They start once the claim was granted (a renewal before it would find no
     # bound to extend).
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
-    renewing: asyncio.Future[None] | None = None
+    renewing: Renewals | None = None
 
     def renew(claim: asyncio.Future[None] | None = None) -> None:
         nonlocal renewing
         if leases is not None and (claim is None or (not claim.cancelled()
                                                       and claim.exception() is None)):
-            renewing = asyncio.ensure_future(leases.renew_forever(until))
+            renewing = leases.renew_later(until)
 
     if claiming is None:
         renew()
@@ -369,7 +369,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         claiming.add_done_callback(renew)
     generation = eng.worker.generation
     try:
-        results: list[Any] = list(await asyncio.gather(*ops, return_exceptions=True))
+        results: list[Any] = await _outcomes(ops)
         if claiming is not None:
             results = await _notify_after_grant(eng, claiming, posts, agents, note, merge,
                                                 results, metrics)
@@ -460,6 +460,22 @@ def _notified(engine_id: str, rank: int, metrics: Metrics | None,
                 "the lease runs out)", engine_id, rank, sent.exception())
     if metrics is not None:
         metrics.notifications_sent.labels(engine_id, "failed").inc()
+
+
+async def _outcomes(ops: list[asyncio.Future[Any]]) -> list[Any]:
+    """``gather(*ops, return_exceptions=True)``; one op (the usual case, P and
+    D of the same tp) is awaited directly, without a gathering future."""
+    if len(ops) != 1:
+        return list(await asyncio.gather(*ops, return_exceptions=True))
+    try:
+        return [await ops[0]]
+    except asyncio.CancelledError as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this read was cancelled, not its op
+        return [e]  # as gather reports an op cancelled by someone else
+    except Exception as e:
+        return [e]
 
 
 def _nothing_posted() -> asyncio.Future[None]:
@@ -568,9 +584,9 @@ def _event(eng: EngineRank, req: Read, outcome: str, reason: str) -> dict[str, o
             "peer": req.remote.engine_id, "outcome": outcome, "reason": reason}
 
 
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
+#: the context of an untraced step: one shared instance (a generator-based
+#: context manager per step was two objects and a generator per read)
+_NOTHING = contextlib.nullcontext()
 
 
 def failed(req: Read, reason: str) -> Completion:
@@ -746,9 +762,10 @@ class ReadTable:
             else:
                 c = Completion(req.request_id, "received", nbytes=out.nbytes,
                                descriptors=out.descriptors, transfers=out.transfers)
-                log.debug("read %r of engine %r received %d bytes", req.request_id,
-                          eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
-                self._metrics.read_seconds.labels(eng.engine_id).observe(
+                if log.isEnabledFor(logging.DEBUG):  # not even its fields otherwise
+                    log.debug("read %r of engine %r received %d bytes", req.request_id,
+                              eng.engine_id, out.nbytes, extra=_event(eng, req, "received", ""))
+                self._metrics.series(self._metrics.read_seconds, eng.engine_id).observe(
                     time.perf_counter() - t0, {"request_id": req.request_id[:64]})
         self._tell_p(eng, job, c)  # nothing of this read is in flight any more
         self._finish(eng, job, c)
