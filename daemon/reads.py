@@ -45,6 +45,7 @@ from kvsidecar.daemon.planner import (
     ReadPlan,
     candidate_ranks,
     check_block_ids,
+    plan_many,
     plan_read,
 )
 from kvsidecar.daemon.staging import Area, scatter
@@ -151,11 +152,44 @@ def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
     """Plan, addresses, and per P rank the staged plan (``staging``: mode per rank)."""
     plan = plan_read(local, rank, remote, req.local_block_ids, req.remote_block_ids,
                      skip_tokens=req.skip_tokens, num_tokens=req.num_tokens, check=False)
+    return _address(plan, local_bases, remote_bases, staging)
+
+
+def _address(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64],
+             staging: dict[int, str] | None,
+             ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
     posts = build_posts(plan, local_bases, remote_bases)
     modes = staging or {}
     return plan, posts, [plan_staging(p.local, p.remote, p.length, mode=modes[p.rank])
                          if p.length.size and modes.get(p.rank, "off") != "off" else None
                          for p in posts]
+
+
+def _plan_and_address_many(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+    """:func:`_plan_and_address` for the reads of one planning job (a Batch), each
+    call's outcome in its place: the reads between the same two layouts are
+    planned together (:func:`~kvsidecar.daemon.planner.plan_many`)."""
+    by_pair: dict[tuple[int, int, int], list[int]] = {}
+    for i, (local, rank, remote, *_) in enumerate(calls):
+        by_pair.setdefault((id(local), rank, id(remote)), []).append(i)
+    out: list[tuple[bool, Any]] = [(False, None)] * len(calls)
+    for idx in by_pair.values():
+        local, rank, remote = calls[idx[0]][:3]
+        reqs = [calls[i][3] for i in idx]
+        plans = plan_many(local, rank, remote,
+                          [(r.local_block_ids, r.remote_block_ids, r.skip_tokens, r.num_tokens)
+                           for r in reqs])
+        for i, plan in zip(idx, plans):
+            if isinstance(plan, PlanError):
+                out[i] = (False, plan)
+                continue
+            _, _, _, _, local_bases, remote_bases, *staging = calls[i]
+            try:
+                out[i] = (True, _address(plan, local_bases, remote_bases,
+                                         staging[0] if staging else None))
+            except Exception as e:
+                out[i] = (False, e)
+    return out
 
 
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
@@ -617,7 +651,7 @@ class ReadTable:
                  metrics: Metrics) -> None:
         self._planner = planner
         #: the planning of reads that reach it in one loop iteration, as one job
-        self._plans = ThreadGroups(planner)
+        self._plans = ThreadGroups(planner, many={_plan_and_address: _plan_and_address_many})
         self._metrics = metrics
         #: set by the Sidecar when tracing is configured
         self.tracing: Tracing | None = None

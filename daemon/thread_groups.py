@@ -7,31 +7,66 @@ back per read, and the loop wakes once per read to resume it. Calls submitted
 here in one loop iteration go to the thread as ONE job that runs them in turn
 and come back in ONE callback, which resolves each caller's future with its
 own result or its own exception: a call that raises fails only its caller.
+
+A function may have a batched variant (``ThreadGroups(many={fn: fn_many})``):
+the consecutive calls of ``fn`` in one job are then made as ONE call of
+``fn_many`` with their argument tuples, which returns each call's outcome
+(the reads of one Batch are planned in one vectorised pass). Should the
+batched call itself raise, the calls are made one by one instead, so each
+still gets exactly its own outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _Call = tuple[Callable[..., Any], tuple[Any, ...]]
 #: a call's outcome on the thread: (True, result) or (False, the exception it raised)
 _Outcome = tuple[bool, Any]
 
 
-def run_calls(calls: Sequence[_Call]) -> list[_Outcome]:
-    """Run each call in turn (on the worker thread); one raising does not stop the rest."""
+#: ``fn_many(list of fn's argument tuples) -> list of outcomes, one per call``
+Many = Callable[[list[tuple[Any, ...]]], list[_Outcome]]
+
+
+def run_calls(calls: Sequence[_Call], many: dict[Callable[..., Any], Many] | None = None
+              ) -> list[_Outcome]:
+    """Run each call in turn (on the worker thread); one raising does not stop the
+    rest. Runs of consecutive calls of a function ``many`` names go through its
+    batched variant (one by one if that raises)."""
     out: list[_Outcome] = []
-    for fn, args in calls:
-        try:
-            out.append((True, fn(*args)))
-        except Exception as e:
-            out.append((False, e))
+    i, n = 0, len(calls)
+    while i < n:
+        fn, args = calls[i]
+        batched = many.get(fn) if many else None
+        j = i + 1
+        if batched is not None:
+            while j < n and calls[j][0] is fn:
+                j += 1
+        if j - i > 1 and batched is not None:
+            try:
+                got = batched([a for _, a in calls[i:j]])
+                if len(got) == j - i:
+                    out.extend(got)
+                    i = j
+                    continue
+            except Exception:  # a bug: the calls one by one still answer each
+                log.exception("batched %s failed; making its %d calls one by one",
+                              getattr(fn, "__name__", fn), j - i)
+        for fn, args in calls[i:j]:
+            try:
+                out.append((True, fn(*args)))
+            except Exception as e:
+                out.append((False, e))
+        i = j
     return out
 
 
@@ -39,8 +74,10 @@ class ThreadGroups:
     """``submit`` is ``loop.run_in_executor`` with the calls of one loop
     iteration grouped (see the module docstring). Event loop thread only."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor,
+                 many: dict[Callable[..., Any], Many] | None = None) -> None:
         self._executor = executor
+        self._many = many
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -61,7 +98,7 @@ class ThreadGroups:
         futs = [fut for _, _, fut in calls]
         try:
             done = loop.run_in_executor(self._executor, run_calls,
-                                        [(fn, args) for fn, args, _ in calls])
+                                        [(fn, args) for fn, args, _ in calls], self._many)
         except RuntimeError as e:  # the executor was shut down
             _resolve_all(futs, e)
             return

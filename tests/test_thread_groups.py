@@ -61,3 +61,39 @@ async def test_a_shut_down_executor_fails_every_call_of_the_group() -> None:
     for f in futs:
         with pytest.raises(RuntimeError, match="shutdown"):
             await f
+
+
+def other(i: int) -> int:
+    return -i
+
+
+async def test_runs_of_one_function_go_through_its_batched_variant() -> None:
+    batches: list[list[int]] = []
+
+    def plan_many(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+        batches.append([i for (i,) in calls])
+        if 13 in batches[-1]:
+            raise RuntimeError("a bug in the batched variant")
+        out: list[tuple[bool, Any]] = []
+        for (i,) in calls:
+            try:
+                out.append((True, plan(i)))
+            except ValueError as e:
+                out.append((False, e))
+        return out
+
+    ex = CountingExecutor()
+    try:
+        groups = ThreadGroups(ex, many={plan: plan_many})
+        futs = [groups.submit(plan, 4), groups.submit(plan, 5), groups.submit(other, 1),
+                groups.submit(plan, 6)]
+        out = await asyncio.gather(*futs, return_exceptions=True)
+        assert ex.jobs == 1
+        assert batches == [[4, 5]]  # the run of two; a lone call goes as itself
+        assert out[0][0] == 16 and isinstance(out[1], ValueError)  # type: ignore[index]
+        assert out[2] == -1 and out[3][0] == 36  # type: ignore[index]
+        # The batched variant raising: each call is made alone and gets its own outcome.
+        futs = [groups.submit(plan, 12), groups.submit(plan, 13)]
+        assert [r[0] for r in await asyncio.gather(*futs)] == [144, 169]
+    finally:
+        ex.shutdown()
