@@ -826,8 +826,10 @@ class Sidecar:
             lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
             if lease.granted:
                 # The reader posts its READ when this reply arrives: progress tightly
-                # while its lease runs (wire-up, and over TCP the bytes, need us).
-                eng.worker.expect_reads(lease.lease_s)
+                # while its lease runs (wire-up, its READ's closing flush, and over
+                # TCP the bytes, need us). Told once this reply has left: waking the
+                # worker thread now would contend for the GIL with the reply.
+                asyncio.get_running_loop().call_soon(eng.worker.expect_reads, lease.lease_s)
             return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                 reason=lease.reason)
         report = Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,

@@ -39,6 +39,16 @@ def test_activity_restarts_the_escalation_at_the_floor() -> None:
                        hot=True) == 0.05
 
 
+def test_an_imminent_completion_polls_at_the_soon_floor_whatever_else_holds() -> None:
+    for inflight in (False, True):
+        for hot in (False, True):
+            assert walk(P, 4, inflight=inflight, reads_expected=True, hot=hot,
+                        soon=True) == [P.soon_s] * 4
+    # the window over: back to the rate its state asks for
+    assert P.next_wait(P.soon_s, active=False, inflight=False, reads_expected=True,
+                       hot=True) == 0.001
+
+
 def test_reads_in_flight_or_expected_poll_at_a_fixed_tight_rate() -> None:
     for hot in (False, True):
         assert walk(P, 6, inflight=True, reads_expected=False, hot=hot) == [0.0002] * 6

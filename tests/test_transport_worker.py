@@ -525,14 +525,17 @@ async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
 async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> None:
     """A worker whose idle wait is an hour: every job must wake it (else the test
     times out), holds make it escalate from the hot floor, ``expect_reads``
-    pins it to the hot floor while a peer wires up to it and reads from it, and
-    the notification of that read is delivered; ``set_hot(False)`` ends it."""
+    polls at the soon floor until the reader's notification came (its READ
+    completes only as we progress), then pins it to the hot floor while the
+    lease runs, and the notification of that read is delivered;
+    ``set_hot(False)`` ends it."""
     hour = 3600.0
     t_mem, r_mem = ShmBuf(MiB), ShmBuf(MiB)
     t_mem.view[:] = np.random.default_rng(5).integers(0, 256, MiB, dtype=np.uint8)
     got: list[tuple[str, bytes]] = []
     target = NixlWorker(f"sleepy-{uuid.uuid4().hex[:6]}", idle_poll_s=hour, idle_max_s=hour,
-                        hot_poll_s=0.001, hot_max_s=hour,
+                        hot_poll_s=0.001, hot_max_s=hour, soon_poll_s=0.0001,
+                        soon_window_s=hour,
                         on_notif=lambda ag, m: got.append((ag, m)))
     reader = NixlWorker(f"reader-{uuid.uuid4().hex[:6]}")
     await asyncio.gather(target.start(), reader.start())
@@ -546,8 +549,8 @@ async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> No
 
         target.set_hot(True)  # blocks held: from the hot floor, doubling
         await until(lambda: target.poll_wait_s > 1.0, "hot wait escalated past 1 s")
-        target.expect_reads(60.0)  # a reader claimed a lease: tight at once
-        await until(lambda: target.poll_wait_s == 0.001, "tight polling for a reader")
+        target.expect_reads(60.0)  # a reader claimed a lease: tightest at once
+        await until(lambda: target.poll_wait_s == 0.0001, "soon polling for a reader")
         offs = np.arange(0, MiB, 65536)
         await asyncio.wait_for(reader.read(tname, i64(r_mem.addr + offs), i64(t_mem.addr + offs),
                                            i64([4096] * len(offs)), notif=b"under-lease"), 60)
@@ -555,7 +558,8 @@ async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> No
             assert r_mem.view[o:o + 4096].tobytes() == t_mem.view[o:o + 4096].tobytes()
         await until(lambda: bool(got), "the reader's notification")
         assert got == [(reader.agent_name, b"under-lease")]
-        assert target.poll_wait_s == 0.001  # still inside the window
+        # notified: the soon window (an hour here) closed; still inside the lease
+        assert target.poll_wait_s == 0.001
 
         target.set_hot(False)  # nothing held any more: the window ends, deep sleep again
         await until(lambda: target.poll_wait_s == hour, "idle wait after the holds ended")
