@@ -7,10 +7,10 @@ deregister), so three layers guard it, none trusting the others:
   (nobody can swap the socket for their own),
 * the socket file is created ``0600`` (``0660`` when other users are
   allowed in) whatever the umask,
-* every message is checked against the sender's kernel credentials
-  (``SO_PEERCRED``, which libzmq reports as the ``Peer-Address`` property
-  ``"...:uid:gid:pid"`` of each ipc:// message): root bypasses file modes, so
-  file modes alone are not enough.
+* every connection is checked against the connecting process's kernel
+  credentials (``SO_PEERCRED``, read once when it is accepted; the kernel
+  records them at ``connect``, so they cannot be forged or changed later):
+  root bypasses file modes, so file modes alone are not enough.
 
 A second sidecar on the same socket is stopped by an ``flock`` on
 ``<socket>.lock``, held for the daemon's lifetime, so a stale socket can be
@@ -26,6 +26,7 @@ import fcntl
 import os
 import socket
 import stat
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ __all__ = [
     "SocketInUse",
     "claim_socket",
     "current_peer",
-    "parse_peer_address",
+    "peer_cred",
     "prepare_socket_dir",
     "restricted_umask",
 ]
@@ -44,7 +45,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PeerCred:
-    """The kernel's word on who is at the other end of an ipc:// connection."""
+    """The kernel's word on who is at the other end of a Unix socket connection."""
 
     uid: int
     gid: int
@@ -59,21 +60,18 @@ current_peer: contextvars.ContextVar[PeerCred | None] = contextvars.ContextVar(
     "kvsidecar_engine_peer", default=None)
 
 
-def parse_peer_address(value: str | None) -> PeerCred | None:
-    """``"localhost:1000:1000:4242"`` (libzmq's ipc:// Peer-Address) -> PeerCred.
+_UCRED = struct.Struct("3i")
 
-    None when the property is missing or not in that form (a platform without
-    SO_PEERCRED): the caller then refuses, it never guesses.
-    """
-    if not value:
-        return None
-    parts = value.rsplit(":", 3)
-    if len(parts) != 4:
-        return None
+
+def peer_cred(sock: socket.socket) -> PeerCred | None:
+    """The kernel's credentials of a connected Unix socket's other end (None
+    where they cannot be read: the caller then refuses, it never guesses)."""
     try:
-        return PeerCred(int(parts[1]), int(parts[2]), int(parts[3]))
-    except ValueError:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
         return None
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCred(uid, gid, pid)
 
 
 @dataclass(frozen=True)
@@ -186,13 +184,16 @@ def _remove_stale_socket(path: str) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
+    except OSError as e:
+        if e.errno != errno.EPROTOTYPE:  # a live socket of another type answers too
+            raise
     finally:
         probe.close()
     # Someone answers without holding the lock: an older sidecar, or a stranger.

@@ -21,11 +21,10 @@ import logging
 import os
 import secrets
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.daemon.engine_access import AccessPolicy, PeerCred, restricted_umask
+from kvsidecar.daemon.engine_access import AccessPolicy, peer_cred, restricted_umask
 from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.ipc.fdpass import (
     FdPassError,
@@ -37,9 +36,7 @@ from kvsidecar.ipc.fdpass import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FdServer", "peer_cred"]
-
-_UCRED = struct.Struct("3i")
+__all__ = ["FdServer"]
 
 
 @dataclass(frozen=True)
@@ -47,16 +44,6 @@ class _Offer:
     uid: int | None
     fds: tuple[int, ...]
     what: str
-
-
-def peer_cred(sock: socket.socket) -> PeerCred | None:
-    """The kernel's credentials of a connected Unix socket's other end."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except OSError:
-        return None
-    pid, uid, gid = _UCRED.unpack(raw)
-    return PeerCred(uid, gid, pid)
 
 
 class FdServer:

@@ -1,5 +1,12 @@
 """Message size limits that are counted, not only enforced.
 
+Two levels: the documented limit, enforced here with one error reply that
+says so, and a hard cap (:data:`HARD_FACTOR` times the limit) past which a
+message is not even buffered. On the engine socket (plain Unix SEQPACKET, see
+:mod:`~kvsidecar.daemon.engine_server`) a message announced over the cap is
+refused, counted, answered and its connection closed. On the ZMQ peer socket
+the cap is libzmq's, for this reason:
+
 libzmq's ``ZMQ_MAXMSGSIZE`` drops the connection of a peer whose frame is
 larger, before any byte of it reaches the application, and says nothing about
 why: libzmq 4.3.5's decoder fails with ``EMSGSIZE`` and the socket monitor sees
@@ -17,7 +24,7 @@ the cap is dropped uncounted, with its connection.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Sized
 
 from kvsidecar.daemon.logs import worth_logging
 
@@ -42,15 +49,24 @@ class SizeLimit:
         self._on_refuse = on_refuse
 
     @property
-    def zmq_cap(self) -> int:
-        """What to set as ``ZMQ_MAXMSGSIZE``."""
+    def hard_cap(self) -> int:
+        """The most bytes of one message ever buffered."""
         return self.limit * HARD_FACTOR
 
-    def check(self, frames: list[bytes]) -> str | None:
+    @property
+    def zmq_cap(self) -> int:
+        """What to set as ``ZMQ_MAXMSGSIZE``."""
+        return self.hard_cap
+
+    def check(self, frames: Sequence[Sized]) -> str | None:
         """None when every frame fits; else the error message, counted and logged."""
         size = max((len(f) for f in frames), default=0)
         if size <= self.limit:
             return None
+        return self.refuse(size)
+
+    def refuse(self, size: int) -> str:
+        """Count and log a message of ``size`` bytes refused; the error message."""
         self.refused += 1
         if self._on_refuse is not None:
             self._on_refuse("too_large")

@@ -1,4 +1,4 @@
-"""The engine's side of the sidecar: a thin client over ZMQ IPC.
+"""The engine's side of the sidecar: a thin client over a Unix socket.
 
 Every call is one short round trip: the daemon accepts or refuses a request
 and answers at once; transfers finish later and are collected with
@@ -9,28 +9,37 @@ Two faces with the same methods over one core: :class:`SidecarClient`
 (coroutines, several calls outstanding, replies matched by id). Each call is
 written once, in :class:`ClientCore`, as a generator that yields requests and
 receives replies; a face only moves bytes and waits.
+
+The channel is an ``AF_UNIX`` ``SOCK_SEQPACKET`` connection (framing in
+:mod:`kvsidecar.ipc.seqpacket`): the blocking client sends and receives on
+it directly, one system call each way and no I/O thread; the async client
+reads it from a loop reader callback. No daemon yet (no socket, nobody
+listening) is waited for, up to the call's timeout; a connection the daemon
+closed (it restarted) is replaced by a new one on the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import logging
 import operator
 import os
 import secrets
+import socket
+import struct
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
-import zmq
 
 from .layout import Layout
-from .loop_socket import LoopSocket
 from .mapping import map_refs
 from .protocol import (
     BAD_MESSAGE,
@@ -70,6 +79,17 @@ from .protocol import (
     encode_request,
 )
 from .regions import Region
+from .seqpacket import (
+    MAX_PACKET,
+    RECV_BYTES,
+    Assembler,
+    Buffer,
+    FramingError,
+    MessageTooLong,
+    new_socket,
+    packets,
+    peer_closed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,9 +299,22 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _endpoint(socket_path: str) -> str:
-    return socket_path if "://" in socket_path else f"ipc://{socket_path}"
+def _socket_path(socket_path: str) -> str:
+    """The engine socket's path (an ``ipc://`` prefix, as earlier ZMQ versions
+    took, is dropped)."""
+    path = socket_path.removeprefix("ipc://")
+    if "://" in path:
+        raise ValueError(f"the engine socket is a Unix socket path, not {socket_path!r}")
+    return path
 
+
+#: A sanity bound on one reply (the daemon's replies are far smaller).
+MAX_REPLY_BYTES = 1 << 30
+#: Retries while no daemon listens yet: from this pause, doubling up to the next.
+_CONNECT_PAUSE_S = (0.002, 0.05)
+#: Connection errors that mean "no daemon (yet)": wait for one within the timeout.
+_NOT_YET = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError)
+_timeval = struct.Struct("@ll")
 
 
 # --------------------------------------------------------------------------
@@ -301,10 +334,15 @@ class ClientCore:
     error mapping and the per-engine poll acknowledgements."""
 
     def __init__(self, socket_path: str, timeout_s: float) -> None:
-        self.endpoint = _endpoint(socket_path)
+        self.path = _socket_path(socket_path)
+        self.endpoint = self.path  # what error messages name
         self.timeout_s = timeout_s
         self.acks: dict[str, tuple[str, int]] = {}
         self._ids = itertools.count(1)
+        #: the receive buffer (one connection at a time per client) and its framing state
+        self.buf = bytearray(RECV_BYTES)
+        self._view = memoryview(self.buf)
+        self._assembler = Assembler(MAX_REPLY_BYTES)
 
     # ---- calls
 
@@ -417,13 +455,49 @@ class ClientCore:
     def encode(self, req: Request) -> bytes:
         return encode_request(req)
 
-    def decode(self, data: bytes) -> tuple[int, Reply | SidecarError]:
+    def decode(self, data: Buffer) -> tuple[int, Reply | SidecarError]:
         """The reply's id and the reply, or the error an undecodable reply means."""
         try:
             reply = decode_reply(data)
         except ProtocolError as e:
             return e.id, BadMessage(e.code, f"undecodable reply: {e}")
         return reply.id, reply
+
+    def received(self, n: int) -> tuple[int, Reply | SidecarError] | None:
+        """The packet of ``n`` bytes just received into :attr:`buf`: the reply it
+        completes (its id and outcome), or None while a long reply is arriving."""
+        try:
+            message = self._assembler.feed(self._view[:n])
+        except (FramingError, MessageTooLong) as e:
+            return -1, BadMessage(BAD_MESSAGE, f"unreadable reply: {e}")
+        return None if message is None else self.decode(message)
+
+    def new_connection(self) -> socket.socket:
+        """A connected non-blocking socket, or raises: one of ``_NOT_YET`` while no
+        daemon listens, :class:`SidecarError` for what waiting cannot fix."""
+        sock = new_socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(self.path)
+        except _NOT_YET:
+            sock.close()
+            raise
+        except PermissionError as e:
+            sock.close()
+            raise Forbidden(FORBIDDEN, f"cannot connect to {self.path}: {e} (the socket's "
+                                       "mode lets in the sidecar's own uid and those its "
+                                       "--allow-uid/--allow-gid name)") from None
+        except OSError as e:
+            sock.close()
+            raise Unavailable(UNAVAILABLE, f"cannot connect to {self.path}: {e}") from None
+        self._assembler = Assembler(MAX_REPLY_BYTES)  # nothing half-received carries over
+        return sock
+
+    def closed_error(self, what: str) -> SidecarTimeout:
+        """The daemon closed the connection after reading a request it did not
+        answer: as after a timeout, whether it was carried out is unknown."""
+        return SidecarTimeout(f"the sidecar at {self.path} closed the connection before "
+                              f"answering {what} (it stopped or restarted)")
 
     def timeout_for(self, req: Request) -> float:
         """How long to wait for the reply to ``req``: registration creates (or maps
@@ -459,18 +533,20 @@ def _advance(call: Call[T], outcome: Reply | SidecarError | None) -> Request:
 
 
 class SidecarClient:
-    """Blocking client; one call in flight at a time, not thread-safe (ZMQ sockets
-    are not): use one per thread.
+    """Blocking client; one call in flight at a time, not thread-safe: use one per
+    thread.
 
-    After a timeout the socket is replaced, so a reply that arrives late cannot
-    be taken for the next call's.
+    Each call is one blocking send and one blocking receive on the client's
+    own socket, bounded by ``SO_SNDTIMEO``/``SO_RCVTIMEO`` (set only when the
+    timeout changes), in the calling thread: no I/O thread, no poller.
+    After a timeout the socket is replaced, so a reply that arrives late
+    cannot be taken for the next call's.
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
         self._core = ClientCore(socket_path, timeout_s)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock: zmq.Socket[bytes] | None = None
-        self._rcvtimeo_ms = -1  # the socket's RCVTIMEO as last set (-1: libzmq's default)
+        self._sock: socket.socket | None = None
+        self._timeo = -1.0  # SO_RCVTIMEO/SO_SNDTIMEO as last set on _sock
 
     @property
     def timeout_s(self) -> float:
@@ -572,7 +648,7 @@ class SidecarClient:
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close()
             self._sock = None
 
     def __enter__(self) -> SidecarClient:
@@ -598,51 +674,132 @@ class SidecarClient:
                 call.close()
                 raise
 
-    def _socket(self) -> zmq.Socket[bytes]:
-        if self._sock is None:
-            sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._core.endpoint)
-            self._sock = sock
-            self._rcvtimeo_ms = -1  # libzmq's default: block forever
-        return self._sock
+    def _connect(self, req: Request, timeout_s: float, deadline: float) -> socket.socket:
+        """A connection to the daemon, waiting (until ``deadline``) for one to listen."""
+        pause, most = _CONNECT_PAUSE_S
+        while True:
+            try:
+                sock = self._core.new_connection()
+            except _NOT_YET:
+                if time.monotonic() + pause >= deadline:
+                    raise self._core.timeout_error(req, timeout_s) from None
+                time.sleep(pause)
+                pause = min(2 * pause, most)
+                continue
+            sock.setblocking(True)
+            self._sock, self._timeo = sock, -1.0
+            return sock
 
     def _exchange(self, req: Request) -> Reply:
-        sock = self._socket()
-        try:
-            sock.send(self._core.encode(req), zmq.NOBLOCK)
-        except zmq.Again:
-            self.close()
-            raise SidecarTimeout(f"cannot queue {type(req).__name__} to "
-                                 f"{self._core.endpoint}") from None
-        timeout_s = self._core.timeout_for(req)
+        core = self._core
+        data = core.encode(req)
+        timeout_s = core.timeout_for(req)
         deadline = time.monotonic() + timeout_s
-        wait_ms = max(1, int(timeout_s * 1000))
+        resends = 0
         while True:
-            # A blocking recv bounded by RCVTIMEO (set only when it changes): one
-            # libzmq call per reply, where poll-then-recv built a Poller and made
-            # two; about a quarter of this client's CPU per call.
-            if wait_ms != self._rcvtimeo_ms:
-                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
-                self._rcvtimeo_ms = wait_ms
+            sock = self._sock
+            if sock is None:
+                if resends:  # a daemon that keeps closing on us is not hammered
+                    time.sleep(min(_CONNECT_PAUSE_S[1], _CONNECT_PAUSE_S[0] * resends))
+                sock = self._connect(req, timeout_s, deadline)
+            if timeout_s != self._timeo:
+                self._set_timeout(sock, timeout_s)
             try:
-                data = sock.recv()
-            except zmq.Again:
+                if len(data) <= MAX_PACKET:
+                    sock.send(data, socket.MSG_NOSIGNAL)
+                else:
+                    for packet in packets(data):
+                        sock.send(packet, socket.MSG_NOSIGNAL)
+            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
+                self.close()
+                raise core.timeout_error(req, timeout_s) from None
+            except OSError:
+                # The daemon closed this connection (it restarted, or refused this
+                # process): what it said first is still queued; else the request never
+                # reached it, so it goes again on a new connection.
+                got = self._leftover(sock)
+                if got is None:
+                    self.close()
+                    if time.monotonic() >= deadline:
+                        raise core.timeout_error(req, timeout_s) from None
+                    resends += 1
+                    continue
+                reply = self._settle(req, *got)
+            else:
+                reply = self._receive(sock, req, timeout_s, deadline)
+            if reply is not None:
+                return reply
+            if time.monotonic() >= deadline:
+                raise core.timeout_error(req, timeout_s)
+            resends += 1
+
+    def _set_timeout(self, sock: socket.socket, timeout_s: float) -> None:
+        # A zero timeval means "block forever": the shortest wait is 1 µs.
+        usec = max(1, int(timeout_s * 1e6))
+        tv = _timeval.pack(usec // 1_000_000, usec % 1_000_000)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._timeo = timeout_s
+
+    def _receive(self, sock: socket.socket, req: Request, timeout_s: float,
+                 deadline: float) -> Reply | None:
+        """The reply to ``req``; None when it must be sent again (the daemon closed
+        the connection with it unread)."""
+        core = self._core
+        while True:
+            try:
+                n = sock.recv_into(core.buf, 0, socket.MSG_TRUNC)
+            except BlockingIOError:  # SO_RCVTIMEO
                 self.close()  # a fresh socket next time: a late reply dies with this one
-                raise self._core.timeout_error(req, timeout_s) from None
-            id, outcome = self._core.decode(data)
-            # With one call in flight, an error without an id (the daemon could
-            # not read ours) is still this call's.
-            if id == req.id or (id == -1 and isinstance(outcome, (Error, SidecarError))):
-                if isinstance(outcome, SidecarError):
-                    raise outcome
-                return outcome
-            log.debug("dropping a stale reply with id %d", id)
+                raise core.timeout_error(req, timeout_s) from None
+            except ConnectionResetError:
+                # Closed with data of ours unread (one call in flight: this request),
+                # maybe after a refusal it queued for us.
+                got = self._leftover(sock)
+                if got is None:
+                    self.close()
+                    return None
+            else:
+                if n == 0 and peer_closed(sock):
+                    self.close()
+                    raise core.closed_error(type(req).__name__)
+                got = core.received(n)
+                if got is None:
+                    continue  # a chunk of a long reply
+            reply = self._settle(req, *got)
+            if reply is not None:
+                return reply
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.close()
-                raise self._core.timeout_error(req, timeout_s)
-            wait_ms = max(1, int(remaining * 1000))
+                raise core.timeout_error(req, timeout_s)
+            self._set_timeout(sock, remaining)
+
+    def _settle(self, req: Request, id: int, outcome: Reply | SidecarError) -> Reply | None:
+        """``outcome`` if it answers ``req`` (raised if an error), else None (stale)."""
+        # With one call in flight, an error without an id (the daemon could not
+        # read ours, or refused the connection) is still this call's.
+        if id == req.id or (id == -1 and isinstance(outcome, (Error, SidecarError))):
+            if isinstance(outcome, SidecarError):
+                raise outcome
+            return outcome
+        log.debug("dropping a stale reply with id %d", id)
+        return None
+
+    def _leftover(self, sock: socket.socket) -> tuple[int, Reply | SidecarError] | None:
+        """A message still queued on a connection the daemon closed (a SEQPACKET
+        socket reports the reset once, before what is queued)."""
+        for _ in range(2):
+            try:
+                n = sock.recv_into(self._core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+            except ConnectionResetError:
+                continue
+            except OSError:
+                return None
+            if n == 0:
+                return None
+            return self._core.received(n)
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -653,17 +810,15 @@ class SidecarClient:
 class AsyncSidecarClient:
     """asyncio client; any number of calls may be outstanding at once.
 
-    A reader task (started on the first call) hands each reply to the call
-    with the same id; replies to calls that already timed out are dropped.
-    Use it from one event loop.
+    Its connection is read by a loop reader callback that hands each reply to
+    the call with the same id; replies to calls that already timed out are
+    dropped. Use it from one event loop.
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
         self._core = ClientCore(socket_path, timeout_s)
         self._poll_locks: dict[str, asyncio.Lock] = {}
-        self._sock: LoopSocket | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._conn: _AsyncConnection | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -727,14 +882,10 @@ class AsyncSidecarClient:
         return await self._run(self._core.ping())
 
     async def close(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        self._fail_pending(Unavailable(UNAVAILABLE, "client closed"))
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            conn.fail_pending(lambda: Unavailable(UNAVAILABLE, "client closed"))
 
     async def __aenter__(self) -> AsyncSidecarClient:
         return self
@@ -759,47 +910,166 @@ class AsyncSidecarClient:
                 call.close()
                 raise
 
-    def _socket(self) -> LoopSocket:
-        if self._sock is None:
-            sock = LoopSocket.of(zmq.Context.instance(), zmq.DEALER)
-            sock.sock.setsockopt(zmq.LINGER, 0)
-            sock.sock.connect(self._core.endpoint)
-            self._sock = sock
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._sock))
-        return self._sock
-
     async def _exchange(self, req: Request) -> Reply:
-        sock = self._socket()
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[req.id] = fut
-        timeout_s = self._core.timeout_for(req)
+        loop = asyncio.get_running_loop()
+        core = self._core
+        data = core.encode(req)
+        timeout_s = core.timeout_for(req)
+        fut: asyncio.Future[Reply] = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, fut, core, req, timeout_s)
+        conn: _AsyncConnection | None = None
+        resends = 0
         try:
-            return await asyncio.wait_for(self._send_and_wait(sock, req, fut), timeout_s)
-        except asyncio.TimeoutError:
-            raise self._core.timeout_error(req, timeout_s) from None
+            while not fut.done():
+                if resends:  # a daemon that keeps closing on us is not hammered
+                    await asyncio.sleep(min(_CONNECT_PAUSE_S[1], _CONNECT_PAUSE_S[0] * resends))
+                resends += 1
+                conn = await self._connection(loop, fut)
+                if conn is None:
+                    break  # timed out waiting for a daemon
+                conn.pending[req.id] = fut
+                if conn.send(data):
+                    break
+                # The daemon had closed this connection: the request never reached
+                # it. Whatever it said first is delivered; else it goes again.
+                self._lost(conn, keep=req.id)
+                conn.pending.pop(req.id, None)
+            return await fut
         finally:
-            self._pending.pop(req.id, None)
+            timer.cancel()
+            if conn is not None:
+                conn.pending.pop(req.id, None)
 
-    async def _send_and_wait(self, sock: LoopSocket, req: Request,
-                             fut: asyncio.Future[Reply]) -> Reply:
-        await sock.send(self._core.encode(req))
-        return await fut
+    async def _connection(self, loop: asyncio.AbstractEventLoop,
+                          fut: asyncio.Future[Reply]) -> _AsyncConnection | None:
+        """The open connection, or a new one once a daemon listens (None if ``fut``
+        timed out meanwhile)."""
+        conn = self._conn
+        if conn is not None and conn.loop is loop:
+            return conn
+        if conn is not None:  # made on another loop (a test's): start afresh
+            self._lost(conn)
+        pause, most = _CONNECT_PAUSE_S
+        while self._conn is None:
+            try:
+                sock = self._core.new_connection()
+            except _NOT_YET:
+                await asyncio.sleep(pause)
+                if fut.done():
+                    return None
+                pause = min(2 * pause, most)
+                continue
+            if self._conn is None:
+                self._conn = _AsyncConnection(self, sock, loop)
+            else:
+                sock.close()  # another call connected meanwhile
+        return self._conn
 
-    async def _read_replies(self, sock: LoopSocket) -> None:
-        """Route replies to waiting calls until cancelled or the socket dies."""
+    def _readable(self, conn: _AsyncConnection) -> None:
+        core = self._core
+        while True:
+            try:
+                n = conn.sock.recv_into(core.buf, 0, socket.MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # ECONNRESET: the daemon closed with data of ours unread
+                self._lost(conn)
+                return
+            if n == 0 and peer_closed(conn.sock):
+                self._lost(conn)
+                return
+            got = core.received(n)
+            if got is not None:
+                conn.resolve(*got)
+
+    def _lost(self, conn: _AsyncConnection, keep: int | None = None) -> None:
+        """The daemon closed ``conn``: deliver what it queued first (a refusal),
+        then fail the calls it did not answer (but ``keep``, which is sent again)."""
+        if self._conn is conn:
+            self._conn = None
+        core = self._core
+        for _ in range(4):
+            try:
+                n = conn.sock.recv_into(core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+            except ConnectionResetError:
+                continue
+            except OSError:
+                break
+            if n == 0:
+                break
+            got = core.received(n)
+            if got is not None:
+                conn.resolve(*got)
+        conn.close()
+        refusal = conn.refusal
+        conn.fail_pending(
+            (lambda: error_from_reply(refusal)) if refusal is not None
+            else (lambda: core.closed_error("this call")), keep=keep)
+
+
+def _expire(fut: asyncio.Future[Reply], core: ClientCore, req: Request,
+            timeout_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(core.timeout_error(req, timeout_s))
+
+
+class _AsyncConnection:
+    """The async client's connection: its calls waiting for replies (by id) and
+    the packets the kernel could not take at once."""
+
+    def __init__(self, client: AsyncSidecarClient, sock: socket.socket,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = loop
+        self.pending: dict[int, asyncio.Future[Reply]] = {}
+        #: an error the daemon sent without an id (it refused this connection)
+        self.refusal: Error | None = None
+        self._client = client
+        self._unsent: collections.deque[Buffer] = collections.deque()
+        self._closed = False
+        loop.add_reader(self.fd, client._readable, self)
+
+    def send(self, data: bytes) -> bool:
+        """Send (or queue) ``data``; False when the daemon closed the connection."""
+        if self._closed:
+            return False
+        if self._unsent:
+            self._unsent.extend(packets(data))
+            return True
+        queue: collections.deque[Buffer] = collections.deque(
+            [data] if len(data) <= MAX_PACKET else packets(data))
         try:
-            while True:
-                id, outcome = self._core.decode((await sock.recv_multipart())[-1])
-                self._resolve(id, outcome)
-        except zmq.ZMQError as e:
-            self._fail_pending(Unavailable(UNAVAILABLE, f"socket failed: {e}"))
+            while queue:
+                self.sock.send(queue[0], socket.MSG_NOSIGNAL)
+                queue.popleft()
+        except (BlockingIOError, InterruptedError):
+            self._unsent = queue
+            self.loop.add_writer(self.fd, self._flush)
+        except OSError:
+            return False
+        return True
 
-    def _resolve(self, id: int, outcome: Reply | SidecarError) -> None:
-        if id == -1 and len(self._pending) == 1:
-            # The daemon could not read our id; with one call waiting it is that one's.
-            id = next(iter(self._pending))
-        fut = self._pending.get(id)
+    def _flush(self) -> None:
+        try:
+            while self._unsent:
+                self.sock.send(self._unsent[0], socket.MSG_NOSIGNAL)
+                self._unsent.popleft()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._client._lost(self)
+            return
+        self.loop.remove_writer(self.fd)
+
+    def resolve(self, id: int, outcome: Reply | SidecarError) -> None:
+        if id == -1:
+            if isinstance(outcome, Error):
+                self.refusal = outcome
+            if len(self.pending) == 1:
+                # The daemon could not read our id; with one call waiting it is that one's.
+                id = next(iter(self.pending))
+        fut = self.pending.get(id)
         if fut is None or fut.done():
             log.debug("dropping a reply with no waiting call (id %d)", id)
             return
@@ -808,7 +1078,18 @@ class AsyncSidecarClient:
         else:
             fut.set_result(outcome)
 
-    def _fail_pending(self, exc: SidecarError) -> None:
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
+    def fail_pending(self, error: Callable[[], SidecarError], keep: int | None = None) -> None:
+        for id, fut in self.pending.items():
+            if id != keep and not fut.done():
+                fut.set_exception(error())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to remove
+            self.loop.remove_reader(self.fd)
+            if self._unsent:
+                self.loop.remove_writer(self.fd)
+        self._unsent.clear()
+        self.sock.close()

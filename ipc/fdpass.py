@@ -1,8 +1,9 @@
 """Fetching a registration's file descriptors from the sidecar (SCM_RIGHTS).
 
-Why a second socket: the engine socket is ZMQ ``ipc://``, and ZMQ carries
-bytes only, never ancillary data, so file descriptors (memfd host memory,
-CUDA VMM POSIX-fd handles) need a plain Unix socket. It sits next to the
+Why a second socket: file descriptors (memfd host memory, CUDA VMM POSIX-fd
+handles) travel as ancillary data, which the engine channel's messages never
+carry (its framing and its readers handle bytes only; it was ZMQ, which
+cannot carry them at all, when this socket was made). It sits next to the
 engine socket (``<socket>.fds``, same directory, same mode) and is guarded
 the same way: the kernel's ``SO_PEERCRED`` of the connection is checked
 against the sidecar's access policy *and* against the uid that made the

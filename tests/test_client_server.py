@@ -1,5 +1,5 @@
-"""Engine clients against the engine server over real ZMQ IPC sockets, with a
-test double standing in for the daemon's request handler."""
+"""Engine clients against the engine server over real Unix (SEQPACKET) sockets,
+with a test double standing in for the daemon's request handler."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 from kvsidecar.daemon.engine_access import SocketInUse
 from kvsidecar.daemon.engine_server import EngineServer, RequestError
@@ -61,6 +59,7 @@ from kvsidecar.ipc.protocol import (
     encode_reply,
     encode_request,
 )
+from kvsidecar.ipc.seqpacket import MAX_PACKET, BlockingChannel, new_socket, packets
 
 LAYOUT = attention_layout(model="m", num_layers=2, total_kv_heads=2, head_dim=8, block_tokens=4,
                           tp_size=1, num_blocks=4)
@@ -364,17 +363,13 @@ def test_sync_late_reply_is_not_taken_for_the_next_call(client: SidecarClient,
 # --------------------------------------------------------------------------
 
 
-def _dealer(path: str) -> zmq.Socket[bytes]:
-    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.connect(f"ipc://{path}")
-    return s
+def _channel(path: str) -> BlockingChannel:
+    return BlockingChannel(path, timeout_s=5.0)
 
 
-def _exchange(sock: zmq.Socket[bytes], *frames: bytes) -> Reply:
-    sock.send_multipart(list(frames))
-    return decode_reply(sock.recv())
+def _exchange(chan: BlockingChannel, payload: bytes) -> Reply:
+    chan.send(payload)
+    return decode_reply(chan.recv())
 
 
 @pytest.mark.parametrize(
@@ -394,7 +389,7 @@ def _exchange(sock: zmq.Socket[bytes], *frames: bytes) -> Reply:
 )
 def test_malformed_requests(threaded: ServerThread, path: str, payload: bytes, code: str,
                             id: int, needle: str) -> None:
-    with _dealer(path) as bad, _dealer(path) as good:
+    with _channel(path) as bad, _channel(path) as good:
         err = _exchange(bad, payload)
         assert isinstance(err, Error) and err.code == code and err.id == id
         assert needle in err.message
@@ -406,27 +401,104 @@ def test_malformed_requests(threaded: ServerThread, path: str, payload: bytes, c
     assert threaded.server.bad_messages == 1
 
 
-def test_wrong_frame_count(threaded: ServerThread, path: str) -> None:
-    with _dealer(path) as s:
-        err = _exchange(s, b"", encode_request(Ping(id=3)))  # a REQ-style envelope
-        assert isinstance(err, Error) and err.code == BAD_MESSAGE and "frame" in err.message
-        assert isinstance(_exchange(s, encode_request(Ping(id=4))), Pong)
+def test_a_message_longer_than_its_header_said_closes_the_connection(
+        threaded: ServerThread, path: str) -> None:
+    """Chunks past the announced length: one bad_message reply, then the end (the
+    connection is out of step); others are still served."""
+    header = packets(b"x" * (MAX_PACKET + 10))[0]
+    with _channel(path) as s, _channel(path) as good:
+        s.send(header)
+        s.send(b"y" * MAX_PACKET)
+        s.send(b"y" * 100)
+        err = decode_reply(s.recv())
+        assert isinstance(err, Error) and err.code == BAD_MESSAGE and "announced" in err.message
+        with pytest.raises(EOFError):
+            s.recv()
+        assert isinstance(_exchange(good, encode_request(Ping(id=4))), Pong)
+
+
+def test_a_long_message_arrives_whole(threaded: ServerThread, path: str) -> None:
+    """A request over one packet goes in chunks and is read whole: its id and
+    the field at its end are found (an over-long epoch, refused by name)."""
+    with _channel(path) as s:
+        data = encode_request(Poll(id=7, engine_id="e", epoch="z" * (MAX_PACKET + 100)))
+        assert len(packets(data)) == 3
+        err = _exchange(s, data)
+        assert isinstance(err, Error) and err.id == 7 and "epoch" in err.message
+
+
+def _fake_daemon(path: str, answer: Callable[[socket.socket], None]) -> threading.Thread:
+    """A bare listener at ``path`` whose one connection is handled by ``answer``
+    (in a thread): what a daemon could send that the real one does not."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    listener = new_socket()
+    listener.bind(path)
+    listener.listen()
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                answer(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def test_sync_client_error_without_id(tmp_path: Path) -> None:
     """A daemon that cannot read our id still answers this (single) call."""
-    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-    with router:
-        fake = str(tmp_path / "fake.sock")
-        router.bind(f"ipc://{fake}")
-        with SidecarClient(fake, timeout_s=5.0) as c:
-            t = threading.Thread(target=lambda: router.send_multipart(
-                [router.recv_multipart()[0], encode_reply(Error(BAD_MESSAGE, "what?"))]))
-            t.start()
-            with pytest.raises(SidecarError, match=r"what\?") as info:
-                c.ping()
-            t.join()
-            assert info.value.code == BAD_MESSAGE
+    fake = str(tmp_path / "fake.sock")
+
+    def answer(conn: socket.socket) -> None:
+        conn.recv(MAX_PACKET)
+        conn.send(encode_reply(Error(BAD_MESSAGE, "what?")))
+
+    t = _fake_daemon(fake, answer)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        with pytest.raises(SidecarError, match=r"what\?") as info:
+            c.ping()
+        assert info.value.code == BAD_MESSAGE
+    t.join()
+
+
+def test_sync_client_a_long_reply(tmp_path: Path) -> None:
+    """A reply over one packet (many completions) arrives in chunks and whole."""
+    fake = str(tmp_path / "fake.sock")
+    items = [Completion(f"r{i:06d}" + "x" * 40, "received") for i in range(3000)]
+
+    def answer(conn: socket.socket) -> None:
+        req = decode_request(conn.recv(MAX_PACKET))
+        for p in packets(encode_reply(Completions(items, id=req.id))):
+            conn.send(p)
+
+    t = _fake_daemon(fake, answer)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        assert c.poll("d0") == items
+    t.join()
+
+
+def test_sync_client_a_daemon_that_closes_without_answering(tmp_path: Path) -> None:
+    """The request was read, no reply came: as after a timeout, its fate is unknown."""
+    fake = str(tmp_path / "fake.sock")
+    t = _fake_daemon(fake, lambda conn: conn.recv(MAX_PACKET) and None)
+    with SidecarClient(fake, timeout_s=5.0) as c, \
+            pytest.raises(SidecarTimeout, match="closed the connection before answering"):
+        c.ping()
+    t.join()
+
+
+def test_sync_client_survives_a_daemon_restart(path: str, handler: HandlerDouble) -> None:
+    """A connection the old daemon closed is replaced on the next call."""
+    with SidecarClient(path, timeout_s=5.0) as c:
+        for _ in range(2):
+            st = ServerThread(path, handler)
+            st.start()
+            try:
+                assert c.ping().version == PROTOCOL_VERSION
+            finally:
+                st.stop()
+    assert len(handler.requests) == 2
 
 
 # --------------------------------------------------------------------------
@@ -547,26 +619,32 @@ async def test_async_many_outstanding_calls(path: str, server: EngineServer,
 
 async def test_async_replies_out_of_order_are_matched_by_id(path: str) -> None:
     """A fake daemon answers three calls in reverse order."""
-    Path(path).parent.mkdir(parents=True)
-    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-    router.bind(f"ipc://{path}")
 
-    async def fake_daemon() -> None:
-        got = [await router.recv_multipart() for _ in range(3)]
-        for identity, data in reversed(got):
-            req = decode_request(data)
+    def answer(conn: socket.socket) -> None:
+        got = [decode_request(conn.recv(MAX_PACKET)) for _ in range(3)]
+        for req in reversed(got):
             assert isinstance(req, Poll)
             item = Completion(req.engine_id, "received")
-            await router.send_multipart([identity, encode_reply(Completions([item], id=req.id))])
+            conn.send(encode_reply(Completions([item], id=req.id)))
 
-    try:
-        async with AsyncSidecarClient(path, timeout_s=5.0) as c:
-            daemon = asyncio.create_task(fake_daemon())
-            out = await asyncio.gather(c.poll("a"), c.poll("b"), c.poll("c"))
-            await daemon
-        assert [items[0].request_id for items in out] == ["a", "b", "c"]
-    finally:
-        router.close(linger=0)
+    t = _fake_daemon(path, answer)
+    async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+        out = await asyncio.gather(c.poll("a"), c.poll("b"), c.poll("c"))
+    assert [items[0].request_id for items in out] == ["a", "b", "c"]
+    t.join()
+
+
+async def test_async_client_survives_a_daemon_restart(path: str,
+                                                      handler: HandlerDouble) -> None:
+    async with AsyncSidecarClient(path, timeout_s=5.0) as c:
+        for _ in range(2):
+            s = EngineServer(path, handler)
+            await s.start()
+            try:
+                assert isinstance(await c.ping(), Pong)
+            finally:
+                await s.stop()
+        assert len(handler.requests) == 2
 
 
 async def test_async_timeout_without_server(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ handler would do is the service's business (tests/e2e/test_security.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -16,15 +17,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from kvsidecar.daemon.engine_access import (
     AccessPolicy,
     PeerCred,
     SocketInUse,
     current_peer,
-    parse_peer_address,
+    peer_cred,
     prepare_socket_dir,
 )
 from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer
@@ -40,6 +39,7 @@ from kvsidecar.ipc.protocol import (
     decode_reply,
     encode_request,
 )
+from kvsidecar.ipc.seqpacket import BlockingChannel, new_socket
 
 
 class Handler:
@@ -71,10 +71,11 @@ async def server(tmp_path: Path, handler: Handler) -> AsyncIterator[EngineServer
     await s.stop()
 
 
-def test_peer_address_parsing() -> None:
-    assert parse_peer_address("localhost:1000:100:4242") == PeerCred(1000, 100, 4242)
-    for bad in (None, "", "127.0.0.1", "localhost:x:1:2"):
-        assert parse_peer_address(bad) is None
+def test_peer_credentials_and_the_policy() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        assert peer_cred(a) == PeerCred(os.geteuid(), os.getegid(), os.getpid())
+    assert peer_cred(a) is None  # closed: unknown, and refused below
     policy = AccessPolicy(frozenset({5}), frozenset({7}))
     assert policy.allows(PeerCred(5, 0, 1)) and policy.allows(PeerCred(9, 7, 1))
     assert not policy.allows(PeerCred(9, 8, 1)) and not policy.allows(None)
@@ -120,24 +121,21 @@ async def test_a_sender_outside_the_policy_gets_one_forbidden_reply(tmp_path: Pa
 
 
 async def test_error_replies_never_grow_with_the_input(server: EngineServer) -> None:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(server.endpoint)
-    try:
+    def exchange(chan: BlockingChannel, data: bytes) -> Reply:
+        chan.send(data)
+        return decode_reply(chan.recv())
+
+    with BlockingChannel(server.socket_path) as chan:
         # The handler quotes the id ten times (2,560 characters): the reply is cut.
-        await sock.send(encode_request(Poll(id=1, engine_id="y" * 256)))
-        r = decode_reply(await asyncio.wait_for(sock.recv(), 10))
+        r = await asyncio.to_thread(exchange, chan, encode_request(Poll(id=1,
+                                                                        engine_id="y" * 256)))
         assert isinstance(r, Error) and r.id == 1 and r.message.endswith("characters cut)")
         assert len(r.message) <= MAX_ERROR_CHARS + 40
         # A 1 MB engine id is refused by the protocol (ids are bounded), unquoted.
-        await sock.send(msgspec.msgpack.encode(
+        r = await asyncio.to_thread(exchange, chan, msgspec.msgpack.encode(
             {"op": "poll", "id": 9, "v": 1, "engine_id": "w" * 1_000_000}))
-        r = decode_reply(await asyncio.wait_for(sock.recv(), 10))
         assert isinstance(r, Error) and r.code == "bad_message" and r.id == 9
         assert "www" not in r.message and len(r.message) <= MAX_ERROR_CHARS + 40
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 async def test_a_second_server_on_a_live_socket_leaves_it_alone(server: EngineServer,
@@ -157,75 +155,123 @@ def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
         prepare_socket_dir(str(d), shared=False)
 
 
-async def test_oversized_messages_never_reach_python(tmp_path: Path, handler: Handler) -> None:
-    s = EngineServer(str(tmp_path / "e.sock"), handler, max_message_bytes=64 << 10)
+async def test_a_message_over_twice_the_limit_is_refused_and_its_connection_closed(
+        tmp_path: Path, handler: Handler) -> None:
+    """Announced at over twice the limit: refused from its header alone (never
+    buffered), counted, answered once, and the connection closed; everyone else
+    is served."""
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), handler, max_message_bytes=64 << 10,
+                     on_refuse=refused.append)
     await s.start()
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(s.endpoint)
+
+    def send_huge() -> tuple[dict[str, object], BlockingChannel]:
+        chan = BlockingChannel(s.socket_path)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            chan.send(b"\x00" * (1 << 20))  # the server closes after the header
+        err = msgspec.msgpack.decode(chan.recv())
+        return err, chan
+
     try:
-        await sock.send(b"\x00" * (1 << 20))  # dropped by libzmq with the connection
+        err, chan = await asyncio.to_thread(send_huge)
+        with chan:
+            assert err["op"] == "error" and err["code"] == "bad_message"
+            assert "over this sidecar's limit of 65536" in err["message"]
+            with pytest.raises(EOFError):
+                await asyncio.to_thread(chan.recv)
+        assert refused == ["too_large"] and s.size_limit.refused == 1
         async with AsyncSidecarClient(s.socket_path, timeout_s=10) as c:
             assert isinstance(await c.ping(), Pong)  # everyone else is served
-        assert s.messages == 1  # only the ping was ever received
+        assert handler.calls == 1  # only the ping reached the handler
     finally:
-        sock.close(0)
-        ctx.term()
         await s.stop()
 
 
 async def test_a_message_over_the_limit_is_refused_counted_and_answered(
         tmp_path: Path, handler: Handler) -> None:
-    """Over the limit but under libzmq's cap (twice the limit): one bad_message reply
-    with the request's id, counted as refused 'too_large', the sender still served."""
+    """Over the limit but under twice it: one bad_message reply with the request's
+    id, counted as refused 'too_large', the sender still served."""
     refused: list[str] = []
     s = EngineServer(str(tmp_path / "e.sock"), handler, max_message_bytes=64 << 10,
                      on_refuse=refused.append)
     await s.start()
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(s.endpoint)
-    try:
-        big = msgspec.msgpack.encode({"op": "ping", "id": 42, "v": 1, "pad": "x" * (100 << 10)})
-        await sock.send(big)
-        assert await sock.poll(10_000)
-        err = msgspec.msgpack.decode(await sock.recv())
+    big = msgspec.msgpack.encode({"op": "ping", "id": 42, "v": 1, "pad": "x" * (100 << 10)})
+
+    def exchange(chan: BlockingChannel) -> None:
+        chan.send(big)
+        err = msgspec.msgpack.decode(chan.recv())
         assert err["op"] == "error" and err["code"] == "bad_message" and err["id"] == 42
         assert f"message of {len(big)} bytes is over this sidecar's limit of 65536" \
             in err["message"]
-        assert await sock.poll(300) == 0  # exactly one reply
+        assert not chan.readable(0.3)  # exactly one reply
+        chan.send(msgspec.msgpack.encode({"op": "ping", "id": 43, "v": 1}))
+        # the same connection is still served
+        assert msgspec.msgpack.decode(chan.recv())["op"] == "pong"
+
+    try:
+        with BlockingChannel(s.socket_path) as chan:
+            await asyncio.to_thread(exchange, chan)
         assert refused == ["too_large"] and s.size_limit.refused == 1
-        await sock.send(msgspec.msgpack.encode({"op": "ping", "id": 43, "v": 1}))
-        assert await sock.poll(10_000)  # the same connection is still served
-        assert msgspec.msgpack.decode(await sock.recv())["op"] == "pong"
     finally:
-        sock.close(0)
-        ctx.term()
         await s.stop()
 
 
 async def test_connections_beyond_the_limit_are_shut_and_the_first_stay(
         tmp_path: Path, handler: Handler) -> None:
-    s = EngineServer(str(tmp_path / "e.sock"), handler, max_connections=4)
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), handler, max_connections=4,
+                     on_refuse=refused.append)
     await s.start()
-    assert s.guard is not None
     flood: list[socket.socket] = []
     try:
         async with AsyncSidecarClient(s.socket_path, timeout_s=30) as engine:
             await engine.ping()  # a registered engine's connection, first in
             for _ in range(40):
-                f = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                f = new_socket()
                 f.connect(s.socket_path)
                 flood.append(f)
-            while s.guard.refused < 37:  # 40 + the engine, 4 kept
+            while s.refused_connections < 37:  # 40 + the engine, 4 kept
                 await asyncio.sleep(0.05)
-            last = flood[-1]  # refused: libzmq's greeting, then the end
+            last = flood[-1]  # refused: one error that says why, then the end
             last.settimeout(30)
-            while last.recv(1024):
-                pass
-            assert s.guard.connections == 4 and s.guard.refused == 37
+            err = decode_reply(last.recv(4096))
+            assert isinstance(err, Error) and err.code == "unavailable"
+            assert "4 engine connections, its limit" in err.message
+            assert last.recv(4096) == b""
+            assert s.connections == 4 and s.refused_connections == 37
+            assert refused == ["connection_limit"] * 37
             assert isinstance(await engine.ping(), Pong)  # still served
     finally:
         for f in flood:
             f.close()
+        await s.stop()
+
+
+async def test_requests_in_flight_on_one_connection_are_bounded(tmp_path: Path) -> None:
+    """Past ``max_in_flight`` unanswered requests, each further one gets a clear
+    error at once; the connection keeps working once replies went out."""
+    gate = asyncio.Event()
+
+    class Slow:
+        async def handle(self, req: Request) -> Reply:
+            await gate.wait()
+            return Pong(version=1)
+
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), Slow(), max_in_flight=3,
+                     on_refuse=refused.append)
+    await s.start()
+    try:
+        async with AsyncSidecarClient(s.socket_path, timeout_s=30) as c:
+            calls = [asyncio.ensure_future(c.ping()) for _ in range(5)]
+            while s.refused_in_flight < 2:
+                await asyncio.sleep(0.01)
+            gate.set()
+            out = await asyncio.gather(*calls, return_exceptions=True)
+            errors = [o for o in out if isinstance(o, Exception)]
+            assert len(errors) == 2 and all("3 requests are in flight on this connection"
+                                            in str(e) for e in errors)
+            assert refused == ["in_flight_limit"] * 2
+            assert isinstance(await c.ping(), Pong)
+    finally:
         await s.stop()

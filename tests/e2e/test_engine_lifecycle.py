@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 
 from kvsidecar.daemon.engines import shm_prefix_for
 from kvsidecar.ipc.client import (
@@ -30,6 +29,7 @@ from kvsidecar.ipc.protocol import (
     decode_reply,
     encode_request,
 )
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess
 
 pytestmark = pytest.mark.e2e
@@ -78,16 +78,10 @@ def test_start_up_removes_only_its_own_stale_segments(sidecar, stale) -> None:
 def _register_raw(socket: str, engine_id: str, pid: int, pid_ns: str) -> Registered:
     """Register as an engine whose pid the sidecar cannot check (another PID
     namespace), the way a container without a shared PID namespace does."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30_000)
-    try:
-        sock.connect(f"ipc://{socket}")
+    with BlockingChannel(socket, timeout_s=30) as sock:
         sock.send(encode_request(Register(engine_id, 0, LAYOUT, "allocate", [], False, pid,
                                           pid_ns, "other-container", id=1)))
         reply = decode_reply(sock.recv())
-    finally:
-        sock.close()
     assert isinstance(reply, Registered), reply
     return reply
 
@@ -152,14 +146,10 @@ def test_another_process_with_the_same_engine_id_is_refused(sidecar) -> None:
     with SidecarClient(sidecar.socket) as c:
         reg = c.register("taken", 0, LAYOUT, allocate=True)
         try:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 30_000)
-            sock.connect(f"ipc://{sidecar.socket}")
-            sock.send(encode_request(Register("taken", 0, LAYOUT, "allocate", [], False, 0, "",
-                                              "someone-else", id=1)))
-            reply = decode_reply(sock.recv())
-            sock.close()
+            with BlockingChannel(sidecar.socket, timeout_s=30) as sock:
+                sock.send(encode_request(Register("taken", 0, LAYOUT, "allocate", [], False, 0,
+                                                  "", "someone-else", id=1)))
+                reply = decode_reply(sock.recv())
             assert reply.code == "duplicate" and "already registered" in reply.message
             assert process_instance() != "someone-else"
         finally:
@@ -195,7 +185,13 @@ def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
                 c.release("bounded", f"r{i}")  # aborted reads: completions wait to be polled
             with pytest.raises(Unavailable, match="poll completions"):
                 c.hold("bounded", "h3", [[3]], timeout_s=1000)
+            # A released read reports ``aborted`` once its cancelled task has ended, a
+            # loop turn after the release was answered: poll until all three came.
             got = c.poll("bounded")
+            deadline = time.monotonic() + 30
+            while len(got) < 3:
+                assert time.monotonic() < deadline, got
+                got += c.poll("bounded", wait_s=1.0)
             assert sorted((x.request_id, x.kind) for x in got) == [
                 ("r0", "aborted"), ("r1", "aborted"), ("r2", "aborted")]
             assert c.poll("bounded") == []  # acknowledges them: only now are they gone

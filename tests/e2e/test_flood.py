@@ -63,7 +63,7 @@ def test_a_connection_flood_neither_starves_nor_kills_the_sidecar(tmp_path: Path
                 with contextlib.suppress(OSError):
                     flood.append(socket.create_connection((host, int(port)), timeout=5))
             for _ in range(ENGINE_FLOOD):
-                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 try:
                     u.connect(p.socket)
                     flood.append(u)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.ipc.client import SidecarClient, UnknownEngine
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
@@ -209,23 +210,32 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 
 
 class _Channel:
-    """A raw DEALER that sends one frame and expects exactly one reply."""
+    """A raw connection that sends one message and expects exactly one reply: a
+    DEALER (CURVE) to the peer socket, or a bare Unix connection to the engine
+    socket (``ipc://``)."""
 
     def __init__(self, endpoint: str, curve: bool) -> None:
+        self.engine = (BlockingChannel(endpoint.removeprefix("ipc://"), timeout_s=30)
+                       if endpoint.startswith("ipc://") else None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        if curve:
-            keys = load_keys(fleet_keys())
-            self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
-            self.sock.curve_serverkey = keys.public
-        self.sock.connect(endpoint)
+        if self.engine is None:
+            if curve:
+                keys = load_keys(fleet_keys())
+                self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
+                self.sock.curve_serverkey = keys.public
+            self.sock.connect(endpoint)
         #: replies by type/code ("error:bad_message", "reply", "control", ...)
         self.kinds: dict[str, int] = {}
 
     def roundtrip(self, frame: bytes) -> bytes:
-        self.sock.send(frame)
-        assert self.sock.poll(30_000), f"no reply to {frame[:80]!r}"
-        reply = self.sock.recv()
+        if self.engine is not None:
+            self.engine.send(frame)
+            reply = self.engine.recv()
+        else:
+            self.sock.send(frame)
+            assert self.sock.poll(30_000), f"no reply to {frame[:80]!r}"
+            reply = self.sock.recv()
         msg = msgspec.msgpack.decode(reply)
         tag = msg.get("type", msg.get("op"))  # peer replies are tagged "type", engine ones "op"
         kind = f"{tag}:{msg['code']}" if tag == "error" else str(tag)
@@ -234,7 +244,11 @@ class _Channel:
         return reply
 
     def close(self) -> None:
-        assert self.sock.poll(500) == 0, "a second reply to some input"
+        if self.engine is not None:
+            assert not self.engine.readable(0.5), "a second reply to some input"
+            self.engine.close()
+        else:
+            assert self.sock.poll(500) == 0, "a second reply to some input"
         self.sock.close(0)
         self.ctx.term()
 

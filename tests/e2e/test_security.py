@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 
 from kvsidecar.ipc.client import SidecarClient, SidecarError
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Register, ShmRef, decode_reply, encode_request
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
@@ -50,18 +50,14 @@ def _attack(sock_path: str, victim: str, root_region: str, unprefixed: str) -> d
     attempt("hold", lambda: c.hold(victim, "x", [[0]]))
     attempt("deregister", lambda: c.deregister(victim))
     attempt("register_same_id", lambda: c.register(victim, 0, layout, allocate=True))
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.connect("ipc://" + sock_path)
-    for i, name in enumerate([root_region, unprefixed]):
-        req = Register(id=100 + i, engine_id=f"thief{i}", tp_rank=0, layout=layout,
-                       mode="attach",
-                       regions=[ShmRef(name, layout.region_bytes)] * layout.num_regions)
-        d.send(encode_request(req))
-        assert d.poll(20000), "no reply"
-        r = decode_reply(d.recv())
-        out[f"attach_{i}"] = f"{type(r).__name__}: {getattr(r, 'message', '')}"
-    d.close(0)
+    with BlockingChannel(sock_path, timeout_s=20) as d:
+        for i, name in enumerate([root_region, unprefixed]):
+            req = Register(id=100 + i, engine_id=f"thief{i}", tp_rank=0, layout=layout,
+                           mode="attach",
+                           regions=[ShmRef(name, layout.region_bytes)] * layout.num_regions)
+            d.send(encode_request(req))
+            r = decode_reply(d.recv())
+            out[f"attach_{i}"] = f"{type(r).__name__}: {getattr(r, 'message', '')}"
     return out
 
 
