@@ -560,42 +560,58 @@ def _inprocess_read_cpu(calls: int) -> float:
         return (time.process_time() - cpu0) / calls
 
 
-def _zmq_echo(endpoint: str, n: int) -> None:
-    import zmq
+def _unix_echo(path: str, n: int, delay_s: float, ready: Any) -> None:
+    """Echo ``n`` packets on one SEQPACKET connection, each after ``delay_s``
+    (spun, not slept: a sleep's granularity is coarser than the delays)."""
+    from kvsidecar.ipc.seqpacket import new_socket
 
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(endpoint)
+    listener = new_socket()
+    listener.bind(path)
+    listener.listen()
+    ready.set()
+    conn, _ = listener.accept()
     for _ in range(n):
-        sock.send_multipart(sock.recv_multipart())
-    sock.close(linger=1000)
+        data = conn.recv(65536)
+        until = time.perf_counter() + delay_s
+        while time.perf_counter() < until:
+            pass
+        conn.send(data)
+    conn.close()
+    listener.close()
 
 
-def zmq_floor_cpu(calls: int) -> float:
-    """Client CPU seconds per bare pyzmq DEALER round trip (64-byte message) to an
-    echoing ROUTER in another process over ipc:// (the transport the engine
-    socket uses): the floor of any call through this client design."""
+def unix_floor_cpu(calls: int, delay_s: float = 0.0) -> tuple[float, float]:
+    """Client CPU seconds and wall seconds per bare blocking round trip (64-byte
+    message) over an AF_UNIX SEQPACKET socket (the engine channel's transport)
+    to an echo in another process that answers after ``delay_s``: the floor of
+    any call through the engine client. With a delay the client's thread
+    sleeps and is woken, as it is while the daemon works; on a shared host
+    that wake-up costs CPU of its own."""
     import multiprocessing as mp
 
-    import zmq
+    from kvsidecar.ipc.seqpacket import new_socket
 
-    d = tempfile.mkdtemp(prefix="kvs-bench-zmq-")
-    endpoint = f"ipc://{d}/echo.sock"
-    proc = mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint, calls + 10))
+    d = tempfile.mkdtemp(prefix="kvs-bench-unix-")
+    path = f"{d}/echo.sock"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_unix_echo, args=(path, calls + 10, delay_s, ready))
     proc.start()
     try:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(endpoint)
+        if not ready.wait(60):
+            raise RuntimeError("the echo process did not start")
+        sock = new_socket()
+        sock.connect(path)
         msg = b"x" * 64
         for _ in range(10):
             sock.send(msg)
-            sock.recv()
-        c0 = time.process_time()
+            sock.recv(65536)
+        c0, w0 = time.process_time(), time.perf_counter()
         for _ in range(calls):
-            sock.send(msg, zmq.NOBLOCK)
-            sock.poll(10_000)
-            sock.recv()
-        out = (time.process_time() - c0) / calls
-        sock.close(linger=0)
+            sock.send(msg)
+            sock.recv(65536)
+        out = (time.process_time() - c0) / calls, (time.perf_counter() - w0) / calls
+        sock.close()
         return out
     finally:
         proc.join(10)
@@ -606,7 +622,8 @@ def zmq_floor_cpu(calls: int) -> float:
 
 def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     """Engine CPU per ``read`` / ``hold`` / ``poll`` call of the public (sync) client,
-    as CLOCK_PROCESS_CPUTIME_ID of this process (its ZMQ I/O thread included)."""
+    as CLOCK_PROCESS_CPUTIME_ID of this process (all its threads; the client has
+    no I/O thread of its own)."""
     k, slots, batch = 16, 4, 16
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
         pair = Pair(p0, d0, small_attention, k * batch, "cpu")
@@ -616,7 +633,7 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
             warm = pair.prefill(8 * k)
             D.start_read(warm)
             pair.finish([warm], wait_all(D, [warm.request_id]))
-            hold_cpu = read_cpu = poll_full = 0.0
+            hold_cpu = read_cpu = poll_full = read_wall = 0.0
             n_full = n_items = 0
             rounds = max(1, s.cpu_calls // slots)
             for r in range(rounds):
@@ -630,9 +647,10 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                     hold_cpu += time.process_time() - c0
                 for j, rid in enumerate(rids):
                     ids = list(range(j * k, (j + 1) * k))
-                    c0 = time.process_time()
+                    c0, w0 = time.process_time(), time.perf_counter()
                     dc.read(D.engine_id, rid, [ids], P.remote, [ids], remote_request_id=rid)
                     read_cpu += time.process_time() - c0
+                    read_wall += time.perf_counter() - w0
                 time.sleep(0.003)  # let the round finish, so one poll returns all of it
                 want = set(rids)
                 while want:
@@ -682,10 +700,13 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     nb = rounds_b * batch
     n = rounds * slots
     base = _inprocess_read_cpu(min(s.cpu_calls, 500))
-    floor = zmq_floor_cpu(s.cpu_calls)
+    floor, floor_wall = unix_floor_cpu(s.cpu_calls)
     hold, read = hold_cpu / n, read_cpu / n
-    bound = (f"floor: a bare pyzmq DEALER round trip to another process costs this client "
-             f"{us(floor)} of CPU (same run; the ZMQ I/O thread included)")
+    # The same bare round trip, answered as late as the daemon answered `read` here.
+    floor_late, _ = unix_floor_cpu(s.cpu_calls, max(0.0, read_wall / n - floor_wall))
+    bound = (f"floor: a bare AF_UNIX SEQPACKET round trip to another process costs this "
+             f"client {us(floor)} of CPU, {us(floor_late)} when answered after the "
+             f"{us(read_wall / n)} a `read` call took (same run)")
     return [
         Figure("engine CPU per `read` call (16 blocks)", us(read),
                f"the same planning + posting + completion in-process (bare NIXL): {us(base)}",
