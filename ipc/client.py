@@ -237,8 +237,20 @@ def _item_outcome(reply: Ok | Held | Error) -> Held | SidecarError | None:
     return reply if isinstance(reply, Held) else None
 
 
+_PLAIN_INT = frozenset({int})
+
+
 def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
     """Plain ``list[list[int]]`` for the wire; rejects floats and flat lists."""
+    if type(groups) is list:
+        # What engines pass most: lists of plain ints, sent as they are. The type
+        # check is a third of msgspec.convert's cost (0.8 against 2 µs for 16 ids),
+        # and every call pays it once or twice.
+        for g in groups:
+            if type(g) is not list or not _PLAIN_INT.issuperset(map(type, g)):
+                break
+        else:
+            return groups
     if isinstance(groups, np.ndarray):
         if groups.ndim != 2:
             raise TypeError(f"block ids: expected a 2-D array (groups x ids), got {groups.ndim}-D")
