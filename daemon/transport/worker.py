@@ -98,6 +98,7 @@ returns, so the caller may unmap the memory afterwards.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import gc
 import importlib
@@ -300,6 +301,25 @@ def _share(futs: list[_Fut], parts: list[tuple[int, int]] | None, merged: _Fut) 
             # Built directly: dataclasses.replace per read cost several us.
             fut.set_result(TransferStats(nbytes, ndesc, got.post_us, got.xfer_us,
                                          got.telemetry, len(futs), i == 0))
+
+
+_PR_SET_TIMERSLACK = 29
+#: this thread's timer slack (ns): how late the kernel may end its timed waits
+_TIMER_SLACK_NS = 1000
+
+
+def _tight_timers() -> None:
+    """Let the calling thread's timed waits end on time (Linux; else nothing).
+
+    Why: Linux ends a timed wait up to the thread's timer slack late, 50 us by
+    default, so the worker's 50 us soon poll took 110 us (p50, measured here);
+    with 1 us slack it takes 60 us, at ~11 us of CPU per wake-up either way.
+    Only this thread's slack changes (prctl applies per thread)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.debug("cannot set the NIXL worker's timer slack", exc_info=True)
 
 
 def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -741,6 +761,7 @@ class NixlWorker:
     # -- worker thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _tight_timers()
         try:
             if self._thread_init is not None:
                 self._thread_init()
