@@ -33,11 +33,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.client import ControlAnswer, HandshakeClient
 from kvsidecar.daemon.peers.control import Abandon, Claim
 from kvsidecar.daemon.peers.messages import HandshakeFailed
 
 log = logging.getLogger(__name__)
+
+#: a claim issued by ReaderLeases.send_claims: (P address, claim, P's answer to come)
+_Sent = tuple[str, Claim, asyncio.Future[ControlAnswer]]
 
 
 class LeaseRefused(RuntimeError):
@@ -69,13 +72,21 @@ class ReaderLeases:
         """Until when (this clock) every rank's lease is known valid."""
         return min(self.bounds.values(), default=-math.inf)
 
-    async def claim(self) -> None:
-        """Claim every rank at once; raise :class:`LeaseRefused` naming the first refusal."""
+    def send_claims(self) -> list[_Sent]:
+        """Issue every rank's claim now, to be awaited by :meth:`claim`: a read
+        issues them before it submits its planning, so they leave first."""
         self._stale = False
-        if len(self.targets) == 1:  # the usual case (same tp): no task, no gather
-            outcomes = [await self._claim(*self.targets[0])]
+        return [(a, c, self.client.control_soon(a, c)) for a, c in self.targets]
+
+    async def claim(self, sent: list[_Sent] | None = None) -> None:
+        """Claim every rank at once (or await the claims :meth:`send_claims`
+        issued); raise :class:`LeaseRefused` naming the first refusal."""
+        if sent is None:
+            sent = self.send_claims()
+        if len(sent) == 1:  # the usual case (same tp): no task, no gather
+            outcomes = [await self._granted(*sent[0])]
         else:
-            outcomes = await asyncio.gather(*(self._claim(a, c) for a, c in self.targets))
+            outcomes = await asyncio.gather(*(self._granted(*s) for s in sent))
         problems = [(refused, why) for refused, why in outcomes if why]
         if problems:
             raise LeaseRefused(problems[0][1], answered=problems[0][0], stale_link=self._stale)
@@ -140,10 +151,15 @@ class ReaderLeases:
 
     async def _claim(self, address: str, claim: Claim) -> tuple[bool, str]:
         """(refused by P, why); ``(False, "")`` when granted."""
+        return await self._granted(address, claim, self.client.control_soon(address, claim))
+
+    async def _granted(self, address: str, claim: Claim,
+                       answer: asyncio.Future[ControlAnswer]) -> tuple[bool, str]:
+        """What :meth:`_claim` says, of a claim already issued (``answer``)."""
         try:
             # t0: when the message carrying the claim left (a batch's send time for
             # every item in it), never earlier than P's receipt could be.
-            reply, t0 = await self.client.control(address, claim)
+            reply, t0 = await answer
         except HandshakeFailed as e:
             return False, f"P rank {claim.tp_rank} at {address}: {e.reason}"
         if not reply.granted or not (0 < reply.lease_s < math.inf):

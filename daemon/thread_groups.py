@@ -14,6 +14,13 @@ the consecutive calls of ``fn`` in one job are then made as ONE call of
 (the reads of one Batch are planned in one vectorised pass). Should the
 batched call itself raise, the calls are made one by one instead, so each
 still gets exactly its own outcome.
+
+A job that is cheap as a whole (each call may say its ``cost``; the job's is
+their sum, at most ``inline_cost``) runs on the loop instead, in the same
+callback that would have handed it to the thread: for one small read the
+thread's wake-up, its GIL hand-over and the ``call_soon_threadsafe`` back
+cost more than the planning (40 us for a 1-block read here) and, on two
+cores, compete with the lease claim that just left.
 """
 
 from __future__ import annotations
@@ -75,27 +82,37 @@ class ThreadGroups:
     iteration grouped (see the module docstring). Event loop thread only."""
 
     def __init__(self, executor: Executor,
-                 many: dict[Callable[..., Any], Many] | None = None) -> None:
+                 many: dict[Callable[..., Any], Many] | None = None,
+                 inline_cost: int = 0) -> None:
         self._executor = executor
         self._many = many
+        self._inline_cost = inline_cost
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._cost = 0
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def submit(self, fn: Callable[..., T], *args: Any, cost: int | None = None
+               ) -> asyncio.Future[T]:
         """``fn(*args)`` on the executor's thread, with the other calls submitted in
-        this loop iteration; cancelling the future before its group leaves skips it."""
+        this loop iteration; cancelling the future before its group leaves skips it.
+        A call without a ``cost`` is never run on the loop."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush, loop)
         self._pending.append((fn, args, fut))
+        self._cost += self._inline_cost + 1 if cost is None else cost
         return fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         calls = [c for c in self._pending if not c[2].done()]
+        cost, self._cost = self._cost, 0
         self._pending = []
         if not calls:
             return
         futs = [fut for _, _, fut in calls]
+        if cost <= self._inline_cost:  # cheaper here than a trip to the thread
+            _settle(futs, run_calls([(fn, args) for fn, args, _ in calls], self._many))
+            return
         try:
             done = loop.run_in_executor(self._executor, run_calls,
                                         [(fn, args) for fn, args, _ in calls], self._many)
@@ -114,7 +131,11 @@ def _resolve(futs: list[asyncio.Future[Any]], done: asyncio.Future[list[_Outcome
     if exc is not None:  # only a BaseException escapes run_calls
         _resolve_all(futs, exc)
         return
-    for fut, (ok, value) in zip(futs, done.result()):
+    _settle(futs, done.result())
+
+
+def _settle(futs: list[asyncio.Future[Any]], outcomes: list[_Outcome]) -> None:
+    for fut, (ok, value) in zip(futs, outcomes):
         if fut.done():  # its caller was cancelled meanwhile
             continue
         if ok:

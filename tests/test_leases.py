@@ -45,6 +45,9 @@ class BookPeer:
         return ControlAnswer(ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                           reason=lease.reason), sent_at)
 
+    def control_soon(self, address: str, msg: ControlRequest) -> asyncio.Future[ControlAnswer]:
+        return asyncio.ensure_future(self.control(address, msg))
+
 
 def leases(peer: BookPeer) -> ReaderLeases:
     claim = Claim(engine_id="P", tp_rank=0, agent_name="a", request_id="r",

@@ -97,3 +97,24 @@ async def test_runs_of_one_function_go_through_its_batched_variant() -> None:
         assert [r[0] for r in await asyncio.gather(*futs)] == [144, 169]
     finally:
         ex.shutdown()
+
+
+async def test_a_cheap_job_runs_on_the_loop_and_a_costly_or_unpriced_one_on_the_thread() -> None:
+    ex = CountingExecutor()
+    here = threading.current_thread().name
+    try:
+        groups = ThreadGroups(ex, inline_cost=4)
+        # One iteration's calls costing 4 in all: run here, no job for the thread;
+        # a failing call still fails its caller alone.
+        futs = [groups.submit(plan, i, cost=2) for i in (3, 5)]
+        out = await asyncio.gather(*futs, return_exceptions=True)
+        assert out[0] == (9, here) and isinstance(out[1], ValueError)
+        assert ex.jobs == 0
+        # Past the bound, or without a cost: the thread, as one job each time.
+        futs = [groups.submit(plan, i, cost=2) for i in (1, 2, 3)]
+        assert [r[0] for r in await asyncio.gather(*futs)] == [1, 4, 9]
+        assert ex.jobs == 1
+        assert (await groups.submit(plan, 2))[1] != here
+        assert ex.jobs == 2
+    finally:
+        ex.shutdown()

@@ -249,17 +249,43 @@ class HandshakeClient:
         for a handshake), after at most ``timeout_s`` waiting behind earlier
         messages to the same address.
         """
+        addr, what, req_id, frame = self._encode_control(address, msg)
+        if self._batching.get(addr, 0) < 2:
+            return await self._control_one(addr, what, req_id, frame)
+        return await self._enqueue(addr, what, req_id, frame)
+
+    def control_soon(self, address: str, msg: ControlRequest) -> asyncio.Future[ControlAnswer]:
+        """:meth:`control` started now: queued (or, to a peer that takes no
+        batches, under way) when this returns; the future resolves as
+        :meth:`control` would return or raise. Why: a read issues its claim
+        before it hands its planning to the planning thread, so the claim's
+        message is the first thing of the next loop iteration, ahead of the
+        planning job and its thread's wake-up."""
+        try:
+            addr, what, req_id, frame = self._encode_control(address, msg)
+        except HandshakeFailed as e:
+            failed: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
+            failed.set_exception(e)
+            return failed
+        if self._batching.get(addr, 0) < 2:
+            return asyncio.ensure_future(self._control_one(addr, what, req_id, frame))
+        return self._enqueue(addr, what, req_id, frame)
+
+    def _encode_control(self, address: str, msg: ControlRequest) -> tuple[str, str, int, bytes]:
+        """(address, what, req_id, frame) of one control request."""
         addr = normalise(address)
         if self._closed:
             raise HandshakeFailed(addr, "handshake client is closed")
         req_id = next(self._ids)
         frame = control.encode(msgspec.structs.replace(msg, req_id=req_id))
-        what = type(msg).__name__.lower()
-        limit = self._batching.get(addr, 0)
-        if limit < 2:
-            return await self._control_one(addr, what, req_id, frame)
+        return addr, type(msg).__name__.lower(), req_id, frame
+
+    def _enqueue(self, addr: str, what: str, req_id: int,
+                 frame: bytes) -> asyncio.Future[ControlAnswer]:
+        """Put one item in ``addr``'s outbox (starting its flush if none runs)."""
         box = self._outboxes.get(addr)
         if box is None:
+            limit = self._batching.get(addr, 0)
             box = self._outboxes[addr] = Outbox(min(limit, MAX_BATCH_ITEMS), MAX_BATCH_BYTES,
                                                 BATCH_OVERHEAD_BYTES)
         item = _Item(what, req_id, frame, asyncio.get_running_loop().create_future())
@@ -267,7 +293,7 @@ class HandshakeClient:
             flush = asyncio.create_task(self._flush(addr, box), name=f"control-flush-{addr}")
             self._flushes.add(flush)
             flush.add_done_callback(self._flushes.discard)
-        return await item.future
+        return item.future
 
     async def _control_one(self, addr: str, what: str, req_id: int,
                            frame: bytes) -> ControlAnswer:
@@ -366,14 +392,26 @@ class HandshakeClient:
 
     async def _send_timed(self, addr: str, req_id: int, frame: bytes, what: str) -> AnyReply:
         """:meth:`_send` within ``timeout_s``; no answer in time drops the
-        connection (the next request gets a fresh one) and raises HandshakeFailed."""
+        connection (the next request gets a fresh one) and raises HandshakeFailed.
+
+        A timer rather than ``asyncio.wait_for``, which (Python 3.11) runs the
+        send as a task of its own: one more loop iteration each way of every
+        lease claim, the largest part of a small read's latency."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.timeout_s, self._send_timed_out, addr, req_id, what)
         try:
-            return await asyncio.wait_for(self._send(addr, req_id, frame), self.timeout_s)
-        except asyncio.TimeoutError:
-            err = HandshakeFailed(addr, f"no answer to {what} from {addr} within "
-                                        f"{self.timeout_s} s")
-            self._drop_conn(addr, err)
-            raise err from None
+            return await self._send(addr, req_id, frame)
+        finally:
+            timer.cancel()
+
+    def _send_timed_out(self, addr: str, req_id: int, what: str) -> None:
+        """No answer to ``req_id`` in time: fail it (and what else waits on that
+        connection) and drop the connection."""
+        conn = self._conns.get(addr)
+        if conn is None or req_id not in conn.pending:
+            return
+        self._drop_conn(addr, HandshakeFailed(addr, f"no answer to {what} from {addr} within "
+                                                    f"{self.timeout_s} s"))
 
     async def _send(self, addr: str, req_id: int, msg: bytes) -> AnyReply:
         if self._closed:
@@ -385,6 +423,8 @@ class HandshakeClient:
             try:
                 await conn.sock.send(msg)
             except zmq.ZMQError as e:
+                if fut.done() and not fut.cancelled():  # timed out while parked: say so
+                    fut.result()
                 raise HandshakeFailed(addr, f"cannot send the request: {e}") from None
             return await fut
         finally:
