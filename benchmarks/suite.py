@@ -429,6 +429,7 @@ class _InsideD:
     """Where a read's time goes inside the D sidecar, from its histograms' sums."""
 
     NAMES = {"accepted → posted (link, plan, lease claim)": "kvsidecar_read_queue_seconds",
+             "lease claim round trip": "kvsidecar_lease_claim_seconds",
              "post call": "kvsidecar_transfer_post_seconds",
              "post → done": "kvsidecar_transfer_seconds",
              "done → scattered (staged reads)": "kvsidecar_scatter_seconds",
@@ -446,13 +447,50 @@ class _InsideD:
         self._t0 = self._read()
 
     def stop(self) -> str:
-        now = self._read()
-        parts = []
-        for k, (s1, c1) in now.items():
+        self.means = {}
+        for k, (s1, c1) in self._read().items():
             s0, c0 = self._t0[k]
             if c1 > c0:
-                parts.append(f"{k} {us((s1 - s0) / (c1 - c0))}")
-        return "; ".join(parts)
+                self.means[self.NAMES[k]] = (s1 - s0) / (c1 - c0)
+        return "; ".join(f"{k} {us(self.means[m])}" for k, m in self.NAMES.items()
+                         if m in self.means)
+
+    means: dict[str, float] = {}
+
+
+def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> list[str]:
+    """One note per hop of a 1-block read: the sidecars' time there (means over
+    the run's waiting-poll reads, from D's /metrics) next to that hop's floor,
+    measured bare in this run (p50, :mod:`floors`)."""
+    import floors
+
+    def floor(xs: list[float]) -> str:
+        return f"{us(pct(xs, 50))} p50 ({us(pct(xs, 99))} p99)"
+
+    unix, zblock = floors.unix_rtts(n), floors.zmq_curve_rtts(n)
+    zloop, hand = floors.zmq_curve_rtts(n, on_loop=True), floors.loop_thread_rtts(n)
+    queued = inside.get("kvsidecar_read_queue_seconds", float("nan"))
+    claim = inside.get("kvsidecar_lease_claim_seconds", float("nan"))
+    done = inside.get("kvsidecar_transfer_seconds", float("nan"))
+    read = inside.get("kvsidecar_read_seconds", float("nan"))
+    return [
+        "hop table (sidecar: means of this run; floor: the same hop bare, same run): "
+        f"engine channel, read in + completion out, and the read task's start (engine "
+        f"total − D's read task → completion queued): {us(total - read)} | floor one "
+        f"AF_UNIX SEQPACKET round trip between two processes {floor(unix)}",
+        f"hop table: lease claim D → P → D: {us(claim)} | floor one ZMQ DEALER/ROUTER "
+        f"round trip over tcp with CURVE between two event loops {floor(zloop)} "
+        f"(both sides blocking: {floor(zblock)})",
+        f"hop table: rest of accepted → posted (read task start, link lookup, planning "
+        f"on the loop, post hand-off): {us(queued - claim)} | floor: none measured",
+        f"hop table: post → done (post call; P's worker answering the endpoint flush "
+        f"NIXL ends a transfer with; D's worker polling): {us(done)} | floor raw NIXL "
+        f"post + completion + notification with both sides spinning {us(raw50)} p50",
+        f"hop table: posted → completion queued less post → done (≈; hand-off to the "
+        f"NIXL worker thread, descriptor lists, its hand-off back, lease check, "
+        f"completion): {us(read - queued - done)} | floor one loop → thread → loop "
+        f"round trip (a post's way in plus its completion's way out) {floor(hand)}",
+    ]
 
 
 def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
@@ -482,6 +520,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
     raw = raw_latencies(16384, s.latency_reads)
     p50, p99, r50, r99 = pct(lat[False], 50), pct(lat[False], 99), pct(raw, 50), pct(raw, 99)
     s50, s99 = pct(lat[True], 50), pct(lat[True], 99)
+    hops = _hop_table(statistics.fmean(lat[False]), inside.means, r50, s.latency_reads)
     return [Figure(f"1-block (16 KiB) read latency p50 / p99 ({s.latency_reads} reads, "
                    "engine `read` to `received`, waiting poll)",
                    f"{us(p50)} / {us(p99)}",
@@ -489,7 +528,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    f"p50 raw + {us(p50 - r50)}", "p50 ≤ raw + 100 µs", p50 <= r50 + 100e-6,
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
                     f"the same reads with the engine spinning on empty polls instead (same "
-                    f"run): p50 {us(s50)}, p99 {us(s99)}"])]
+                    f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
 
 
 def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:

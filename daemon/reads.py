@@ -242,6 +242,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         leases = None
         claiming: asyncio.Future[None] | None = None
         sent = None
+        claimed_at = 0.0
         if handshakes is not None:
             rid = req.remote_request_id or req.request_id
             leases = job.leases = ReaderLeases(handshakes, [
@@ -252,6 +253,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
                 for p, peer in zip(cands, peers)])
             # Issued before the planning job: the claim's message leaves first in
             # the next loop iteration, ahead of the planning thread's wake-up.
+            claimed_at = time.monotonic()
             sent = leases.send_claims()
         planning = plans.submit(_plan_and_address, *args,
                                 cost=sum(len(ids) for ids in req.local_block_ids))
@@ -272,6 +274,9 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
                 # Claim first (a task and a link confirmation only when the
                 # feature is on): a refusal fails the read with nothing posted.
                 await (_claim(eng, leases, peers, sent) if window > 0 else leases.claim(sent))
+                if metrics is not None:
+                    metrics.series(metrics.lease_claim_seconds, eng.engine_id).observe(
+                        time.monotonic() - claimed_at)
                 plan, posts, staged = await planning  # planned while the claim travelled
         else:
             plan, posts, staged = await planning

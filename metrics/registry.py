@@ -81,6 +81,10 @@ class Metrics:
             "kvsidecar_read_queue_seconds", "Time from the engine's read request to posting "
             "its NIXL transfers (handshake, planning, queueing)", ENGINE,
             buckets=LATENCY_BUCKETS)
+        self.lease_claim_seconds = h(
+            "kvsidecar_lease_claim_seconds", "A read that claims first: from issuing its "
+            "lease claims to every P rank's grant (the peer channel's round trip)", ENGINE,
+            buckets=LATENCY_BUCKETS)
         self.read_seconds = h(
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",
             ENGINE, buckets=LATENCY_BUCKETS)

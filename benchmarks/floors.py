@@ -1,0 +1,201 @@
+"""Latency floors of the hops a small read makes, measured bare in the same run.
+
+A 1-block read crosses, besides NIXL itself: the engine channel (the read
+message in, the completion out through a waiting poll: one AF_UNIX round trip
+in all), the peer channel (D's lease claim to P and its grant: one ZMQ round
+trip over tcp with CURVE) and, in each sidecar, a hand-off between the event
+loop and the NIXL worker thread (the post going in, the completion coming
+out). Each function here times that hop with nothing else in the way: two
+processes (or a loop and a thread) echoing 64 bytes, blocking, no sidecar
+code. The difference between a sidecar hop and its floor is what the sidecar
+adds there; the floors themselves are what no sidecar on this machine can go
+below without changing the architecture (fewer hops), not the code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+__all__ = ["loop_thread_rtts", "unix_rtts", "zmq_curve_rtts"]
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed, as the daemon runs."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()  # type: ignore[no-any-return]
+    except ImportError:
+        return asyncio.new_event_loop()
+
+_MSG = b"x" * 64
+_WARM = 20
+
+
+def _unix_echo(path: str, n: int, ready: Any) -> None:
+    from kvsidecar.ipc.seqpacket import new_socket
+
+    listener = new_socket()
+    listener.bind(path)
+    listener.listen()
+    ready.set()
+    conn, _ = listener.accept()
+    for _ in range(n):
+        conn.send(conn.recv(65536))
+    conn.close()
+    listener.close()
+
+
+def unix_rtts(n: int) -> list[float]:
+    """Seconds per round trip over AF_UNIX SEQPACKET (the engine channel's
+    transport) to an echo in another process, both sides blocking."""
+    from kvsidecar.ipc.seqpacket import new_socket
+
+    d = tempfile.mkdtemp(prefix="kvs-floor-unix-")
+    path = f"{d}/echo.sock"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_unix_echo, args=(path, n + _WARM, ready))
+    proc.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the AF_UNIX echo process did not start")
+        sock = new_socket()
+        sock.connect(path)
+        out = []
+        for i in range(n + _WARM):
+            t0 = time.perf_counter()
+            sock.send(_MSG)
+            sock.recv(65536)
+            if i >= _WARM:
+                out.append(time.perf_counter() - t0)
+        sock.close()
+        return out
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _zmq_echo(port_out: Any, n: int, server_secret: bytes, on_loop: bool) -> None:
+    import zmq
+
+    from kvsidecar.ipc.loop_socket import LoopSocket
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.curve_server = True
+    sock.curve_secretkey = server_secret
+    port_out.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    if not on_loop:
+        for _ in range(n):
+            sock.send_multipart(sock.recv_multipart())
+        sock.close(linger=1000)
+        return
+
+    async def serve() -> None:
+        ls = LoopSocket(sock)
+        for _ in range(n):
+            await ls.send_multipart(await ls.recv_multipart())
+        ls.close(linger=1000)
+
+    loop = _new_loop()
+    loop.run_until_complete(serve())
+    loop.close()
+
+
+def zmq_curve_rtts(n: int, *, on_loop: bool = False) -> list[float]:
+    """Seconds per DEALER -> ROUTER round trip over tcp on loopback with CURVE
+    (the peer channel's transport and security), to an echo in another process:
+    both sides blocking, or (``on_loop``) both served by an event loop through
+    :class:`~kvsidecar.ipc.loop_socket.LoopSocket` as the sidecars' peer channel
+    is, so each message also wakes a sleeping loop."""
+    import zmq
+
+    from kvsidecar.ipc.loop_socket import LoopSocket
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_zmq_echo, args=(port_q, n + _WARM, server_secret, on_loop))
+    proc.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = client_public
+        sock.curve_secretkey = client_secret
+        sock.connect(f"tcp://127.0.0.1:{port_q.get(timeout=60)}")
+        out: list[float] = []
+        if not on_loop:
+            for i in range(n + _WARM):
+                t0 = time.perf_counter()
+                sock.send(_MSG)
+                sock.recv()
+                if i >= _WARM:
+                    out.append(time.perf_counter() - t0)
+            return out
+
+        async def ping() -> None:
+            ls = LoopSocket(sock)
+            for i in range(n + _WARM):
+                t0 = time.perf_counter()
+                await ls.send(_MSG)
+                await ls.recv_multipart()
+                if i >= _WARM:
+                    out.append(time.perf_counter() - t0)
+
+        loop = _new_loop()
+        try:
+            loop.run_until_complete(ping())
+        finally:
+            loop.close()
+        return out
+    finally:
+        sock.close(linger=0)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def loop_thread_rtts(n: int) -> list[float]:
+    """Seconds from an event loop handing a job to a thread waiting on a
+    :class:`queue.Queue` (as the NIXL worker does) until the loop runs the
+    thread's ``call_soon_threadsafe`` answer: the floor of a post going to the
+    worker and its completion coming back (uvloop when installed, as the daemon)."""
+    loop = _new_loop()
+    jobs: queue.Queue[asyncio.Future[None] | None] = queue.Queue()
+
+    def worker() -> None:
+        while True:
+            fut = jobs.get()
+            if fut is None:
+                return
+            loop.call_soon_threadsafe(fut.set_result, None)
+
+    async def run() -> list[float]:
+        out = []
+        for i in range(n + _WARM):
+            fut = loop.create_future()
+            t0 = time.perf_counter()
+            jobs.put(fut)
+            await fut
+            if i >= _WARM:
+                out.append(time.perf_counter() - t0)
+        return out
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        jobs.put(None)
+        thread.join(5)
+        loop.close()
