@@ -1,9 +1,11 @@
 """One slow request (a huge registration, a draining deregister) must not hold up
-other engines: each request is answered by its own task."""
+other engines: a request that waits goes on in its own task."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.ipc.client import AsyncSidecarClient
@@ -45,3 +47,58 @@ async def test_slow_request_does_not_block_others(tmp_path) -> None:
         assert handler.order == ["Deregister", "Ping", "Poll"]
     finally:
         await server.stop()
+
+
+class AwaitingHandler:
+    """Handlers that wait in each way a coroutine can: a bare yield, a future that
+    fails, an executor, a sleep."""
+
+    async def handle(self, req: Request) -> Reply:
+        if isinstance(req, Ping):
+            await asyncio.sleep(0)  # a bare yield
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+            loop.call_soon(fut.set_exception, ValueError("from a future"))
+            with pytest.raises(ValueError, match="from a future"):
+                await fut  # its exception reaches the handler
+            await loop.run_in_executor(None, lambda: None)
+            await asyncio.sleep(0.01)
+            return Pong(version=1)
+        return Completions(items=[])
+
+
+async def test_handlers_that_wait_are_carried_on_like_tasks(tmp_path) -> None:
+    """A request's first step runs without a task; one that waits goes on in a
+    task from where it stopped, whatever it waits on, answered in any order with
+    the ones that never wait."""
+    server = EngineServer(str(tmp_path / "s.sock"), AwaitingHandler())
+    await server.start()
+    try:
+        async with AsyncSidecarClient(server.socket_path) as c:
+            out = await asyncio.gather(*(c.ping() if i % 2 else c.poll("x")
+                                         for i in range(20)))
+        assert [isinstance(o, Pong) for o in out] == [bool(i % 2) for i in range(20)]
+    finally:
+        await server.stop()
+
+
+async def test_cancelling_a_carried_on_request_cancels_what_it_waits_for() -> None:
+    from kvsidecar.daemon.engine_server import _carry_on
+
+    seen: list[str] = []
+    inner: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def handler() -> None:
+        try:
+            await inner
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    coro = handler()
+    task = asyncio.ensure_future(_carry_on(coro, coro.send(None)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == ["cancelled"] and inner.cancelled()
