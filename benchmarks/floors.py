@@ -15,15 +15,18 @@ below without changing the architecture (fewer hops), not the code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["loop_thread_rtts", "unix_rtts", "zmq_curve_rtts"]
+__all__ = ["loop_thread_rtts", "unix_cpu", "unix_rtts", "zmq_curve_rtts"]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -39,7 +42,9 @@ _MSG = b"x" * 64
 _WARM = 20
 
 
-def _unix_echo(path: str, n: int, ready: Any) -> None:
+def _unix_echo(path: str, n: int, ready: Any, delay_s: float = 0.0) -> None:
+    """Echo ``n`` packets, each after ``delay_s`` (spun, not slept: a sleep's
+    granularity is coarser than the delays)."""
     from kvsidecar.ipc.seqpacket import new_socket
 
     listener = new_socket()
@@ -48,27 +53,65 @@ def _unix_echo(path: str, n: int, ready: Any) -> None:
     ready.set()
     conn, _ = listener.accept()
     for _ in range(n):
-        conn.send(conn.recv(65536))
+        data = conn.recv(65536)
+        if delay_s:
+            until = time.perf_counter() + delay_s
+            while time.perf_counter() < until:
+                pass
+        conn.send(data)
     conn.close()
     listener.close()
 
 
-def unix_rtts(n: int) -> list[float]:
-    """Seconds per round trip over AF_UNIX SEQPACKET (the engine channel's
-    transport) to an echo in another process, both sides blocking."""
+@contextlib.contextmanager
+def _unix_echo_peer(n: int, delay_s: float = 0.0) -> Iterator[socket.socket]:
+    """A connection to an AF_UNIX SEQPACKET echo in another process that answers
+    ``n`` packets, each after ``delay_s``."""
     from kvsidecar.ipc.seqpacket import new_socket
 
     d = tempfile.mkdtemp(prefix="kvs-floor-unix-")
     path = f"{d}/echo.sock"
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_unix_echo, args=(path, n + _WARM, ready))
+    proc = ctx.Process(target=_unix_echo, args=(path, n, ready, delay_s))
     proc.start()
     try:
         if not ready.wait(60):
             raise RuntimeError("the AF_UNIX echo process did not start")
         sock = new_socket()
-        sock.connect(path)
+        try:
+            sock.connect(path)
+            yield sock
+        finally:
+            sock.close()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def unix_cpu(n: int, delay_s: float = 0.0) -> tuple[float, float]:
+    """Client CPU seconds and wall seconds per bare blocking round trip over
+    AF_UNIX SEQPACKET (the engine channel's transport) to an echo in another
+    process that answers after ``delay_s``: the floor of any engine call. With a
+    delay the client's thread sleeps and is woken, as while the daemon works;
+    on a shared host that wake-up costs CPU of its own."""
+    with _unix_echo_peer(n + _WARM, delay_s) as sock:
+        for _ in range(_WARM):
+            sock.send(_MSG)
+            sock.recv(65536)
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            sock.send(_MSG)
+            sock.recv(65536)
+        return (time.process_time() - c0) / n, (time.perf_counter() - w0) / n
+
+
+def unix_rtts(n: int) -> list[float]:
+    """Seconds per round trip over AF_UNIX SEQPACKET (the engine channel's
+    transport) to an echo in another process, both sides blocking."""
+    with _unix_echo_peer(n + _WARM) as sock:
         out = []
         for i in range(n + _WARM):
             t0 = time.perf_counter()
@@ -76,13 +119,7 @@ def unix_rtts(n: int) -> list[float]:
             sock.recv(65536)
             if i >= _WARM:
                 out.append(time.perf_counter() - t0)
-        sock.close()
         return out
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _zmq_echo(port_out: Any, n: int, server_secret: bytes, on_loop: bool) -> None:

@@ -599,66 +599,6 @@ def _inprocess_read_cpu(calls: int) -> float:
         return (time.process_time() - cpu0) / calls
 
 
-def _unix_echo(path: str, n: int, delay_s: float, ready: Any) -> None:
-    """Echo ``n`` packets on one SEQPACKET connection, each after ``delay_s``
-    (spun, not slept: a sleep's granularity is coarser than the delays)."""
-    from kvsidecar.ipc.seqpacket import new_socket
-
-    listener = new_socket()
-    listener.bind(path)
-    listener.listen()
-    ready.set()
-    conn, _ = listener.accept()
-    for _ in range(n):
-        data = conn.recv(65536)
-        until = time.perf_counter() + delay_s
-        while time.perf_counter() < until:
-            pass
-        conn.send(data)
-    conn.close()
-    listener.close()
-
-
-def unix_floor_cpu(calls: int, delay_s: float = 0.0) -> tuple[float, float]:
-    """Client CPU seconds and wall seconds per bare blocking round trip (64-byte
-    message) over an AF_UNIX SEQPACKET socket (the engine channel's transport)
-    to an echo in another process that answers after ``delay_s``: the floor of
-    any call through the engine client. With a delay the client's thread
-    sleeps and is woken, as it is while the daemon works; on a shared host
-    that wake-up costs CPU of its own."""
-    import multiprocessing as mp
-
-    from kvsidecar.ipc.seqpacket import new_socket
-
-    d = tempfile.mkdtemp(prefix="kvs-bench-unix-")
-    path = f"{d}/echo.sock"
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_unix_echo, args=(path, calls + 10, delay_s, ready))
-    proc.start()
-    try:
-        if not ready.wait(60):
-            raise RuntimeError("the echo process did not start")
-        sock = new_socket()
-        sock.connect(path)
-        msg = b"x" * 64
-        for _ in range(10):
-            sock.send(msg)
-            sock.recv(65536)
-        c0, w0 = time.process_time(), time.perf_counter()
-        for _ in range(calls):
-            sock.send(msg)
-            sock.recv(65536)
-        out = (time.process_time() - c0) / calls, (time.perf_counter() - w0) / calls
-        sock.close()
-        return out
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     """Engine CPU per ``read`` / ``hold`` / ``poll`` call of the public (sync) client,
     as CLOCK_PROCESS_CPUTIME_ID of this process (all its threads; the client has
@@ -739,10 +679,12 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     nb = rounds_b * batch
     n = rounds * slots
     base = _inprocess_read_cpu(min(s.cpu_calls, 500))
-    floor, floor_wall = unix_floor_cpu(s.cpu_calls)
+    import floors
+
+    floor, floor_wall = floors.unix_cpu(s.cpu_calls)
     hold, read = hold_cpu / n, read_cpu / n
     # The same bare round trip, answered as late as the daemon answered `read` here.
-    floor_late, _ = unix_floor_cpu(s.cpu_calls, max(0.0, read_wall / n - floor_wall))
+    floor_late, _ = floors.unix_cpu(s.cpu_calls, max(0.0, read_wall / n - floor_wall))
     bound = (f"floor: a bare AF_UNIX SEQPACKET round trip to another process costs this "
              f"client {us(floor)} of CPU, {us(floor_late)} when answered after the "
              f"{us(read_wall / n)} a `read` call took (same run)")
