@@ -529,27 +529,39 @@ class _Connection:
 
 async def _carry_on(coro: Coroutine[Any, Any, None], waiting: object) -> None:
     """Run ``coro`` on from the point where its first step, run outside any
-    task, stopped: what an asyncio Task that had started it would do. It
-    stopped on a future (wait for it, then let ``coro`` read its result) or on
+    task, stopped: what an asyncio Task that had started it would do, with no
+    more turns of the loop. It stopped on a future (await it here; ``coro``
+    reads its outcome itself when resumed, as ``Future.__await__`` does) or on
     a bare ``yield`` (one turn of the loop). Cancelling this task cancels that
-    future and raises CancelledError in ``coro``, as for a Task."""
+    future and so raises CancelledError in ``coro``, as for a Task."""
     while True:
-        try:
-            if waiting is None:
-                await asyncio.sleep(0)
-            elif asyncio.isfuture(waiting):
-                waiting._asyncio_future_blocking = False
-                await asyncio.wait((waiting,))  # done, its outcome left for coro
-            else:
-                raise RuntimeError(f"a handler yielded {waiting!r}, not a future")
-        except (asyncio.CancelledError, RuntimeError) as e:
-            if asyncio.isfuture(waiting):
-                waiting.cancel()
+        if waiting is not None and not asyncio.isfuture(waiting):
+            error = RuntimeError(f"a request handler yielded {waiting!r}, not a future")
             try:
-                waiting = coro.throw(e)
+                waiting = coro.throw(error)
             except StopIteration:
                 return
             continue
+        fut = waiting  # a future or None here (the check above)
+        try:
+            if fut is None:
+                await asyncio.sleep(0)
+            else:
+                # coro's own await marked it as waited for (a Task resets that mark
+                # when it takes the future over); awaiting it again needs it clear.
+                fut._asyncio_future_blocking = False
+                await fut
+        except asyncio.CancelledError as e:
+            if fut is None or not fut.cancelled():
+                # This task was cancelled (its future had finished meanwhile, or it
+                # was between two steps): the handler must learn of it.
+                try:
+                    waiting = coro.throw(e)
+                except StopIteration:
+                    return
+                continue
+        except BaseException:
+            pass  # the future's own outcome: coro reads it when resumed
         try:
             waiting = coro.send(None)
         except StopIteration:
