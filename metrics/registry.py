@@ -30,6 +30,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
+from kvsidecar.metrics.loop_histogram import LoopHistogram
+
 # Bucket layouts of vLLM's NixlPromMetrics (same bounds, so quantiles compare).
 #: vllm:nixl_post_time_seconds
 POST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
@@ -57,27 +59,29 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         c, g, h = self._counter, self._gauge, self._histogram
+        # Observed per read on the event loop: LoopHistogram (see its module).
+        lh = self._loop_histogram
 
         # --- per transfer: one read request x one remote rank (D side)
-        self.transfer_seconds = h(
+        self.transfer_seconds = lh(
             "kvsidecar_transfer_seconds", "Time from posting one NIXL READ to seeing it done "
             "(vllm:nixl_xfer_time_seconds)", ENGINE_PEER, buckets=XFER_BUCKETS)
-        self.transfer_post_seconds = h(
+        self.transfer_post_seconds = lh(
             "kvsidecar_transfer_post_seconds", "Time spent in the NIXL post call of one "
             "transfer (vllm:nixl_post_time_seconds)", ENGINE_PEER, buckets=POST_BUCKETS)
-        self.transfer_bytes = h(
+        self.transfer_bytes = lh(
             "kvsidecar_transfer_bytes", "Bytes moved by one transfer "
             "(vllm:nixl_bytes_transferred)", ENGINE_PEER, buckets=BYTES_BUCKETS)
-        self.transfer_descriptors = h(
+        self.transfer_descriptors = lh(
             "kvsidecar_transfer_descriptors", "NIXL descriptors posted by one transfer, after "
             "coalescing (vllm:nixl_num_descriptors)", ENGINE_PEER, buckets=DESC_BUCKETS)
-        self.transfer_descriptors_planned = h(
+        self.transfer_descriptors_planned = lh(
             "kvsidecar_transfer_descriptors_planned", "Descriptors the planner produced for "
             "one transfer, before coalescing", ENGINE_PEER, buckets=DESC_BUCKETS)
         self.transfer_failures = c(
             "kvsidecar_transfer_failures_total", "Transfers (one remote rank of one read) that "
             "failed (vllm:nixl_num_failed_transfers)", ENGINE_PEER)
-        self.read_queue_seconds = h(
+        self.read_queue_seconds = lh(
             "kvsidecar_read_queue_seconds", "Time from the engine's read request to posting "
             "its NIXL transfers (handshake, planning, queueing)", ENGINE,
             buckets=LATENCY_BUCKETS)
@@ -85,7 +89,7 @@ class Metrics:
             "kvsidecar_lease_claim_seconds", "A read that claims first: from issuing its "
             "lease claims to every P rank's grant (the peer channel's round trip)", ENGINE,
             buckets=LATENCY_BUCKETS)
-        self.read_seconds = h(
+        self.read_seconds = lh(
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",
             ENGINE, buckets=LATENCY_BUCKETS)
         self.read_bytes = c("kvsidecar_read_bytes_total", "Bytes read from peers", ENGINE_PEER)
@@ -131,11 +135,11 @@ class Metrics:
             "kvsidecar_notifications_received_total", "Notifications received from readers, by "
             "outcome (ok, bad, unknown_engine, unclaimed, rejected, wrong_sender: not from "
             "the agent the reader declared in its handshake)", ("outcome",))
-        self.notification_reads = h(
+        self.notification_reads = lh(
             "kvsidecar_notification_reads", "Reads named by one NIXL notification received "
             "(P side): above 1 a reader merged them into one transfer", (),
             buckets=ITEM_BUCKETS)
-        self.transfer_reads = h(
+        self.transfer_reads = lh(
             "kvsidecar_transfer_reads", "Reads carried by one NIXL transfer posted (D side): "
             "above 1 reads of one flush to the same P agent went as one transfer with one "
             "notification", (*ENGINE, "peer"), buckets=ITEM_BUCKETS)
@@ -193,7 +197,7 @@ class Metrics:
             "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "
             "and abandons, by result (granted, refused, bad), each item of a batch counted",
             ("op", "result"))
-        self.control_items = h(
+        self.control_items = lh(
             "kvsidecar_control_items_per_message", "Claims/renewals/abandons carried by one "
             "peer control message: side=sent (D) for each message sent, side=answered (P) "
             "for each one answered; above 1 they travelled as a batch", ("side",),
@@ -238,7 +242,7 @@ class Metrics:
                    buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-    def series(self, metric: Counter | Histogram, *labels: str) -> Any:
+    def series(self, metric: Counter | Histogram | LoopHistogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once per daemon: ``labels()``
         takes a lock and validates its tuple every call (2-3 us), and the hot
         paths touch several series per read. Counters and histograms only (their
@@ -249,6 +253,12 @@ class Metrics:
         if got is None:
             got = self._series[key] = metric.labels(*labels)
         return got
+
+    def _loop_histogram(self, name: str, doc: str, labels: Sequence[str] = (), *,
+                        buckets: Sequence[float]) -> LoopHistogram:
+        h = LoopHistogram(name, doc, labels, buckets)
+        self.registry.register(h)
+        return h
 
     def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A counter whose value a component already keeps as a plain number
