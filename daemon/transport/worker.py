@@ -322,6 +322,9 @@ def _tight_timers() -> None:
         log.debug("cannot set the NIXL worker's timer slack", exc_info=True)
 
 
+_uadd = np.add.reduce  # the ufunc: ndarray.sum() goes through a Python wrapper
+
+
 def _as_int64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(a, dtype=np.int64)
 
@@ -388,8 +391,9 @@ class NixlWorker:
         self._jobs: queue.Queue[_Entry] = queue.Queue()
         #: posts of this loop iteration, put on the queue as one entry by _post_soon_now
         self._soon: list[tuple[ReadOp | NotifyOp, _Fut]] = []
-        self._prepare: dict[type, Callable[[Any], tuple[str, _JobFn]]] = {
-            ReadOp: self._prepare_read, NotifyOp: self._prepare_notify}
+        #: the job of a post already checked (_check_read), by its type
+        self._job_of: dict[type, Callable[[Any], tuple[str, _JobFn]]] = {
+            ReadOp: self._read_job, NotifyOp: self._prepare_notify}
         self._lock = threading.Lock()  # orders submissions against shutdown
         self._stop_requested = False
         self._closed = False
@@ -596,23 +600,25 @@ class NixlWorker:
 
     def _post_soon_now(self) -> None:
         ops, self._soon = self._soon, []
-        valid: list[tuple[ReadOp | NotifyOp, _Fut, str, _JobFn]] = []
+        valid: list[tuple[ReadOp | NotifyOp, _Fut]] = []
         for op, fut in ops:
             if fut.done():  # cancelled before it was handed over
                 continue
-            try:
-                what, fn = self._prepare[type(op)](op)
-            except (ValueError, TypeError) as exc:
-                fut.set_exception(exc)
-                continue
-            valid.append((op, fut, what, fn))
+            if isinstance(op, ReadOp):
+                try:
+                    self._check_read(op)  # its job is made below, unless merged
+                except (ValueError, TypeError) as exc:
+                    fut.set_exception(exc)
+                    continue
+            valid.append((op, fut))
         jobs: list[_Job] = []
         for group in self._group(valid):
             if len(group) == 1:
-                op, fut, what, fn = valid[group[0]]
+                op, fut = valid[group[0]]
+                what, fn = self._job_of[type(op)](op)
                 jobs.append(_Job(fn, fut, what, op.remote_agent))
             else:
-                jobs.append(self._merged_job([valid[i][:2] for i in group]))
+                jobs.append(self._merged_job([valid[i] for i in group]))
         if not jobs:
             return
         with self._lock:
@@ -624,14 +630,13 @@ class NixlWorker:
                 job.fut.set_exception(NixlError(f"{job.what}: worker stopped",
                                                 remote=job.remote))
 
-    def _group(self, valid: Sequence[tuple[ReadOp | NotifyOp, _Fut, str, _JobFn]]
-               ) -> list[list[int]]:
+    def _group(self, valid: Sequence[tuple[ReadOp | NotifyOp, _Fut]]) -> list[list[int]]:
         """Which valid posts of this flush share a transfer (index groups)."""
         if self._join_notifs is None or len(valid) < 2:
             return [[i] for i in range(len(valid))]
         keys: list[tuple[object, ...] | None] = []
         sizes: list[int] = []
-        for op, *_ in valid:
+        for op, _ in valid:
             if isinstance(op, ReadOp):
                 key: tuple[object, ...] | None = (
                     "read", op.remote_agent, op.generation, op.mem_type, op.dev_id,
@@ -641,7 +646,7 @@ class NixlWorker:
                 key = ("notify", op.remote_agent)
                 sizes.append(len(op.message))
             keys.append(key if op.merge >= 2 else None)
-        return group_posts(keys, [op.merge for op, *_ in valid], sizes,
+        return group_posts(keys, [op.merge for op, _ in valid], sizes,
                            self._max_notif_bytes - 16)
 
     def _merged_job(self, members: list[tuple[ReadOp | NotifyOp, _Fut]]) -> _Job:
@@ -667,18 +672,24 @@ class NixlWorker:
                 length=np.concatenate([_as_int64(op.length) for op in reads]),
                 notif=self._join_notifs(notes) if notes else None,
                 timeout_s=min(timeouts) if timeouts else None)
-            what, fn = self._prepare_read(merged)
+            what, fn = self._read_job(merged)
             what = f"{what} ({len(reads)} reads in one transfer)"
-            parts = [(int(_as_int64(op.length).sum()), len(op.length)) for op in reads]
+            parts = [(int(_uadd(_as_int64(op.length))), len(op.length)) for op in reads]
             fut.add_done_callback(functools.partial(_share, futs, parts))
         return _Job(fn, fut, what, first.remote_agent)
 
     def _prepare_read(self, op: ReadOp) -> tuple[str, _JobFn]:
         """Check a read's arguments (raises ValueError/TypeError) and make its job."""
+        self._check_read(op)
+        return self._read_job(op)
+
+    @staticmethod
+    def _check_read(op: ReadOp) -> None:
+        """Raise ValueError/TypeError for arguments no read can have."""
         n = len(op.local_addr)
         for label, arr in (("local_addr", op.local_addr), ("remote_addr", op.remote_addr),
                            ("length", op.length)):
-            if np.ndim(arr) != 1:
+            if (arr.ndim if isinstance(arr, np.ndarray) else np.ndim(arr)) != 1:
                 raise ValueError(f"{label} must be one-dimensional")
             if len(arr) != n:
                 raise ValueError(
@@ -687,13 +698,16 @@ class NixlWorker:
                 )
         if op.notif is not None and not isinstance(op.notif, bytes):
             raise TypeError("notif must be bytes")
+
+    def _read_job(self, op: ReadOp) -> tuple[str, _JobFn]:
+        """A checked read's job (what it is, and the function the thread runs)."""
         fn = functools.partial(
             self._do_read, op.remote_agent, op.local_addr, op.remote_addr, op.length, op.notif,
             op.mem_type, op.dev_id, op.dev_id if op.remote_dev_id is None else op.remote_dev_id,
             op.timeout_s, op.generation,
             op.mem_type if op.remote_mem_type is None else op.remote_mem_type,
         )
-        return f"read of {n} descriptors from remote agent {op.remote_agent!r}", fn
+        return f"read of {len(op.length)} descriptors from remote agent {op.remote_agent!r}", fn
 
     def _prepare_notify(self, op: NotifyOp) -> tuple[str, _JobFn]:
         return (f"notify remote agent {op.remote_agent!r}",
