@@ -36,6 +36,7 @@ touch on both sides are merged in one vectorised pass (:func:`coalesce`).
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvsidecar.ipc.layout import (
+    Group,
     Layout,
     check_compatible,
     segment_regions,
@@ -291,15 +293,26 @@ def pair_group(
                 "Mamba state pairs page to page and is never trimmed"
             )
         return view_offsets(local, lg, lids), view_offsets(remote, rg, rids)
+    skip_k, n = _attention_pairs(gi, lg, rg, int(lids.size), int(rids.size), skip_tokens,
+                                 num_tokens)
+    lk = view_offsets(local, lg, lids)
+    rk = view_offsets(remote, rg, rids)
+    return lk[:n], rk[skip_k : skip_k + n]
+
+
+def _attention_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
+                     skip_tokens: int | None, num_tokens: int | None) -> tuple[int, int]:
+    """For an attention group with ``nl`` local and ``nr`` remote blocks (nl > 0):
+    (remote kernel blocks skipped, kernel blocks paired); raises PairingError."""
     kbs = lg.block_tokens
     if skip_tokens is None:
         if lg.sub_blocks == rg.sub_blocks:
             # vLLM's "read the remote tail": the blocks D lacks are the first ones.
-            skip_k = max(0, int(rids.size - lids.size)) * rg.sub_blocks
+            skip_k = max(0, nr - nl) * rg.sub_blocks
         elif num_tokens is not None:
             # D's list is the tail of the ceil(num_tokens / D-block) blocks the prompt spans.
             total = -(-num_tokens // (lg.sub_blocks * kbs))
-            skip_k = max(0, total - int(lids.size)) * lg.sub_blocks
+            skip_k = max(0, total - nl) * lg.sub_blocks
         else:
             # Block counts of the two sides cover different token spans, so no count
             # comparison can tell a prefix hit from none (stricter than LAYOUT.md 5).
@@ -316,18 +329,17 @@ def pair_group(
                 f"({logical} tokens)"
             )
         skip_k = skip_tokens // kbs
-    lk = view_offsets(local, lg, lids)
-    rk = view_offsets(remote, rg, rids)
-    if skip_k > rk.size:
+    lsize, rsize = nl * lg.sub_blocks, nr * rg.sub_blocks  # kernel blocks (view_offsets)
+    if skip_k > rsize:
         raise PairingError(
-            f"group {gi}: skip of {skip_k * kbs} tokens exceeds the {rk.size * kbs} tokens "
+            f"group {gi}: skip of {skip_k * kbs} tokens exceeds the {rsize * kbs} tokens "
             "the remote blocks hold"
         )
-    n = min(lk.size, rk.size - skip_k)
+    n = min(lsize, rsize - skip_k)
     if num_tokens is not None:
         # Kernel block i starts at token (skip_k + i) * kbs; later ones hold no token.
         n = max(0, min(n, -(-num_tokens // kbs) - skip_k))
-    return lk[:n], rk[skip_k : skip_k + n]
+    return skip_k, n
 
 
 # --------------------------------------------------------------------------
@@ -531,20 +543,29 @@ def plan_many(local: Layout, d_rank: int, remote: Layout, requests: Sequence[Man
     PlanError in its place; the others are planned as usual."""
     notify = candidate_ranks(local.tp_size, d_rank, remote.tp_size)
     ngroups = len(local.groups)
-    out: list[ReadPlan | PlanError] = []
-    ok: list[int] = []  # the requests that pair, and their pairs per group
-    pairs: list[list[tuple[I64, I64]]] = []
-    for r, (lb, rb, skip, num) in enumerate(requests):
-        try:
-            lids = validate_block_ids(local, lb, "local")
-            rids = validate_block_ids(remote, rb, "remote")
-            pairs.append([pair_group(gi, local, remote, lids[gi], rids[gi], skip, num)
-                          for gi in range(ngroups)])
-        except PlanError as e:
-            out.append(e)
-            continue
-        ok.append(r)
-        out.append(ReadPlan(notify, ()))
+    out: list[ReadPlan | PlanError] = [ReadPlan(notify, ())] * len(requests)
+    ok = list(range(len(requests)))  # the requests that pair
+    # per group: every ok request's paired views (local, remote), and how many each
+    paired = _attention_pairs_many(local, remote, requests)
+    if paired is None:  # not all attention, or some request fails a check: one by one
+        ok, pairs = [], []
+        for r, (lb, rb, skip, num) in enumerate(requests):
+            try:
+                lids = validate_block_ids(local, lb, "local")
+                rids = validate_block_ids(remote, rb, "remote")
+                pairs.append([pair_group(gi, local, remote, lids[gi], rids[gi], skip, num)
+                              for gi in range(ngroups)])
+            except PlanError as e:
+                out[r] = e
+                continue
+            ok.append(r)
+        if not ok:
+            return out
+        paired = []
+        for gi in range(ngroups):
+            lps = [pr[gi][0] for pr in pairs]
+            paired.append((np.concatenate(lps), np.concatenate([pr[gi][1] for pr in pairs]),
+                           np.fromiter((a.size for a in lps), np.int64, len(lps))))
     if not ok:
         return out
     oks = np.asarray(ok, np.int64)
@@ -552,12 +573,9 @@ def plan_many(local: Layout, d_rank: int, remote: Layout, requests: Sequence[Man
     for p, groups in _piece_groups(local, d_rank, remote):
         chunks: list[tuple[I32, I64, I64, I64, I64]] = []
         for gi, regions, po_l, po_r, po_n in groups:
-            lps = [pr[gi][0] for pr in pairs]
-            counts = np.fromiter((a.size for a in lps), np.int64, len(lps))
-            if not _uany(counts):
+            lpair, rpair, counts = paired[gi]
+            if not lpair.size:
                 continue
-            lpair = np.concatenate(lps)
-            rpair = np.concatenate([pr[gi][1] for pr in pairs])
             reg, lo, ro, ln = _descriptors(regions, lpair, rpair, po_l, po_r, po_n)
             # the request of each descriptor (region x pair x piece, as _descriptors)
             owner = np.empty((regions.size, lpair.size, po_n.size), np.int64)
@@ -592,4 +610,75 @@ def plan_many(local: Layout, d_rank: int, remote: Layout, requests: Sequence[Man
                 reads[r].append(RankRead(p, reg[a:b], lo[a:b], ro[a:b], ln[a:b], before[r]))
     for r in ok:
         out[r] = ReadPlan(notify, tuple(reads[r]))
+    return out
+
+
+def _attention_pairs_many(local: Layout, remote: Layout, requests: Sequence[ManyRequest]
+                          ) -> list[tuple[I64, I64, I64]] | None:
+    """What :func:`pair_group` gives every request, per group, for requests whose
+    groups are all attention and whose ids are plain lists: the ids of all
+    requests are checked and turned into views in one pass per group. Per
+    group: the paired local and remote views of every request in turn, and how
+    many each has. None when that is not the case or when any request fails a
+    check (the caller then plans one by one and so names the request)."""
+    ngroups = len(local.groups)
+    nreq = len(requests)
+    if nreq < 2 or any(g.kind != "attention" for g in (*local.groups, *remote.groups)):
+        return None
+    for lb, rb, _, _ in requests:
+        if (type(lb) is not list or type(rb) is not list or len(lb) != ngroups
+                or len(rb) != ngroups
+                or any(type(ids) is not list for ids in lb)
+                or any(type(ids) is not list for ids in rb)):
+            return None
+    chain = itertools.chain.from_iterable
+    out: list[tuple[I64, I64, I64]] = []
+    owners: list[I64] = []
+    lall: list[I64] = []
+    req_idx = np.arange(nreq, dtype=np.int64)
+    for gi in range(ngroups):
+        lg, rg = local.groups[gi], remote.groups[gi]
+        nl = [len(lb[gi]) for lb, _, _, _ in requests]
+        nr = [len(rb[gi]) for _, rb, _, _ in requests]
+        try:
+            lids = np.fromiter(chain(lb[gi] for lb, _, _, _ in requests), np.int64, sum(nl))
+            rids = np.fromiter(chain(rb[gi] for _, rb, _, _ in requests), np.int64, sum(nr))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if (lids.size and int(_umax(lids.view(np.uint64))) >= local.num_blocks) or (
+                rids.size and int(_umax(rids.view(np.uint64))) >= remote.num_blocks):
+            return None
+        lall.append(lids)
+        owners.append(np.repeat(req_idx, nl))
+        skips: list[int] = []
+        counts: list[int] = []
+        try:
+            for (_, _, skip, num), a, b in zip(requests, nl, nr):
+                k, n = _attention_pairs(gi, lg, rg, a, b, skip, num) if a else (0, 0)
+                skips.append(k)
+                counts.append(n)
+        except PlanError:
+            return None
+        cnt = np.asarray(counts, np.int64)
+        total = int(_uadd(cnt))
+        # request r pairs local views [lstart_r, +n_r) with remote [rstart_r + skip_r, +n_r)
+        lstart = np.zeros(nreq, np.int64)
+        np.cumsum(np.asarray(nl[:-1], np.int64) * lg.sub_blocks, out=lstart[1:])
+        rstart = np.zeros(nreq, np.int64)
+        np.cumsum(np.asarray(nr[:-1], np.int64) * rg.sub_blocks, out=rstart[1:])
+        first = np.zeros(nreq, np.int64)
+        np.cumsum(cnt[:-1], out=first[1:])
+        within = np.arange(total, dtype=np.int64) - np.repeat(first, cnt)
+        lk = view_offsets(local, lg, lids)
+        rk = view_offsets(remote, rg, rids)
+        out.append((lk[np.repeat(lstart, cnt) + within],
+                    rk[np.repeat(rstart + np.asarray(skips, np.int64), cnt) + within], cnt))
+    # a local page named twice within one request (every group shares the pages)
+    ids = np.concatenate(lall) if ngroups > 1 else lall[0]
+    own = np.concatenate(owners) if ngroups > 1 else owners[0]
+    if ids.size > 1:
+        order = np.lexsort((ids, own))
+        ids, own = ids[order], own[order]
+        if _uany((ids[1:] == ids[:-1]) & (own[1:] == own[:-1])):
+            return None
     return out

@@ -9,7 +9,13 @@ import re
 import numpy as np
 import pytest
 
-from kvsidecar.daemon.planner import PlanError, ReadPlan, plan_many, plan_read
+from kvsidecar.daemon.planner import (
+    PlanError,
+    ReadPlan,
+    _attention_pairs_many,
+    plan_many,
+    plan_read,
+)
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.sim.hostcopy import apply_plan
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
@@ -46,8 +52,12 @@ def _same(a: ReadPlan, b: ReadPlan) -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRS)
+@pytest.mark.parametrize("with_bad", [True, False], ids=["one-bad", "all-good"])
 def test_each_request_gets_the_oracle_bytes_and_plan_reads_plan(family: str, p_tp: int,
-                                                                d_tp: int) -> None:
+                                                                d_tp: int,
+                                                                with_bad: bool) -> None:
+    """With a bad request among them the batch is planned one by one; all good
+    and all attention, in one pass per group (_attention_pairs_many)."""
     make: Make = FAMILIES[family]
     rng = np.random.default_rng(p_tp * 10 + d_tp)
     P, D = make(p_tp, 40), make(d_tp, 48)
@@ -67,8 +77,13 @@ def test_each_request_gets_the_oracle_bytes_and_plan_reads_plan(family: str, p_t
                   ([[] for _ in D.groups], p_ids, 0, None),
                   (_ids(rng, D, tokens), _ids(rng, P, tokens), None, None)]
         reqs = [others[0], others[1], (d_ids, p_ids, 0, None), others[2], others[3]]
+        if not with_bad:
+            reqs[1] = (_ids(rng, D, tokens), _ids(rng, P, tokens), 0, tokens)  # trimmed
+        fast = _attention_pairs_many(D, P, reqs)
+        attention = all(g.kind == "attention" for g in D.groups)
+        assert (fast is not None) == (attention and not with_bad)
         many = plan_many(D, j, P, reqs)
-        assert isinstance(many[1], PlanError)
+        assert isinstance(many[1], PlanError) == with_bad
         for (lb, rb, skip, num), got in zip(reqs, many):
             if isinstance(got, PlanError):
                 with pytest.raises(PlanError, match=re.escape(str(got))):
@@ -104,3 +119,18 @@ def test_neighbouring_requests_never_merge() -> None:
         assert isinstance(got, ReadPlan)
         _same(plan_read(D, 0, P, lb, rb, check=False), got)
         assert got.nbytes == plan_read(D, 0, P, lb, rb, check=False).nbytes
+
+
+def test_a_check_one_request_fails_sends_the_batch_one_by_one() -> None:
+    """Duplicate local ids or a bad skip in one request: the one-pass pairing
+    declines (None) and that request alone fails, with plan_read's error."""
+    make = FAMILIES["attn-K2"]
+    D, P = make(1, 16), make(1, 32)
+    good = ([[0, 1]], [[10, 11]], None, None)
+    for bad in (([[3, 3]], [[12, 13]], None, None), ([[5, 6]], [[12, 13]], 3, None)):
+        reqs = [good, bad]
+        assert _attention_pairs_many(D, P, reqs) is None
+        got = plan_many(D, 0, P, reqs)
+        assert isinstance(got[0], ReadPlan) and isinstance(got[1], PlanError)
+        with pytest.raises(PlanError, match=re.escape(str(got[1]))):
+            plan_read(D, 0, P, bad[0], bad[1], skip_tokens=bad[2], check=False)
