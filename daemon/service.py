@@ -73,6 +73,7 @@ from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.staging import StagingPool
+from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
@@ -148,7 +149,8 @@ class Sidecar:
         #: its handshake; notifications are accepted only from it. Bounded, oldest out.
         self._readers: collections.OrderedDict[tuple[str, str, int], str] = (
             collections.OrderedDict())
-        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan")
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan",
+                                           initializer=name_this_thread, initargs=("kvs-plan",))
         # No keys only when the operator said so (--insecure-peers); a missing
         # or unsafe key file raises ValueError here, before anything is bound.
         keys = None if settings.insecure_peers else load_keys(settings.peer_keys)
@@ -461,7 +463,7 @@ class Sidecar:
         worker = NixlWorker(agent, backends=self.settings.backends,
                             on_notif=partial(self._on_notif, req.engine_id),
                             on_reset=partial(self._on_agent_reset, req.engine_id),
-                            thread_init=self._gpu.make_current if self._gpu else None,
+                            thread_init=partial(_worker_thread_init, self._gpu),
                             join_notifs=notifications.join,
                             max_notif_bytes=notifications.MAX_NOTIF_BYTES)
         mem_type, device = uniform(regions)
@@ -1105,6 +1107,13 @@ class Sidecar:
         if failures:
             log.warning("%d region(s) could not be released", failures)
             self.metrics.cleanup_failures.labels(what="memory").inc(failures)
+
+
+def _worker_thread_init(gpu: CudaDevice | None) -> None:
+    """First thing on a NIXL worker thread: its OS name, then (GPU) its CUDA context."""
+    name_this_thread("kvs-nixl")
+    if gpu is not None:
+        gpu.make_current()
 
 
 def _same_process(a: Register | EngineRank, b: Register) -> bool:
