@@ -327,6 +327,17 @@ _CONNECT_PAUSE_S = (0.002, 0.05)
 #: Connection errors that mean "no daemon (yet)": wait for one within the timeout.
 _NOT_YET = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError)
 _timeval = struct.Struct("@ll")
+#: Forks this process descends through (a child's clients must not use their
+#: parent's connections); a counter, so a call checks it without a getpid().
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 # --------------------------------------------------------------------------
@@ -559,6 +570,7 @@ class SidecarClient:
         self._core = ClientCore(socket_path, timeout_s)
         self._sock: socket.socket | None = None
         self._timeo = -1.0  # SO_RCVTIMEO/SO_SNDTIMEO as last set on _sock
+        self._forks = 0  # _forks when _sock was opened
 
     @property
     def timeout_s(self) -> float:
@@ -699,7 +711,7 @@ class SidecarClient:
                 pause = min(2 * pause, most)
                 continue
             sock.setblocking(True)
-            self._sock, self._timeo = sock, -1.0
+            self._sock, self._timeo, self._forks = sock, -1.0, _forks
             return sock
 
     def _exchange(self, req: Request) -> Reply:
@@ -710,6 +722,9 @@ class SidecarClient:
         resends = 0
         while True:
             sock = self._sock
+            if sock is not None and self._forks != _forks:
+                self.close()  # a forked child: the connection is its parent's (closed here only)
+                sock = None
             if sock is None:
                 if resends:  # a daemon that keeps closing on us is not hammered
                     time.sleep(min(_CONNECT_PAUSE_S[1], _CONNECT_PAUSE_S[0] * resends))

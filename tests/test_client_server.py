@@ -488,6 +488,24 @@ def test_sync_client_a_daemon_that_closes_without_answering(tmp_path: Path) -> N
     t.join()
 
 
+def test_sync_client_in_a_forked_child_gets_its_own_connection(client: SidecarClient,
+                                                              handler: HandlerDouble) -> None:
+    """A child forked after the first call must not read its parent's replies."""
+    assert client.ping().version == PROTOCOL_VERSION
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = 0 if client.ping().version == PROTOCOL_VERSION else 1
+        finally:
+            os._exit(code)
+    assert client.ping().version == PROTOCOL_VERSION
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.ping().version == PROTOCOL_VERSION
+    assert len(handler.requests) == 4
+
+
 def test_sync_client_survives_a_daemon_restart(path: str, handler: HandlerDouble) -> None:
     """A connection the old daemon closed is replaced on the next call."""
     with SidecarClient(path, timeout_s=5.0) as c:
