@@ -44,6 +44,16 @@ metric) and answered with one clear error:
   :mod:`~kvsidecar.daemon.message_limit`);
 * connections beyond ``max_connections`` get one ``unavailable`` reply and are
   closed (reason ``connection_limit``); the ones already there stay;
+* long messages (those sent in chunks after a header) being received at
+  once may together announce at most ``max_assembling_bytes`` (default
+  :data:`ASSEMBLING_FACTOR` times the hard cap); a header past that gets one
+  ``unavailable`` reply and its connection is closed (reason
+  ``assembly_limit``), so stalled senders cannot make the daemon hold more
+  than that, whatever their number;
+* a long message must arrive whole within ``long_message_timeout_s`` of its
+  header, else one ``bad_message`` reply and the connection is closed
+  (reason ``slow_message``): a sender that stops half-way (a slowloris)
+  gives its share of that budget back;
 * requests in flight on one connection beyond ``max_in_flight`` get an
   ``unavailable`` reply each (reason ``in_flight_limit``); replies a
   connection does not read stop the server reading from it.
@@ -113,6 +123,12 @@ DEFAULT_MAX_CONNECTIONS = 256
 #: Requests one connection may have in flight (a waiting poll holds one for
 #: its wait); far above what one engine's scheduler step issues.
 DEFAULT_MAX_IN_FLIGHT = 1024
+#: Long messages being received may together announce this many times the
+#: hard cap (16 MiB limit: 4 x 32 MiB = 128 MiB).
+ASSEMBLING_FACTOR = 4
+#: Seconds from a long message's header to its last chunk (a 32 MiB message
+#: takes milliseconds on a Unix socket).
+DEFAULT_LONG_MESSAGE_TIMEOUT_S = 30.0
 #: Unsent reply packets after which the server stops reading that connection.
 _MAX_UNSENT = 64
 #: Packets read per wake-up of one connection, so one busy engine cannot
@@ -140,8 +156,10 @@ class EngineServer:
     ``errors`` (error replies of any kind), ``bad_messages`` (undecodable
     input), ``internal_errors`` (handler bugs), ``forbidden`` (connections
     from processes the access policy refuses), ``refused_connections``
-    (over ``max_connections``) and ``refused_in_flight``; ``connections`` is
-    how many are open.
+    (over ``max_connections``), ``refused_in_flight``, ``refused_assembling``
+    (over ``max_assembling_bytes``) and ``slow_messages`` (long messages not
+    whole in time); ``connections`` is how many are open and
+    ``assembling_bytes`` what the long messages under way announced.
     """
 
     def __init__(self, socket_path: str, handler: RequestHandler, *,
@@ -149,6 +167,8 @@ class EngineServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 max_assembling_bytes: int | None = None,
+                 long_message_timeout_s: float = DEFAULT_LONG_MESSAGE_TIMEOUT_S,
                  on_refuse: Callable[[str], None] | None = None) -> None:
         if max_connections < 1 or max_in_flight < 1:
             raise ValueError("max_connections and max_in_flight must be >= 1")
@@ -159,6 +179,11 @@ class EngineServer:
         self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
         self.max_connections = max_connections
         self.max_in_flight = max_in_flight
+        self.max_assembling_bytes = (max_assembling_bytes if max_assembling_bytes is not None
+                                     else ASSEMBLING_FACTOR * self.size_limit.hard_cap)
+        self.long_message_timeout_s = long_message_timeout_s
+        #: bytes announced by the long messages being received now, all connections
+        self.assembling_bytes = 0
         self.messages = 0
         self.errors = 0
         self.bad_messages = 0
@@ -166,6 +191,8 @@ class EngineServer:
         self.forbidden = 0
         self.refused_connections = 0
         self.refused_in_flight = 0
+        self.refused_assembling = 0
+        self.slow_messages = 0
         self._on_refuse = on_refuse
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -415,6 +442,9 @@ class _Connection:
         self.in_flight = 0
         self._loop = loop
         self._assembler = Assembler(server.size_limit.hard_cap)
+        #: what this connection's long message under way counts in server.assembling_bytes
+        self._reserved = 0
+        self._deadline: asyncio.TimerHandle | None = None
         self._unsent: collections.deque[Buffer] = collections.deque()
         self._reading = False
         self._writing = False
@@ -440,6 +470,7 @@ class _Connection:
             self._writing = False
         self._closed = True
         self._unsent.clear()
+        self._end_long()
         self.sock.close()
         self.server._closed(self)
 
@@ -461,19 +492,81 @@ class _Connection:
             if n == 0 and peer_closed(self.sock):
                 self.close()
                 return
+            assembler = self._assembler
             try:
-                message = self._assembler.feed(view[:n])
+                message = assembler.feed(view[:n])
             except MessageTooLong as e:
                 self._too_long(e)
                 return
             except FramingError as e:
+                self._end_long()
                 server.messages += 1
                 server.bad_messages += 1
                 self.reply(server._error(Error(BAD_MESSAGE, f"{e}; closing the connection")))
                 self.close_after_replies()
                 return
             if message is not None:
+                if self._reserved:
+                    self._end_long()
                 server._message(self, message)
+            elif (not self._reserved and assembler.assembling
+                  and not self._start_long(assembler.announced)):
+                return  # refused: the connection is closing
+
+    def _start_long(self, length: int) -> bool:
+        """A header announced a long message: count it against the server's budget
+        (False: refused, the connection closing) and start its deadline."""
+        server = self.server
+        if server.assembling_bytes + length > server.max_assembling_bytes:
+            self._assembler.reset()
+            server.messages += 1
+            server.refused_assembling += 1
+            server._refuse("assembly_limit")
+            if worth_logging(server.refused_assembling):
+                log.warning("engine socket: refused a message of %d bytes, long messages "
+                            "under way already announce %d bytes, the limit %d (%d refused "
+                            "so far)", length, server.assembling_bytes,
+                            server.max_assembling_bytes, server.refused_assembling)
+            self.reply(server._error(Error(UNAVAILABLE, (
+                f"long messages being received already announce {server.assembling_bytes} "
+                f"bytes; a message of {length} more is over this sidecar's limit of "
+                f"{server.max_assembling_bytes} bytes at once; closing the connection, try "
+                "again"))))
+            self.close_after_replies()
+            return False
+        self._reserved = length
+        server.assembling_bytes += length
+        self._deadline = self._loop.call_later(server.long_message_timeout_s, self._too_slow)
+        return True
+
+    def _end_long(self) -> None:
+        """The long message under way is whole, refused or gone: give its budget back."""
+        self.server.assembling_bytes -= self._reserved
+        self._reserved = 0
+        self._assembler.reset()
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        """A long message was not whole in time: refused, counted, connection closed."""
+        self._deadline = None
+        server = self.server
+        got, length = self._assembler.received, self._reserved
+        self._end_long()
+        server.messages += 1
+        server.bad_messages += 1
+        server.slow_messages += 1
+        server._refuse("slow_message")
+        if worth_logging(server.slow_messages):
+            log.warning("engine socket: a message of %d bytes was not whole %.0f s after its "
+                        "header (%d bytes came); closing its connection (%d so far)", length,
+                        server.long_message_timeout_s, got, server.slow_messages)
+        self.reply(server._error(Error(BAD_MESSAGE, (
+            f"a message of {length} bytes did not arrive whole within "
+            f"{server.long_message_timeout_s:g} s of its header ({got} bytes came); closing "
+            "the connection"))))
+        self.close_after_replies()
 
     def _too_long(self, e: MessageTooLong) -> None:
         """Over twice the limit: refused, counted, and the connection closed, so its
@@ -499,6 +592,11 @@ class _Connection:
         self._unsent.extend(packets(self.server._encode(reply)))
         if not self._writing:
             self._flush()
+        elif len(self._unsent) > _MAX_UNSENT:
+            # Checked here too, not only when a flush is stuck: the kernel takes
+            # nothing more while the engine reads nothing, so no flush runs, and
+            # the replies to what is read meanwhile would pile up without bound.
+            self.pause()
 
     def _flush(self) -> None:
         unsent = self._unsent

@@ -85,36 +85,47 @@ class Assembler:
     :meth:`feed` returns the complete message, or None while a long message
     is still arriving. A single-packet message is returned as the packet
     itself (a view into the caller's receive buffer: use it before the next
-    receive); a long one is joined into new bytes. ``cap`` bounds what a
-    header may announce (:class:`MessageTooLong`), so a peer cannot make the
-    receiver hold more than that per connection.
+    receive); a long one is gathered into one bytearray, returned whole.
+    ``cap`` bounds what a header may announce (:class:`MessageTooLong`), so a
+    peer cannot make the receiver hold more than that per connection. Why one
+    bytearray, not a list of chunks: a peer may send a long message in
+    1-byte packets, and a bytes object and a list slot per packet (41 bytes
+    each) would make the announced length cost 41 times its size.
     """
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self._parts: list[bytes] = []
+        self._parts = bytearray()
         self._want = 0
-        self._have = 0
 
     @property
     def assembling(self) -> bool:
         return self._want > 0
 
+    @property
+    def announced(self) -> int:
+        """The length of the long message being received (0: none)."""
+        return self._want
+
+    @property
+    def received(self) -> int:
+        """How many of its bytes have arrived."""
+        return len(self._parts)
+
     def feed(self, packet: memoryview) -> Buffer | None:
         if len(packet) > MAX_PACKET:
-            self._reset()
+            self.reset()
             raise FramingError(f"a packet of more than {MAX_PACKET} bytes (longer messages "
                                "are sent in chunks after a header)")
         if self._want:
-            self._parts.append(bytes(packet))
-            self._have += len(packet)
-            if self._have < self._want:
-                return None
-            if self._have > self._want:
-                self._reset()
+            if len(self._parts) + len(packet) > self._want:
+                self.reset()
                 raise FramingError("the chunks of a long message ran past its announced length")
-            message = b"".join(self._parts)
-            self._reset()
+            self._parts += packet
+            if len(self._parts) < self._want:
+                return None
+            message = self._parts
+            self.reset()
             return message
         if len(packet) == _LONG.size and bytes(packet[:4]) == _LONG_MAGIC:
             (_, length) = _LONG.unpack(packet)
@@ -127,9 +138,10 @@ class Assembler:
             return None
         return packet
 
-    def _reset(self) -> None:
-        self._parts = []
-        self._want = self._have = 0
+    def reset(self) -> None:
+        """Drop a long message under way (its connection ended or was refused)."""
+        self._parts = bytearray()
+        self._want = 0
 
 
 class BlockingChannel:

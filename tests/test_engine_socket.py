@@ -12,6 +12,8 @@ import contextlib
 import os
 import socket
 import stat
+import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from kvsidecar.ipc.protocol import (
     decode_reply,
     encode_request,
 )
-from kvsidecar.ipc.seqpacket import BlockingChannel, new_socket
+from kvsidecar.ipc.seqpacket import MAX_PACKET, Assembler, BlockingChannel, new_socket, packets
 
 
 class Handler:
@@ -275,3 +277,114 @@ async def test_requests_in_flight_on_one_connection_are_bounded(tmp_path: Path) 
             assert isinstance(await c.ping(), Pong)
     finally:
         await s.stop()
+
+
+def _long_ping(id: int, nbytes: int) -> bytes:
+    """A valid ping over one packet (an unknown field pads it; msgspec skips it)."""
+    return msgspec.msgpack.encode({"op": "ping", "id": id, "v": 1, "pad": "x" * nbytes})
+
+
+async def test_a_long_message_not_whole_in_time_is_refused_and_closed(
+        tmp_path: Path, handler: Handler) -> None:
+    """A slowloris: a header, one chunk, then silence. After the long-message
+    timeout: one bad_message reply saying so, the connection closed, the bytes
+    it announced given back; others are served all along."""
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), handler, long_message_timeout_s=0.3,
+                     on_refuse=refused.append)
+    await s.start()
+    data = _long_ping(1, 3 * MAX_PACKET)
+
+    def stall() -> dict[str, object]:
+        with BlockingChannel(s.socket_path) as chan:
+            head, first = packets(data)[:2]
+            chan.send(bytes(head))
+            chan.send(bytes(first))
+            err: dict[str, object] = msgspec.msgpack.decode(chan.recv())
+            with pytest.raises(EOFError):
+                chan.recv()
+            return err
+
+    try:
+        stalled = asyncio.ensure_future(asyncio.to_thread(stall))
+        while s.assembling_bytes != len(data):
+            await asyncio.sleep(0.01)
+        async with AsyncSidecarClient(s.socket_path, timeout_s=10) as c:
+            assert isinstance(await c.ping(), Pong)  # served while the other stalls
+        err = await stalled
+        assert err["code"] == "bad_message"
+        assert (f"a message of {len(data)} bytes did not arrive whole within 0.3 s of its "
+                f"header ({MAX_PACKET} bytes came)") in str(err["message"])
+        assert refused == ["slow_message"] and s.slow_messages == 1
+        assert s.assembling_bytes == 0 and s.connections == 0
+    finally:
+        await s.stop()
+
+
+async def test_long_messages_under_way_are_bounded_together(
+        tmp_path: Path, handler: Handler) -> None:
+    """Headers may announce at most max_assembling_bytes at once over all
+    connections: the next gets one ``unavailable`` reply and is closed; once a
+    sender finished or left, long messages are taken again, whole."""
+    refused: list[str] = []
+    data = _long_ping(5, 2 * MAX_PACKET)
+    s = EngineServer(str(tmp_path / "e.sock"), handler, max_assembling_bytes=2 * len(data),
+                     on_refuse=refused.append)
+    await s.start()
+
+    def attack() -> None:
+        stalled = [BlockingChannel(s.socket_path) for _ in range(2)]
+        try:
+            for chan in stalled:
+                chan.send(bytes(packets(data)[0]))  # header only, then silence
+            while s.assembling_bytes != 2 * len(data):
+                time.sleep(0.01)
+            with BlockingChannel(s.socket_path) as third:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    third.send(data)
+                err = msgspec.msgpack.decode(third.recv())
+                assert err["code"] == "unavailable", err
+                assert f"over this sidecar's limit of {2 * len(data)} bytes at once" \
+                    in err["message"]
+                with pytest.raises(EOFError):
+                    third.recv()
+            with BlockingChannel(s.socket_path) as short:  # one-packet messages still pass
+                short.send(msgspec.msgpack.encode({"op": "ping", "id": 6, "v": 1}))
+                assert msgspec.msgpack.decode(short.recv())["op"] == "pong"
+        finally:
+            for chan in stalled:
+                chan.close()
+
+    try:
+        await asyncio.to_thread(attack)
+        assert refused == ["assembly_limit"] and s.refused_assembling == 1
+        while s.assembling_bytes:  # the stalled connections' ends are read
+            await asyncio.sleep(0.01)
+        with BlockingChannel(s.socket_path) as chan:
+            await asyncio.to_thread(chan.send, data)  # the server reads on this thread
+            reply = msgspec.msgpack.decode(await asyncio.to_thread(chan.recv))
+        assert reply["op"] == "pong" and reply["id"] == 5
+    finally:
+        await s.stop()
+
+
+def test_a_long_message_in_one_byte_packets_costs_its_length_not_more() -> None:
+    """A sender may chunk a long message as finely as it likes; what the receiver
+    holds is the bytes (a list of 1-byte objects would cost 41 bytes each)."""
+    length = 200_000
+    asm = Assembler(1 << 20)
+    assert asm.feed(memoryview(packets(b"\x90" * (MAX_PACKET + 1))[0])) is None
+    asm.reset()
+    head = memoryview(bytes(packets(b"a" * length)[0]))
+    one = memoryview(b"a")
+    tracemalloc.start()
+    try:
+        assert asm.feed(head) is None
+        for _ in range(length - 1):
+            assert asm.feed(one) is None
+        _, peak = tracemalloc.get_traced_memory()
+        message = asm.feed(one)
+    finally:
+        tracemalloc.stop()
+    assert message == b"a" * length and not asm.assembling
+    assert peak < 2 * length, peak

@@ -13,7 +13,9 @@ CI runs ``KVSIDECAR_FUZZ_EXAMPLES`` (default 1,000) inputs per protocol;
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.ipc.client import SidecarClient, UnknownEngine
-from kvsidecar.ipc.seqpacket import BlockingChannel
+from kvsidecar.ipc.seqpacket import MAX_PACKET, BlockingChannel, packets
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
@@ -41,6 +43,11 @@ TARGET = "fz-target"
 GOOD = "well-behaved-engine-7f3c2a"
 LAYOUT = attn(2)(1, 16)
 _LAYOUT_MAP = msgspec.to_builtins(LAYOUT)
+#: The target's limits, low so that the channel attacks below reach them in
+#: seconds: messages of 1 MiB (2 MiB announced closes the connection; long
+#: messages under way may announce 4 x 2 MiB together), 32 engine connections.
+MAX_MESSAGE = 1 << 20
+MAX_CONNECTIONS = 32
 
 # Valid requests of every op, addressed to a registered engine so that
 # validation runs deep; the remote address is a closed loopback port, never
@@ -195,7 +202,9 @@ def sidecars_alive() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    side = SidecarProcess(tmp_path_factory.mktemp("fuzz"), "fz").start(timeout_s=600)
+    side = SidecarProcess(tmp_path_factory.mktemp("fuzz"), "fz", args=[
+        "--max-message-bytes", str(MAX_MESSAGE), "--max-engine-connections",
+        str(MAX_CONNECTIONS), "--metrics-port", "0"]).start(timeout_s=600)
     good = SidecarClient(side.socket, timeout_s=60)
     good.register(GOOD, 0, LAYOUT, allocate=True)
     owner = SidecarClient(side.socket, timeout_s=60)
@@ -311,3 +320,231 @@ def test_fuzz_engine_protocol(target: Target) -> None:
 
 def test_fuzz_peer_protocol(target: Target) -> None:
     _fuzz(target, f"tcp://{target.side.handshake}", True, PEER_TEMPLATES, "peer handshake")
+
+
+# ---------------------------------------------------------------------------
+# The channel itself attacked: framing, slow senders, unread replies, the
+# connection cap. Each case has one defined outcome; after each, the
+# well-behaved engines on the same daemon are still served.
+# ---------------------------------------------------------------------------
+
+_PING = msgspec.msgpack.encode({"op": "ping", "id": 77, "v": 1})
+
+
+def _header(length: int) -> bytes:
+    return b"\xc1KVL" + length.to_bytes(8, "little")
+
+
+def _reply(chan: BlockingChannel) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.msgpack.decode(chan.recv())
+    return out
+
+
+#: packets sent -> (error code, words in its message, whether the connection closes)
+FRAMING: dict[str, tuple[list[bytes], str, str, bool]] = {
+    "empty packet": ([b""], "bad_message", "", False),
+    "random bytes": ([b"\x00\xff\x13garbage\x90"], "bad_message", "", False),
+    "msgpack of wrong types": (
+        [msgspec.msgpack.encode({"op": "hold", "id": 9, "v": 1, "engine_id": 5,
+                                 "request_id": [1], "block_ids": "x"})],
+        "bad_message", "", False),
+    "a 64 KiB + 1 packet": ([b"\x90" * (MAX_PACKET + 1)], "bad_message",
+                            "a packet of more than 65536 bytes", True),
+    "a header for a message that fits a packet": (
+        [_header(MAX_PACKET)], "bad_message", "which fit one packet", True),
+    "a header announcing 2^63 bytes": (
+        [_header(1 << 63)], "bad_message",
+        f"is over this sidecar's limit of {MAX_MESSAGE} bytes", True),
+    "chunks past the announced length": (
+        [_header(MAX_PACKET + 10), b"y" * MAX_PACKET, b"y" * 11], "bad_message",
+        "ran past its announced length", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAMING))
+def test_framing_attacks_get_their_reply_and_others_are_served(target: Target,
+                                                               case: str) -> None:
+    sent, code, words, closes = FRAMING[case]
+    with BlockingChannel(target.side.socket, timeout_s=30) as chan:
+        for packet in sent:
+            chan.sock.send(packet)
+        err = _reply(chan)
+        assert err["op"] == "error" and err["code"] == code and words in err["message"], err
+        if closes:
+            assert "closing the connection" in err["message"]
+            with pytest.raises(EOFError):
+                chan.recv()
+        else:  # one reply, and the same connection is served on
+            chan.send(_PING)
+            reply = _reply(chan)
+            assert reply["op"] == "pong" and reply["id"] == 77, reply
+    target.behave()
+    assert target.side.alive()
+
+
+def test_a_header_then_disconnect_leaves_nothing_behind(target: Target) -> None:
+    """Half a long message and gone, 50 times: no reply owed, nothing held (fds
+    back where they were, long-message budget whole), others served."""
+    target.behave()
+    fds = _proc_stats(target.pid())["fds"]
+    for _ in range(50):
+        with BlockingChannel(target.side.socket, timeout_s=30) as chan:
+            chan.sock.send(_header(MAX_MESSAGE))
+            chan.sock.send(b"z" * MAX_PACKET)
+    target.behave()
+    deadline = time.monotonic() + 30
+    while _proc_stats(target.pid())["fds"] > fds:
+        assert time.monotonic() < deadline, "connections not closed"
+        time.sleep(0.05)
+    _a_long_message_is_served(target)
+
+
+def _a_long_message_is_served(target: Target) -> None:
+    """A real long request (a ping padded past one packet) is read whole and
+    answered: the budget of long messages under way is not leaked."""
+    data = msgspec.msgpack.encode({"op": "ping", "id": 88, "v": 1, "pad": "p" * 300_000})
+    with BlockingChannel(target.side.socket, timeout_s=30) as chan:
+        chan.send(data)
+        reply = _reply(chan)
+    assert reply["op"] == "pong" and reply["id"] == 88, reply
+
+
+def test_stalled_long_messages_are_bounded_together(target: Target) -> None:
+    """Slowloris: 12 connections each announce the largest message (2 MiB) and
+    stop one byte short. At most 4 x 2 MiB is held: the first 4 headers are
+    taken, the other 8 get one ``unavailable`` reply and are closed (counted as
+    ``assembly_limit``); engines are served meanwhile with one-packet messages;
+    once the stalled senders leave, long messages are taken again."""
+    cap = 2 * MAX_MESSAGE
+    before_refused = target.side.metric("kvsidecar_refused_total", channel="engine",
+                                        reason="assembly_limit")
+    rss = _proc_stats(target.pid())["rss_kb"]
+    stalled = [BlockingChannel(target.side.socket, timeout_s=30) for _ in range(12)]
+    try:
+        for chan in stalled:
+            chan.sock.send(_header(cap))
+        deadline = time.monotonic() + 30
+        while target.side.metric("kvsidecar_refused_total", channel="engine",
+                                 reason="assembly_limit") < before_refused + 8:
+            assert time.monotonic() < deadline, "the 8 refusals were not counted"
+            time.sleep(0.05)
+        refused, taken = [], []
+        for chan in stalled:
+            if chan.readable(0.2):  # each refusal is sent as it is counted; taken: silent
+                err = _reply(chan)
+                assert err["code"] == "unavailable", err
+                assert f"over this sidecar's limit of {4 * cap} bytes at once" in err["message"]
+                with pytest.raises(EOFError):
+                    chan.recv()
+                refused.append(chan)
+            else:
+                taken.append(chan)
+        assert (len(taken), len(refused)) == (4, 8)
+        for chan in taken:  # every byte but the last
+            body = packets(b"q" * cap)[1:]
+            for packet in body[:-1]:
+                chan.sock.send(packet)
+            chan.sock.send(bytes(body[-1])[:-1])
+        target.behave()
+        held_kb = _proc_stats(target.pid())["rss_kb"] - rss
+        assert held_kb < (4 * cap * 1.25 + 16 * MAX_MESSAGE) / 1024, held_kb
+        assert target.side.metric("kvsidecar_refused_total", channel="engine",
+                                  reason="assembly_limit") == before_refused + 8
+        assert not any(chan.readable(0) for chan in taken)
+    finally:
+        for chan in stalled:
+            chan.close()
+    deadline = time.monotonic() + 30
+    while True:  # the stalled connections' ends are read, then a long message passes
+        try:
+            _a_long_message_is_served(target)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    target.behave()
+
+
+def test_pipelined_requests_with_replies_unread_are_bounded_and_none_lost(
+        target: Target) -> None:
+    """An engine sends pings without reading any reply: the daemon stops reading
+    it (its unsent replies are bounded), so the sender's socket fills and its
+    sends would block; others are served meanwhile; once it reads, every ping
+    it got in is answered, once, in order."""
+    tries = 20_000
+    with BlockingChannel(target.side.socket, timeout_s=30) as chan:
+        chan.sock.setblocking(False)
+        sent = 0
+        stuck_since = None
+        while sent < tries:
+            try:
+                chan.sock.send(msgspec.msgpack.encode({"op": "ping", "id": sent, "v": 1}))
+            except BlockingIOError:
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since > 2.0:
+                    break  # 2 s without the daemon taking one more
+                time.sleep(0.01)
+                continue
+            stuck_since = None
+            sent += 1
+        assert sent < tries, "the daemon kept reading a connection that reads no replies"
+        target.behave()  # others served while this one is stuck
+        chan.sock.settimeout(30)
+        ids = [_reply(chan)["id"] for _ in range(sent)]
+        assert ids == list(range(sent))
+        assert not chan.readable(0.3)
+        chan.send(_PING)  # the connection is read again
+        assert _reply(chan)["id"] == 77
+    print(f"\npipelined without reading: the daemon stopped taking pings after {sent}")
+
+
+def test_idle_connections_up_to_the_cap_then_unavailable_then_room_again(
+        target: Target) -> None:
+    """The target serves 32 engine connections; two are the fixture's engines.
+    30 idle ones are kept (each answers a ping), the next ones get one
+    ``unavailable`` reply and are closed; after 5 close, 5 more are taken."""
+    target.behave()
+    kept: list[BlockingChannel] = []
+    try:
+        for _ in range(MAX_CONNECTIONS - 2):
+            kept.append(BlockingChannel(target.side.socket, timeout_s=30))
+        for chan in kept:
+            chan.send(_PING)
+            assert _reply(chan)["op"] == "pong"
+        for _ in range(3):
+            with BlockingChannel(target.side.socket, timeout_s=30) as extra:
+                err = _reply(extra)
+                assert err["code"] == "unavailable"
+                assert f"already serves {MAX_CONNECTIONS} engine connections" in err["message"]
+                with pytest.raises(EOFError):
+                    extra.recv()
+        target.behave()  # the fixture's engines are among the 32, still served
+        for chan in kept[:5]:
+            chan.close()
+        del kept[:5]
+        deadline = time.monotonic() + 30
+        while len(kept) < MAX_CONNECTIONS - 2:
+            chan = BlockingChannel(target.side.socket, timeout_s=30)
+            chan.send(_PING)
+            reply = _reply(chan)
+            if reply["op"] == "pong":
+                kept.append(chan)
+                continue
+            chan.close()  # the daemon has not seen the five leave yet
+            assert reply["code"] == "unavailable" and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for chan in kept:
+            chan.close()
+    target.behave()
+
+
+def test_a_stream_socket_is_refused_by_the_kernel(target: Target) -> None:
+    """The engine socket is SOCK_SEQPACKET: a SOCK_STREAM client (an old ZMQ
+    ipc:// engine) fails at connect with EPROTOTYPE, and the sync client names
+    the cause."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with s, pytest.raises(OSError) as e:
+        s.connect(target.side.socket)
+    assert e.value.errno == errno.EPROTOTYPE
+    target.behave()
