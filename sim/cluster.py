@@ -81,6 +81,7 @@ class SidecarProcess:
 
     def start(self, timeout_s: float = 60.0) -> SidecarProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        self._terminated = False  # a restart: the new process gets its own SIGTERM
         env = {**os.environ, **(self.env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Many sidecars start at once in tests: skip the start-up loopback READ

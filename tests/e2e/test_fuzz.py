@@ -13,6 +13,7 @@ CI runs ``KVSIDECAR_FUZZ_EXAMPLES`` (default 1,000) inputs per protocol;
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -29,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.daemon.peer_auth import load_keys
-from kvsidecar.ipc.client import SidecarClient, UnknownEngine
+from kvsidecar.ipc.client import AsyncSidecarClient, SidecarClient, SidecarError, UnknownEngine
 from kvsidecar.ipc.seqpacket import MAX_PACKET, BlockingChannel, packets
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
@@ -548,3 +549,82 @@ def test_a_stream_socket_is_refused_by_the_kernel(target: Target) -> None:
         s.connect(target.side.socket)
     assert e.value.errno == errno.EPROTOTYPE
     target.behave()
+
+
+def _asks(client: SidecarClient, who: str, n: int) -> None:
+    """``n`` calls whose replies name what was asked (an unknown engine's id is
+    quoted back): a reply taken by the wrong caller fails the check."""
+    for i in range(n):
+        try:
+            client.poll(f"{who}-{i}")
+        except UnknownEngine as e:
+            assert f"'{who}-{i}'" in e.message, (who, i, e.message)
+        else:
+            raise AssertionError(f"{who}-{i} answered as registered")
+
+
+def test_the_sync_client_across_fork_keeps_each_processs_replies(target: Target) -> None:
+    """A connected client object used at once by a parent and its forked child:
+    each process gets its own replies, 300 calls each (the child opens its own
+    connection; on a shared one they would read each other's)."""
+    client = SidecarClient(target.side.socket, timeout_s=30)
+    try:
+        client.ping()  # connected before the fork
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                _asks(client, "child", 300)
+                code = 0
+            finally:
+                os._exit(code)
+        _asks(client, "parent", 300)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        client.ping()
+    finally:
+        client.close()
+    target.behave()
+
+
+async def test_the_async_client_through_a_daemon_restart(tmp_path: Path) -> None:
+    """Concurrent calls on one async client while its daemon restarts: every call
+    ends within its timeout with its own reply (an unknown engine's error quoting
+    the id it asked about) or a SidecarError; once the daemon is back, all are
+    answered again."""
+    side = SidecarProcess(tmp_path, "rs").start(timeout_s=600)
+    timeout_s = 20.0
+    outcomes = {"replies": 0, "errors": 0}
+    async with AsyncSidecarClient(side.socket, timeout_s=timeout_s) as client:
+
+        async def ask(i: int) -> None:
+            try:
+                await asyncio.wait_for(client.poll(f"as-{i}"), timeout_s + 10)
+            except UnknownEngine as e:
+                assert f"'as-{i}'" in e.message, (i, e.message)
+                outcomes["replies"] += 1
+            except SidecarError:
+                outcomes["errors"] += 1  # closed or not up yet: said, not hung
+            else:
+                raise AssertionError(f"as-{i} answered as registered")
+
+        async def wave(first: int) -> None:
+            await asyncio.gather(*(ask(first + i) for i in range(100)))
+
+        try:
+            await wave(0)
+            assert outcomes == {"replies": 100, "errors": 0}
+            restart = asyncio.ensure_future(asyncio.to_thread(
+                lambda: (side.stop(), side.start(timeout_s=600))))
+            n = 100
+            while not restart.done():
+                await wave(n)
+                n += 100
+            await restart
+            before = dict(outcomes)
+            await wave(n)
+            assert outcomes["replies"] == before["replies"] + 100
+            assert outcomes["replies"] + outcomes["errors"] == n + 100
+            print(f"\nasync client through a restart: {outcomes}")
+        finally:
+            assert side.stop() == 0, side.read_log()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvsidecar.ipc.client import SidecarClient, SidecarError
@@ -64,15 +65,22 @@ def _attack(sock_path: str, victim: str, root_region: str, unprefixed: str) -> d
 def _as_nobody(fn: Callable[..., dict[str, Any]], *args: str) -> dict[str, Any]:
     """Run ``fn`` in a forked child that became nobody:nogroup (no exec: the
     interpreter may live where nobody cannot read it, e.g. under /root)."""
+    return _as_user(NOBODY, NOBODY, [], fn, *args)
+
+
+def _as_user(uid: int, gid: int, groups: list[int], fn: Callable[..., dict[str, Any]],
+             *args: str) -> dict[str, Any]:
+    """Run ``fn`` in a forked child that became ``uid:gid`` with supplementary
+    ``groups``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
             os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
             os.write(w, json.dumps(fn(*args)).encode())
             code = 0
         except BaseException as e:
@@ -167,3 +175,42 @@ def test_a_second_sidecar_on_a_live_socket_exits_2_and_leaves_it(tmp_path: Path)
             assert c.ping().version == 1
     finally:
         assert first.stop() == 0
+
+
+DAEMON = 1  # uid and gid "daemon": neither the sidecar's nor allowed
+
+
+def _knock(sock_path: str) -> dict[str, Any]:
+    """Connect as a user the file mode lets in (a supplementary group) but whose
+    kernel credentials (uid, primary gid) the policy does not name."""
+    out: dict[str, Any] = {}
+    with BlockingChannel(sock_path, timeout_s=20) as chan:
+        out["reply"] = msgspec.msgpack.decode(chan.recv())  # sent before anything is read
+        try:
+            chan.recv()
+        except EOFError:
+            out["closed"] = True
+    try:
+        SidecarClient(sock_path, timeout_s=20).ping()
+        out["client"] = "accepted"
+    except SidecarError as e:
+        out["client"] = f"{type(e).__name__}: {e.message}"
+    return out
+
+
+def test_past_the_file_mode_but_outside_the_policy_is_forbidden(
+        shared_sidecar: SidecarProcess) -> None:
+    """The socket is 0660 with group nogroup; a process of uid/gid daemon with
+    nogroup as a supplementary group passes the file mode, and SO_PEERCRED (uid
+    and primary gid only) stops it: one ``forbidden`` reply, then the end; the
+    sync client raises Forbidden. The owner's engine is served throughout."""
+    owner = SidecarClient(shared_sidecar.socket, timeout_s=30)
+    owner.register("owned", 0, attn(2)(1, 16), allocate=True)
+    got = _as_user(DAEMON, DAEMON, [NOBODY], _knock, shared_sidecar.socket)
+    assert got["reply"]["code"] == "forbidden", got
+    assert f"uid {DAEMON} gid {DAEMON} pid" in got["reply"]["message"], got
+    assert got["closed"] is True
+    assert got["client"].startswith(f"Forbidden: uid {DAEMON} gid {DAEMON} pid"), got
+    assert owner.poll("owned") == [] and owner.ping().engines == ["owned"]
+    owner.deregister("owned")
+    owner.close()
