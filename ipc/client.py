@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import itertools
 import logging
 import operator
@@ -512,7 +513,11 @@ class ClientCore:
                                        "--allow-uid/--allow-gid name)") from None
         except OSError as e:
             sock.close()
-            raise Unavailable(UNAVAILABLE, f"cannot connect to {self.path}: {e}") from None
+            hint = (" (a stream socket, not the sidecar's SOCK_SEQPACKET one: an older, "
+                    "ZMQ-based sidecar, or another program?)"
+                    if e.errno == errno.EPROTOTYPE else "")
+            raise Unavailable(UNAVAILABLE, f"cannot connect to {self.path}: {e}{hint}"
+                              ) from None
         self._assembler = Assembler(MAX_REPLY_BYTES)  # nothing half-received carries over
         return sock
 

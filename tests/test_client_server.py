@@ -25,6 +25,7 @@ from kvsidecar.ipc.client import (
     SidecarClient,
     SidecarError,
     SidecarTimeout,
+    Unavailable,
     UnknownEngine,
     block_id_lists,
 )
@@ -328,6 +329,28 @@ def test_sync_timeout_without_server(tmp_path: Path) -> None:
             c.ping()
         assert 0.15 < time.monotonic() - t0 < 2.0
         assert info.value.code == "timeout" and isinstance(info.value, SidecarError)
+
+
+def test_a_stream_socket_at_the_path_is_named_not_waited_for(tmp_path: Path) -> None:
+    """A SOCK_STREAM listener at the path (an older, ZMQ-based sidecar): the
+    kernel refuses the connect (EPROTOTYPE) and the client says so at once, for
+    both clients, instead of waiting out the timeout."""
+    path = str(tmp_path / "old.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    with listener, SidecarClient(path, timeout_s=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="a stream socket, not the sidecar's SOCK_SEQPACKET"):
+            c.ping()
+        assert time.monotonic() - t0 < 10
+
+        async def ping() -> None:
+            async with AsyncSidecarClient(path, timeout_s=30) as a:
+                await a.ping()
+
+        with pytest.raises(Unavailable, match="a stream socket, not the sidecar's SOCK_SEQPACKET"):
+            asyncio.run(ping())
 
 
 def test_sync_client_reaches_a_daemon_started_after_a_timeout(path: str,
