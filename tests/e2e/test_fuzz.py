@@ -626,5 +626,23 @@ async def test_the_async_client_through_a_daemon_restart(tmp_path: Path) -> None
             assert outcomes["replies"] == before["replies"] + 100
             assert outcomes["replies"] + outcomes["errors"] == n + 100
             print(f"\nasync client through a restart: {outcomes}")
+
+            # Killed (SIGKILL) with calls it holds: waiting polls of 8 registered
+            # engines, in the daemon for 60 s. Each fails at once with a
+            # SidecarError, well within its wait; calls go on once it is back.
+            layout = attn(2)(1, 16)
+            for i in range(8):
+                await client.register(f"w{i}", 0, layout, allocate=True)
+            waits = [asyncio.ensure_future(client.poll(f"w{i}", wait_s=60)) for i in range(8)]
+            await asyncio.sleep(0.5)  # the polls are sent (the daemon holds them)
+            assert not any(w.done() for w in waits)
+            side.kill()  # wait_for: none may wait out its 60 s
+            ended = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), 30)
+            assert all(isinstance(e, SidecarError) and "closed the connection" in str(e)
+                       for e in ended), ended
+            await asyncio.to_thread(side.start, 600)
+            before = dict(outcomes)
+            await wave(n + 100)
+            assert outcomes["replies"] == before["replies"] + 100
         finally:
             assert side.stop() == 0, side.read_log()
