@@ -410,9 +410,10 @@ class Pair:
         self.D = SimEngine(f"bench-{name}-D", make, 1, blocks, [d0])
         self.n = 0
 
-    def prefill(self, tokens: int) -> Sent:
+    def prefill(self, tokens: int, *, hold: bool = True) -> Sent:
         self.n += 1
-        return self.P.prefill(f"r{self.n}", Request(seed=self.n, prompt_tokens=tokens))
+        return self.P.prefill(f"r{self.n}", Request(seed=self.n, prompt_tokens=tokens),
+                              hold=hold)
 
     def finish(self, sents: Sequence[Sent], got: dict[str, dict[int, Completion]], *,
                verify: bool = True) -> None:
@@ -571,8 +572,12 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
                 while done < s.sustained_requests:
                     n = min(window, s.sustained_requests - done)
-                    # P fills and holds the round first (not timed: that is P's engine)
-                    sents = [pair.prefill(8 * k) for _ in range(n)]
+                    # P fills and holds the round first (not timed: that is P's engine);
+                    # batched, P's engine holds them as D's reads them, 16 per message
+                    sents = [pair.prefill(8 * k, hold=not batched) for _ in range(n)]
+                    if batched:
+                        for i in range(0, n, per_msg):
+                            pair.P.hold_many(sents[i:i + per_msg])
                     t0 = time.perf_counter()
                     if batched:
                         for i in range(0, n, per_msg):
@@ -589,7 +594,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 by_d = _per_read(r_d, proc_threads_by_role(d0.proc.pid), done)
                 by_p = _per_read(r_p, proc_threads_by_role(p0.proc.pid), done)
                 rate = done / elapsed
-                how = f"{per_msg} per `read_many` message" if batched else "one `read` each"
+                how = (f"{per_msg} per `read_many` (and P's `hold_many`) message" if batched
+                       else "one `read` (and P's `hold`) each")
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
                 rows.append(Figure(
                     f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.engines import remove_stale_segments, shm_prefix_for
 from kvsidecar.daemon.peer_auth import generate_keys
-from kvsidecar.ipc.client import ReadSpec, Registration, SidecarClient
+from kvsidecar.ipc.client import HoldSpec, ReadSpec, Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
 from kvsidecar.ipc.regions import Region, RegionView
@@ -325,6 +325,16 @@ class SimEngine:
                 self.clients[rank].hold(self.engine_id, request_id, ids, readers=readers,
                                         timeout_s=timeout_s)
         return Sent(request_id, self.remote, ids, req)
+
+    def hold_many(self, sents: Sequence[Sent], *, readers: int = 1) -> None:
+        """Hold several prefilled requests (``prefill(..., hold=False)``) in one
+        message per rank (``hold_many``), as a scheduler step would."""
+        specs = [HoldSpec(x.request_id, x.block_ids, readers=readers) for x in sents]
+        for rank in range(self.tp):
+            refused = [e for e in self.clients[rank].hold_many(self.engine_id, specs)
+                       if isinstance(e, Exception)]
+            if refused:
+                raise refused[0]
 
     # ------------------------------------------------------------ D role
 
