@@ -313,3 +313,67 @@ def test_kept_registration_survives_engine_restart(pool) -> None:
     while os.path.exists(f"/dev/shm/{shm_name}"):
         assert time.monotonic() < deadline, "region not unlinked after deregister"
         time.sleep(0.1)
+
+
+def _stuck_pipeline(chan: BlockingChannel) -> int:
+    """Pings on ``chan`` without reading replies, until the daemon stops taking
+    them (2 s without one more): how many it took."""
+    chan.sock.setblocking(False)
+    sent, stuck_since = 0, 0.0
+    while sent < 20_000:
+        try:
+            chan.sock.send(msgspec.msgpack.encode({"op": "ping", "id": sent, "v": 1}))
+        except BlockingIOError:
+            stuck_since = stuck_since or time.monotonic()
+            if time.monotonic() - stuck_since > 2.0:
+                break
+            time.sleep(0.01)
+            continue
+        stuck_since = 0.0
+        sent += 1
+    chan.sock.settimeout(30)
+    return sent
+
+
+def test_channel_attacks_on_both_sidecars_leave_a_transfer_whole(pool) -> None:
+    """While the P and the D sidecar of a transfer are both under attack on their
+    engine sockets (five long messages of the 32 MiB backstop announced and
+    stalled: four held, the fifth refused ``unavailable``; a connection that
+    pipelines pings and reads no reply; garbage), a transfer between them moves
+    the oracle's bytes. Then the pipeliners read every reply, once, in order."""
+    header = b"\xc1KVL" + (2 * (16 << 20)).to_bytes(8, "little")
+    held: list[BlockingChannel] = []
+    try:
+        with pool.engines(hybrid, 1, 1) as (P, (D,)):
+            pipes = []
+            for side in (pool.p[0], pool.d[0]):
+                stalled = [BlockingChannel(side.socket, timeout_s=30) for _ in range(5)]
+                held += stalled
+                for chan in stalled:
+                    chan.sock.send(header)
+                deadline = time.monotonic() + 30
+                while not any(chan.readable(0) for chan in stalled):
+                    assert time.monotonic() < deadline, "no long message refused"
+                    time.sleep(0.05)
+                refused = [chan for chan in stalled if chan.readable(0.2)]
+                assert len(refused) == 1
+                err = decode_reply(refused[0].recv())
+                assert isinstance(err, Error) and err.code == "unavailable", err
+                pipe = BlockingChannel(side.socket, timeout_s=30)
+                held.append(pipe)
+                pipes.append((pipe, _stuck_pipeline(pipe)))
+                with BlockingChannel(side.socket, timeout_s=30) as junk:
+                    junk.send(os.urandom(200))
+                    err = decode_reply(junk.recv())
+                    assert isinstance(err, Error) and err.code == "bad_message", err
+            D.start_read(P.prefill("attacked", Request(seed=5, prompt_tokens=60)))
+            got = D.wait_for(["attacked"], timeout_s=120)
+            assert {c.kind for c in got["attacked"].values()} == {"received"}, got
+            problems = D.verify("attacked")
+            assert not problems, problems[:3]
+            for pipe, sent in pipes:
+                ids = [decode_reply(pipe.recv()).id for _ in range(sent)]
+                assert ids == list(range(sent))
+    finally:
+        for chan in held:
+            chan.close()
