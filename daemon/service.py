@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -129,6 +130,9 @@ answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_po
 
 #: The metric label of each control item kind.
 _CONTROL_OPS: dict[type[ControlRequest], str] = {Claim: "claim", Abandon: "abandon"}
+#: a granted claim puts the NIXL worker on its soon poll only with this many holds or
+#: fewer (one read at a time is latency-bound; many keep the worker going round anyway)
+_SOON_MAX_HOLDS = 2
 
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``."""
@@ -831,7 +835,11 @@ class Sidecar:
                 # while its lease runs (wire-up, its READ's closing flush, and over
                 # TCP the bytes, need us). Told once this reply has left: waking the
                 # worker thread now would contend for the GIL with the reply.
-                asyncio.get_running_loop().call_soon(eng.worker.expect_reads, lease.lease_s)
+                # Few holds: this read is worth the worker's 50 us poll; many: the
+                # worker is busy anyway (see NixlWorker._completion_imminent).
+                asyncio.get_running_loop().call_soon(
+                    functools.partial(eng.worker.expect_reads, lease.lease_s,
+                                      soon=len(eng.holds) <= _SOON_MAX_HOLDS))
             return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                 reason=lease.reason)
         report = Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,
