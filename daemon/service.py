@@ -184,6 +184,8 @@ class Sidecar:
             on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
                                                                  reason=reason).inc(),
         )
+        server = self._server
+        self.metrics.engine_assembling_bytes.set_function(lambda: server.assembling_bytes)
         #: hands memfd / CUDA VMM fds to the engine that registered them (SCM_RIGHTS)
         self._fds = FdServer(
             fd_socket_for(settings.socket), self._server.access,

@@ -225,6 +225,10 @@ class Metrics:
         self.engines_gone = c(
             "kvsidecar_engines_gone_total", "Engines taken for dead, by signal (pid, lease)",
             ("signal",))
+        self.engine_assembling_bytes = g(
+            "kvsidecar_engine_assembling_bytes", "Bytes announced by the long engine "
+            "messages being received right now (bounded together: past the bound a header "
+            "is refused with reason assembly_limit)")
         self.refused = c(
             "kvsidecar_refused_total", "Connections and messages refused at the door, by "
             "channel (engine socket, peer handshake port) and reason (forbidden uid, "

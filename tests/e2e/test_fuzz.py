@@ -452,10 +452,14 @@ def test_stalled_long_messages_are_bounded_together(target: Target) -> None:
         assert target.side.metric("kvsidecar_refused_total", channel="engine",
                                   reason="assembly_limit") == before_refused + 8
         assert not any(chan.readable(0) for chan in taken)
+        assert target.side.metric("kvsidecar_engine_assembling_bytes") == 4 * cap
     finally:
         for chan in stalled:
             chan.close()
     deadline = time.monotonic() + 30
+    while target.side.metric("kvsidecar_engine_assembling_bytes") != 0:  # freed as they leave
+        assert time.monotonic() < deadline, "the stalled senders' budget was not given back"
+        time.sleep(0.05)
     while True:  # the stalled connections' ends are read, then a long message passes
         try:
             _a_long_message_is_served(target)
