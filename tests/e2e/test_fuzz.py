@@ -410,6 +410,28 @@ def _a_long_message_is_served(target: Target) -> None:
     assert reply["op"] == "pong" and reply["id"] == 88, reply
 
 
+def _connect_up_to(target: Target, kept: list[BlockingChannel], n: int, *,
+                   start_over: bool) -> None:
+    """Open served connections (each answers a ping) until ``kept`` holds ``n``;
+    one refused ``unavailable`` is closed and tried again (after closing all of
+    ``kept`` first with ``start_over``), for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while len(kept) < n:
+        chan = BlockingChannel(target.side.socket, timeout_s=30)
+        chan.send(_PING)
+        reply = _reply(chan)
+        if reply["op"] == "pong":
+            kept.append(chan)
+            continue
+        chan.close()
+        assert reply["code"] == "unavailable" and time.monotonic() < deadline, reply
+        if start_over:
+            for old in kept:
+                old.close()
+            kept.clear()
+        time.sleep(0.1)
+
+
 def test_stalled_long_messages_are_bounded_together(target: Target) -> None:
     """Slowloris: 12 connections each announce the largest message (2 MiB) and
     stop one byte short. At most 4 x 2 MiB is held: the first 4 headers are
@@ -511,21 +533,9 @@ def test_idle_connections_up_to_the_cap_then_unavailable_then_room_again(
     target.behave()
     kept: list[BlockingChannel] = []
     try:
-        deadline = time.monotonic() + 30
-        while len(kept) < MAX_CONNECTIONS - 2:
-            chan = BlockingChannel(target.side.socket, timeout_s=30)
-            chan.send(_PING)
-            reply = _reply(chan)
-            if reply["op"] == "pong":
-                kept.append(chan)
-                continue
-            # A connection an earlier test closed, not yet seen closed: start again.
-            chan.close()
-            assert reply["code"] == "unavailable" and time.monotonic() < deadline, reply
-            for chan in kept:
-                chan.close()
-            kept.clear()
-            time.sleep(0.1)
+        # A refusal here is a connection an earlier test closed, not yet seen
+        # closed: start again from none.
+        _connect_up_to(target, kept, MAX_CONNECTIONS - 2, start_over=True)
         for _ in range(3):
             with BlockingChannel(target.side.socket, timeout_s=30) as extra:
                 err = _reply(extra)
@@ -537,17 +547,8 @@ def test_idle_connections_up_to_the_cap_then_unavailable_then_room_again(
         for chan in kept[:5]:
             chan.close()
         del kept[:5]
-        deadline = time.monotonic() + 30
-        while len(kept) < MAX_CONNECTIONS - 2:
-            chan = BlockingChannel(target.side.socket, timeout_s=30)
-            chan.send(_PING)
-            reply = _reply(chan)
-            if reply["op"] == "pong":
-                kept.append(chan)
-                continue
-            chan.close()  # the daemon has not seen the five leave yet
-            assert reply["code"] == "unavailable" and time.monotonic() < deadline
-            time.sleep(0.05)
+        # a refusal here: the daemon has not seen the five leave yet
+        _connect_up_to(target, kept, MAX_CONNECTIONS - 2, start_over=False)
     finally:
         for chan in kept:
             chan.close()
