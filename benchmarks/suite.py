@@ -548,7 +548,9 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    "engine `read` to `received`, waiting poll)",
                    f"{us(p50)} / {us(p99)}",
                    f"raw NIXL post + completion + notification: {us(r50)} / {us(r99)}",
-                   f"p50 raw + {us(p50 - r50)}", "p50 ≤ raw + 100 µs", p50 <= r50 + 100e-6,
+                   f"p50 raw + {us(p50 - r50)}",
+                   "p50 ≤ raw + 100 µs (honest here: 1-1.5 ms, the hops' floors in the notes)",
+                   p50 <= r50 + 100e-6,
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
                     f"the same reads with the engine spinning on empty polls instead (same "
                     f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
@@ -594,6 +596,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 by_d = _per_read(r_d, proc_threads_by_role(d0.proc.pid), done)
                 by_p = _per_read(r_p, proc_threads_by_role(p0.proc.pid), done)
                 rate = done / elapsed
+                # what the daemons' CPU alone allows on this machine's cores
+                ceiling = (os.cpu_count() or 1) * done / max(1e-9, d_cpu + p_cpu)
                 how = (f"{per_msg} per `read_many` (and P's `hold_many`) message" if batched
                        else "one `read` (and P's `hold`) each")
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
@@ -603,8 +607,9 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     f"{rate:,.0f} reads/s; daemon CPU per read: D {us(d_cpu / done)}, "
                     f"P {us(p_cpu / done)}",
                     f"bare NIXL in one process, CPU per read: {us(raw)} "
-                    f"({per_msg if batched else 1} per READ)", "—", "≥ 5,000 reads/s",
-                    rate >= 5000,
+                    f"({per_msg if batched else 1} per READ)", "—",
+                    f"≥ 5,000 reads/s (bound here: the daemons' CPU per read caps "
+                    f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= 5000,
                     ["rounds of the window: the engine posts a round, then waits (waiting "
                      "polls) until all of it is received; P's fills and holds are not timed; "
                      "daemon CPU covers the whole run (untimed holds included)",
@@ -766,9 +771,11 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
     return [
         Figure("engine CPU per `read` call (16 blocks)", us(read),
                f"the same planning + posting + completion in-process (bare NIXL): {us(base)}",
-               f"{read / base:.2f}x", "≤ 20 µs", read <= 20e-6, [bound]),
-        Figure("engine CPU per `hold` call (16 blocks)", us(hold), bound, "—", "≤ 20 µs",
-               hold <= 20e-6),
+               f"{read / base:.2f}x", f"≤ 20 µs (a bare round trip answered as late: "
+               f"{us(floor_late)}; batches meet it)", read <= 20e-6, [bound]),
+        Figure("engine CPU per `hold` call (16 blocks)", us(hold), bound, "—",
+               f"≤ 20 µs (a bare round trip answered as late: {us(floor_late)}; "
+               "batches meet it)", hold <= 20e-6),
         Figure(f"engine CPU per read, {batch} reads of 16 blocks per `read_many` message",
                us(read_b / nb), f"one `read` call per read (above): {us(read)}",
                f"{read_b / nb / read:.2f}x", "≤ 20 µs", read_b / nb <= 20e-6),
@@ -777,7 +784,8 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                f"{hold_b / nb / hold:.2f}x", "≤ 20 µs", hold_b / nb <= 20e-6),
         Figure("engine CPU per `poll` call",
                f"empty {us(poll_empty)}; returning {n_items / max(1, n_full):.1f} completions "
-               f"{us(poll_full / max(1, n_full))}", "—", "—", "≤ 20 µs", poll_empty <= 20e-6),
+               f"{us(poll_full / max(1, n_full))}", "—", "—", "≤ 20 µs",
+               max(poll_empty, poll_full / max(1, n_full)) <= 20e-6),
     ]
 
 
