@@ -181,6 +181,8 @@ class Sidecar:
             access=AccessPolicy.of(settings.allow_uids, settings.allow_gids),
             max_message_bytes=settings.max_message_bytes,
             max_connections=fd_budget(settings.max_engine_connections, 0.25),
+            max_assembling_bytes=settings.max_assembling_bytes or None,
+            long_message_timeout_s=settings.long_message_timeout_s,
             on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
                                                                  reason=reason).inc(),
         )

@@ -44,6 +44,10 @@ class Settings:
     max_message_bytes: int = 16 << 20
     max_engine_connections: int = 256
     max_peer_connections: int = 1024
+    #: long engine messages under way may announce this much together (0: 8x --max-message-bytes)
+    max_assembling_bytes: int = 0
+    #: a long engine message must arrive whole this long after its header
+    long_message_timeout_s: float = 30.0
     #: start-up loopback READ: require-zero-copy, allow-tcp or off (see transport/check.py)
     transport_check: str = "require-zero-copy"
     #: /healthz fails when the event loop or a worker thread is silent this long
@@ -257,6 +261,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("MAX_ENGINE_CONNECTIONS", "256"),
                    help="engine socket connections kept; more are shut "
                         "(env KVSIDECAR_MAX_ENGINE_CONNECTIONS)")
+    p.add_argument("--max-assembling-bytes", type=_number(int, "MAX_ASSEMBLING_BYTES"),
+                   default=_env("MAX_ASSEMBLING_BYTES", "0"),
+                   help="bytes the long engine messages being received may announce "
+                        "together; past it a header gets `unavailable` and its connection "
+                        "is closed (0, the default: 8x --max-message-bytes; at least 2x "
+                        "--max-message-bytes) (env KVSIDECAR_MAX_ASSEMBLING_BYTES)")
+    p.add_argument("--long-message-timeout", type=_number(float, "LONG_MESSAGE_TIMEOUT"),
+                   default=_env("LONG_MESSAGE_TIMEOUT", "30"),
+                   help="seconds a long engine message may take to arrive whole after its "
+                        "header; then one bad_message reply and the connection is closed "
+                        "(env KVSIDECAR_LONG_MESSAGE_TIMEOUT)")
     p.add_argument("--peer-keys", default=_env("PEER_KEYS", os.environ.get(
                        "CREDENTIALS_DIRECTORY", "")),
                    help="directory with the fleet's CURVE key (sidecar.key_secret, from "
@@ -317,6 +332,14 @@ def from_args(ns: argparse.Namespace) -> Settings:
         if getattr(ns, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
                               f"be > 0, got {getattr(ns, name)}")
+    if ns.max_assembling_bytes and not (
+            2 * ns.max_message_bytes <= ns.max_assembling_bytes):
+        raise ConfigError(f"--max-assembling-bytes (env KVSIDECAR_MAX_ASSEMBLING_BYTES) must be "
+                          f"0 (8x --max-message-bytes) or at least 2x --max-message-bytes "
+                          f"({2 * ns.max_message_bytes}), got {ns.max_assembling_bytes}")
+    if not 0 < ns.long_message_timeout <= 3600:
+        raise ConfigError(f"--long-message-timeout (env KVSIDECAR_LONG_MESSAGE_TIMEOUT) must be "
+                          f"0..3600 seconds (not 0), got {ns.long_message_timeout}")
     for flag, port in (("handshake-port", ns.handshake_port), ("metrics-port", ns.metrics_port)):
         if not -1 <= port <= 65535 or (flag == "handshake-port" and port < 0):
             env = "KVSIDECAR_" + flag.upper().replace("-", "_")
@@ -378,6 +401,8 @@ def from_args(ns: argparse.Namespace) -> Settings:
         max_message_bytes=ns.max_message_bytes,
         max_engine_connections=ns.max_engine_connections,
         max_peer_connections=ns.max_peer_connections,
+        max_assembling_bytes=ns.max_assembling_bytes,
+        long_message_timeout_s=ns.long_message_timeout,
         transport_check=ns.transport_check,
         health_timeout_s=ns.health_timeout,
         log_format=ns.log_format,

@@ -88,3 +88,15 @@ def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, st
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("kvsidecar serve: error: ") and msg in lines[0], lines[0]
+
+
+def test_long_engine_message_bounds() -> None:
+    s = parse([])
+    assert (s.max_assembling_bytes, s.long_message_timeout_s) == (0, 30.0)
+    s = parse(["--max-message-bytes", "1000", "--max-assembling-bytes", "2000",
+               "--long-message-timeout", "2.5"])
+    assert (s.max_assembling_bytes, s.long_message_timeout_s) == (2000, 2.5)
+    with pytest.raises(settings.ConfigError, match="at least 2x --max-message-bytes"):
+        parse(["--max-message-bytes", "1000", "--max-assembling-bytes", "1999"])
+    with pytest.raises(settings.ConfigError, match="--long-message-timeout"):
+        parse(["--long-message-timeout", "0"])

@@ -661,3 +661,44 @@ async def test_the_async_client_through_a_daemon_restart(tmp_path: Path) -> None
             assert outcomes["replies"] == before["replies"] + 100
         finally:
             assert side.stop() == 0, side.read_log()
+
+
+def test_long_message_flags_bound_a_real_sidecar(tmp_path: Path) -> None:
+    """``--max-assembling-bytes`` and ``--long-message-timeout`` on a real sidecar:
+    one stalled sender takes the whole budget, so the next long header gets
+    ``unavailable`` and is closed at once (``assembly_limit``); the stalled one
+    gets ``bad_message`` after the timeout and is closed (``slow_message``); the
+    budget is given back and the sidecar serves on."""
+    side = SidecarProcess(tmp_path, "lm", args=[
+        "--max-message-bytes", str(MAX_MESSAGE), "--max-assembling-bytes",
+        str(2 * MAX_MESSAGE), "--long-message-timeout", "1", "--metrics-port", "0",
+    ]).start(timeout_s=600)
+    try:
+        with BlockingChannel(side.socket, timeout_s=30) as slow, \
+                BlockingChannel(side.socket, timeout_s=30) as late:
+            slow.sock.send(_header(2 * MAX_MESSAGE))
+            t0 = time.monotonic()
+            deadline = t0 + 30
+            while side.metric("kvsidecar_engine_assembling_bytes") != 2 * MAX_MESSAGE:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            late.sock.send(_header(MAX_PACKET + 1))
+            err = _reply(late)
+            assert err["code"] == "unavailable", err
+            with pytest.raises(EOFError):
+                late.recv()
+            err = _reply(slow)
+            assert time.monotonic() - t0 >= 0.9
+            assert err["code"] == "bad_message", err
+            assert "did not arrive whole within 1 s" in err["message"], err
+            with pytest.raises(EOFError):
+                slow.recv()
+        assert side.metric("kvsidecar_refused_total", channel="engine",
+                           reason="assembly_limit") == 1
+        assert side.metric("kvsidecar_refused_total", channel="engine",
+                           reason="slow_message") == 1
+        assert side.metric("kvsidecar_engine_assembling_bytes") == 0
+        with SidecarClient(side.socket, timeout_s=30) as c:
+            c.ping()
+    finally:
+        assert side.stop() == 0, side.read_log()
