@@ -99,7 +99,6 @@ returns, so the caller may unmap the memory afterwards.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import gc
 import importlib
@@ -115,6 +114,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvsidecar.daemon.thread_names import prctl_this_thread
 from kvsidecar.daemon.transport.errors import NixlAgentReset, NixlError, NixlTimeout, wrap
 from kvsidecar.daemon.transport.merging import group_posts
 from kvsidecar.daemon.transport.metadata import peek_agent_name
@@ -316,11 +316,8 @@ def _tight_timers() -> None:
     default, so the worker's 50 us soon poll took 110 us (p50, measured here);
     with 1 us slack it takes 60 us, at ~11 us of CPU per wake-up either way.
     Only this thread's slack changes (prctl applies per thread)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
-    except (OSError, AttributeError):
-        log.debug("cannot set the NIXL worker's timer slack", exc_info=True)
+    if not prctl_this_thread(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS):
+        log.debug("cannot set the NIXL worker's timer slack")
 
 
 _uadd = np.add.reduce  # the ufunc: ndarray.sum() goes through a Python wrapper
