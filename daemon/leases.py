@@ -101,10 +101,14 @@ class ReaderLeases:
         until the lease lapses (lost) or until ``until`` (this clock; the read's
         own deadline), whichever comes first. After that the last grant runs out
         on its own, so P's hold ends at most one lease after ``until``."""
-        while True:
+        await asyncio.sleep(self.renew_every_s)
+        await self._renewing(until)
+
+    async def _renewing(self, until: float) -> None:
+        """Renewals from now on: one now, then one each third of the lease, until
+        one says they must stop (see :meth:`renew_forever`)."""
+        while await self._renew(until):
             await asyncio.sleep(self.renew_every_s)
-            if not await self._renew(until):
-                return
 
     def renew_later(self, until: float = math.inf) -> Renewals:
         """:meth:`renew_forever` in the background, started only when its first
@@ -196,11 +200,7 @@ class Renewals:
 
     def _start(self) -> None:
         self._timer = None
-        self._task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        while await self._leases._renew(self._until):
-            await asyncio.sleep(self._leases.renew_every_s)
+        self._task = asyncio.ensure_future(self._leases._renewing(self._until))
 
     def cancel(self) -> None:
         """The read ended: no more renewals (one in flight is abandoned)."""
