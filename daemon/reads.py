@@ -469,7 +469,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             await asyncio.wait([scattering])
             raise
         if metrics is not None:
-            metrics.scatter_seconds.labels(eng.engine_id).observe(
+            metrics.series(metrics.scatter_seconds, eng.engine_id).observe(
                 time.perf_counter() - t_scatter)
     posted = sum(int(p.length.size) for p in posts)
     return ReadOutcome(plan.nbytes, posted, plan.descriptors_before_coalescing,

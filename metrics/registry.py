@@ -85,7 +85,7 @@ class Metrics:
             "kvsidecar_read_queue_seconds", "Time from the engine's read request to posting "
             "its NIXL transfers (handshake, planning, queueing)", ENGINE,
             buckets=LATENCY_BUCKETS)
-        self.lease_claim_seconds = h(
+        self.lease_claim_seconds = lh(
             "kvsidecar_lease_claim_seconds", "A read that claims first: from issuing its "
             "lease claims to every P rank's grant (the peer channel's round trip)", ENGINE,
             buckets=LATENCY_BUCKETS)
@@ -96,7 +96,7 @@ class Metrics:
         self.staged_transfers = c(
             "kvsidecar_staged_transfers_total", "Transfers read as whole remote runs into "
             "staging memory, then scattered locally (--staging)", ENGINE)
-        self.scatter_seconds = h(
+        self.scatter_seconds = lh(
             "kvsidecar_scatter_seconds", "Time from a staged read's last transfer done to "
             "its staged bytes scattered into the engine's blocks (the copy, off the event "
             "loop, including any wait for the planning thread)", ENGINE,
