@@ -23,7 +23,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["loop_thread_rtts", "unix_cpu", "unix_rtts", "zmq_curve_rtts"]
@@ -91,21 +91,33 @@ def _unix_echo_peer(n: int, delay_s: float = 0.0) -> Iterator[socket.socket]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def unix_cpu(n: int, delay_s: float = 0.0) -> tuple[float, float]:
+def unix_cpu(n: int, delay_s: float = 0.0,
+             between: Callable[[], object] | None = None) -> tuple[float, float]:
     """Client CPU seconds and wall seconds per bare blocking round trip over
     AF_UNIX SEQPACKET (the engine channel's transport) to an echo in another
     process that answers after ``delay_s``: the floor of any engine call. With a
     delay the client's thread sleeps and is woken, as while the daemon works;
-    on a shared host that wake-up costs CPU of its own."""
+    on a shared host that wake-up costs CPU of its own.
+
+    ``between`` (untimed) runs before each round trip: what the engine does
+    between two calls (fill its blocks, sleep) leaves the caches cold, and a
+    call after it pays for that (an 8 MiB memset before each makes a bare round
+    trip here cost 17 µs instead of 6), so a call measured after such work is
+    compared with a round trip measured after the same work."""
     with _unix_echo_peer(n + _WARM, delay_s) as sock:
         for _ in range(_WARM):
             sock.send(_MSG)
             sock.recv(65536)
-        c0, w0 = time.process_time(), time.perf_counter()
+        cpu = wall = 0.0
         for _ in range(n):
+            if between is not None:
+                between()
+            c0, w0 = time.process_time(), time.perf_counter()
             sock.send(_MSG)
             sock.recv(65536)
-        return (time.process_time() - c0) / n, (time.perf_counter() - w0) / n
+            cpu += time.process_time() - c0
+            wall += time.perf_counter() - w0
+        return cpu / n, wall / n
 
 
 def unix_rtts(n: int) -> list[float]:
