@@ -40,6 +40,14 @@ def test_a_post_that_cannot_merge_goes_alone() -> None:
     assert group_posts(["a", "a", "a"], [8, 8, 8], [1, 500, 1], 100) == [[0, 2], [1]]
 
 
+def test_a_group_closes_at_the_read_byte_bound_and_a_large_read_goes_alone() -> None:
+    # 3 + 3 fits 6, the third 3 starts a new group; 7 is over the bound on its own
+    assert group_posts(["a"] * 5, [64] * 5, [1] * 5, 1000, [3, 3, 3, 7, 2], 6) == [
+        [0, 1], [2, 4], [3]]
+    # no bound: one group
+    assert group_posts(["a"] * 3, [64] * 3, [1] * 3, 1000, [3, 3, 7], None) == [[0, 1, 2]]
+
+
 def test_a_batch_round_trips_and_is_told_apart_from_a_single_one() -> None:
     notes = [_note(f"r{i}", i % 2) for i in range(20)]  # past 15: the array16 header
     batch = notifications.join(notes)

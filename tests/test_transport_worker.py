@@ -391,6 +391,36 @@ async def test_posts_of_one_loop_iteration_go_as_one_job_and_fail_alone(
 
 
 @pytest.mark.timeout(120)
+async def test_a_read_finished_early_in_a_round_is_delivered_before_the_round_ends(
+        local: Any, peer: Any, peer_mem: ShmBuf) -> None:
+    """Jobs of one round run back to back on the worker thread (on host memory
+    each ``transfer()`` copies inline): a read that ended is handed to the loop
+    between them, not after the round's last job. The second job here blocks
+    until the test saw the first read's result (else it gives up and reports
+    that it never saw it). No notification: a READ without one ends inside
+    ``transfer()`` (one with one waits for the peer's progress)."""
+    from kvsidecar.daemon.transport.worker import _Job
+
+    w, _, mem, _ = local
+    _, md, paddr = peer
+    name = await w.add_remote(md)
+    await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))  # wired up
+    mem.view[:65536] = 0
+    loop = asyncio.get_running_loop()
+    seen = threading.Event()
+    read_fut: asyncio.Future[Any] = loop.create_future()
+    block_fut: asyncio.Future[Any] = loop.create_future()
+    what, fn = w._read_job(ReadOp(name, i64([mem.addr]), i64([paddr]), i64([65536])))
+    w._jobs.put((_Job(fn, read_fut, what, name),
+                 _Job(lambda _fut: seen.wait(30.0), block_fut, "block", None)))
+    stats = await asyncio.wait_for(read_fut, 60)
+    seen.set()
+    assert await asyncio.wait_for(block_fut, 60) is True  # the read came out first
+    assert isinstance(stats, TransferStats) and stats.bytes == 65536
+    assert np.array_equal(mem.view[:65536], peer_mem.view[:65536])
+
+
+@pytest.mark.timeout(120)
 async def test_add_remote_is_idempotent_and_replaces_changed_metadata(local: Any) -> None:
     w, _, mem, _ = local
     p = Peer(f"peer-{uuid.uuid4().hex[:8]}")
@@ -524,7 +554,8 @@ async def until(cond: Any, what: str, timeout: float = 60.0) -> None:
 @pytest.mark.timeout(120)
 async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> None:
     """A worker whose idle wait is an hour: every job must wake it (else the test
-    times out), holds make it escalate from the hot floor, ``expect_reads``
+    times out), and so must a reader expected without a soon window;
+    holds make it escalate from the hot floor, ``expect_reads``
     polls at the soon floor until the reader's notification came (its READ
     completes only as we progress), then pins it to the hot floor while the
     lease runs, and the notification of that read is delivered;
@@ -543,6 +574,12 @@ async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> No
         await until(lambda: target.poll_wait_s == hour, "idle wait of an hour")
         await asyncio.wait_for(target.register([(t_mem.addr, t_mem.nbytes)]), 60)
         await until(lambda: target.poll_wait_s == hour, "idle again after a job")
+        # A claim among many holds (no soon window): the hot floor at once, not
+        # after the hour's wait (the reader's READ ends only as we progress).
+        target.expect_reads(60.0, soon=False)
+        await until(lambda: target.poll_wait_s == 0.001, "hot polling for a reader")
+        target.set_hot(False)  # ends the window
+        await until(lambda: target.poll_wait_s == hour, "idle again after the window")
         md = await asyncio.wait_for(target.metadata(), 60)
         await reader.register([(r_mem.addr, r_mem.nbytes)])
         tname = await reader.add_remote(md)
@@ -737,6 +774,15 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
         got = sorted(m for _, m in await p.call("notifs", 3, 10.0))
         assert got == sorted([notifications.join(notes[:5]), notes[5],
                               notifications.join(notes[:2])])
+        # Past merge_max_bytes a group closes: 4 reads of 4 KiB, 8 KiB per transfer.
+        w._merge_max_bytes = 8192
+        ops = [ReadOp(name, i64([mem.addr + i * 4096]), i64([paddr + 4096 * i]), i64([4096]),
+                      notif=notes[i], merge=8) for i in range(4)]
+        capped = await asyncio.gather(*(w.post_soon(op) for op in ops))
+        assert [(r.reads, r.first) for r in capped if r is not None] == [
+            (2, True), (2, False)] * 2
+        await p.call("notifs", 2, 10.0)
+        w._merge_max_bytes = 4 << 20
         # One bad range fails the transfer, so every read merged with it.
         bad = [ReadOp(name, i64([mem.addr]), i64([paddr]), i64([4096]), merge=8),
                ReadOp(name, i64([mem.addr]), i64([paddr + MiB - 100]), i64([4096]), merge=8)]
