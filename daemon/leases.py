@@ -26,6 +26,7 @@ was free to reuse in between, so the read is reported failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -87,6 +88,16 @@ class ReaderLeases:
             outcomes = [await self._granted(*sent[0])]
         else:
             outcomes = await asyncio.gather(*(self._granted(*s) for s in sent))
+        self._refusals(outcomes)
+
+    def settle(self, sent: list[_Sent]) -> None:
+        """:meth:`claim` of claims whose answers have all arrived (every future in
+        ``sent`` done), without awaiting: a batch of reads waits for all its
+        claims at once, then settles each read's own."""
+        self._refusals([self._answered(a, c, f) for a, c, f in sent])
+
+    def _refusals(self, outcomes: list[tuple[bool, str]]) -> None:
+        """Raise :class:`LeaseRefused` naming the first refusal among ``outcomes``."""
         problems = [(refused, why) for refused, why in outcomes if why]
         if problems:
             raise LeaseRefused(problems[0][1], answered=problems[0][0], stale_link=self._stale)
@@ -160,10 +171,17 @@ class ReaderLeases:
     async def _granted(self, address: str, claim: Claim,
                        answer: asyncio.Future[ControlAnswer]) -> tuple[bool, str]:
         """What :meth:`_claim` says, of a claim already issued (``answer``)."""
+        with contextlib.suppress(HandshakeFailed):
+            await answer
+        return self._answered(address, claim, answer)
+
+    def _answered(self, address: str, claim: Claim,
+                  answer: asyncio.Future[ControlAnswer]) -> tuple[bool, str]:
+        """What :meth:`_granted` says, of a claim whose ``answer`` arrived."""
         try:
             # t0: when the message carrying the claim left (a batch's send time for
             # every item in it), never earlier than P's receipt could be.
-            reply, t0 = await answer
+            reply, t0 = answer.result()
         except HandshakeFailed as e:
             return False, f"P rank {claim.tp_rank} at {address}: {e.reason}"
         if not reply.granted or not (0 < reply.lease_s < math.inf):

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +94,11 @@ class ReadJob:
     #: the request's kvsidecar.read span and its tracer (None when tracing is off)
     span: Any = None
     tracing: Tracing | None = None
+    #: its completion is out (set by ReadTable._finish)
+    ended: bool = False
+    #: how to abort it before posting when it shares its task with other reads
+    #: (a batch, see read_batch): cancelling the task would abort them all
+    on_abort: Callable[[ReadJob], None] | None = None
 
     @property
     def trace_id(self) -> str:
@@ -104,7 +109,11 @@ class ReadJob:
         """Abort now if nothing is posted yet; else report ``aborted`` once transfers end."""
         if self.abort_reason is None:
             self.abort_reason = reason
-        if not self.posted and self.task is not None:
+        if self.posted or self.ended:
+            return
+        if self.on_abort is not None:
+            self.on_abort(self)
+        elif self.task is not None:
             self.task.cancel()
 
 
@@ -354,49 +363,9 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     destroyed). If this task is cancelled while transfers are in flight, their
     areas are quarantined until the agent's generation moves on instead.
     """
-    req = job.req
-    remote = req.remote
-    tr = job.tracing
     leases = job.leases
-    job.posted = True
-    if metrics is not None:
-        metrics.series(metrics.read_queue_seconds, eng.engine_id).observe(
-            time.monotonic() - job.accepted_at)
-    note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
-                                eng.engine_id, eng.tp_rank, eng.layout.tp_size)
-    agents = {p: peer.agent for p, peer in zip(cands, peers)}
-    gens = {p: peer.generation for p, peer in zip(cands, peers)}
-    infos = {p: peer.info for p, peer in zip(cands, peers)}
-    # Peers that accept batched notifications get this read's posts merged
-    # with other reads' of the same flush (one transfer, one notification).
-    merge = {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
-             for p, peer in zip(cands, peers)}
-    attached = note if claiming is None else None
-    todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
-    for i, post in enumerate(posts):
-        sp, area = staged[i], areas[i]
-        if sp is not None and area is not None:
-            post = posts[i] = PostList(post.rank, sp.post_local(area.address), sp.remote,
-                                       sp.length, post.descriptors_before)
-            if metrics is not None:
-                metrics.series(metrics.staged_transfers, eng.engine_id).inc()
-        if post.length.size:
-            far = infos[post.rank]
-            todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
-                               notif=attached, timeout_s=timeout_s, generation=gens[post.rank],
-                               mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
-                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
-                               merge=merge[post.rank]))
-        else:
-            todo.append(NotifyOp(agents[post.rank], note, merge[post.rank])
-                        if claiming is None else None)
-    # All or nothing of this read is handed over (nothing above posts), together
-    # with every other read's posts of this loop iteration as one worker job;
-    # each keeps its own outcome. Posts to a peer that advertised batched
-    # notifications share one transfer and notification with the other reads'
-    # posts to that agent (a failed transfer fails every read in it); a read
-    # refused at claim time never gets here, so it never joins one.
-    ops = [eng.worker.post_soon(op) if op is not None else _nothing_posted() for op in todo]
+    ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
+                                         staged, areas, notify=claiming is None)
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
     # They start once the claim was granted (a renewal before it would find no
@@ -435,8 +404,89 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             claiming.add_done_callback(_retrieve)
         if renewing is not None:
             renewing.cancel()
+    check_results(eng, job, metrics, posts, results)
+    if job.abort_reason is None and any(a is not None for a in areas):
+        # Only now, every transfer DONE and the lease valid, do engine blocks get
+        # the staged bytes. Off the loop; never abandoned half way (the engine
+        # must not get a completion while its blocks are still being written).
+        t_scatter = time.perf_counter()
+        scattering = _in_executor(planner, _scatter_all, eng, staged, areas)
+        try:
+            await asyncio.shield(scattering)
+        except asyncio.CancelledError:
+            await asyncio.wait([scattering])
+            raise
+        if metrics is not None:
+            metrics.series(metrics.scatter_seconds, eng.engine_id).observe(
+                time.perf_counter() - t_scatter)
+    return outcome_of(plan, posts, results)
+
+
+def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
+              metrics: Metrics | None, cands: Sequence[int], peers: list[Peer],
+              posts: list[PostList], staged: Sequence[StagedPlan | None],
+              areas: Sequence[Area | None], *, notify: bool = True,
+              ) -> tuple[list[asyncio.Future[Any]], bytes, dict[int, str], dict[int, int]]:
+    """Hand every P rank's post of one read to the worker (nothing here awaits):
+    the futures of their outcomes, in ``posts`` order, with the notification and
+    the agents and merge limits it went to. ``notify=False`` (posted during the
+    claim): no notification rides with the transfers and bare notifications are
+    left out (an already-done future stands in for them); see
+    :func:`_post_and_wait`. Staged posts (``areas[i]`` given) read into their
+    area: ``posts[i]`` is replaced by the staged addresses."""
+    req = job.req
+    remote = req.remote
+    job.posted = True
     if metrics is not None:
-        count_transfers(metrics, eng.engine_id, remote.engine_id, posts, results,
+        metrics.series(metrics.read_queue_seconds, eng.engine_id).observe(
+            time.monotonic() - job.accepted_at)
+    note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
+                                eng.engine_id, eng.tp_rank, eng.layout.tp_size)
+    agents = {p: peer.agent for p, peer in zip(cands, peers)}
+    gens = {p: peer.generation for p, peer in zip(cands, peers)}
+    infos = {p: peer.info for p, peer in zip(cands, peers)}
+    # Peers that accept batched notifications get this read's posts merged
+    # with other reads' of the same flush (one transfer, one notification).
+    merge = {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
+             for p, peer in zip(cands, peers)}
+    attached = note if notify else None
+    todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
+    for i, post in enumerate(posts):
+        sp, area = staged[i], areas[i]
+        if sp is not None and area is not None:
+            post = posts[i] = PostList(post.rank, sp.post_local(area.address), sp.remote,
+                                       sp.length, post.descriptors_before)
+            if metrics is not None:
+                metrics.series(metrics.staged_transfers, eng.engine_id).inc()
+        if post.length.size:
+            far = infos[post.rank]
+            todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
+                               notif=attached, timeout_s=timeout_s, generation=gens[post.rank],
+                               mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
+                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
+                               merge=merge[post.rank]))
+        else:
+            todo.append(NotifyOp(agents[post.rank], note, merge[post.rank])
+                        if notify else None)
+    # All or nothing of this read is handed over (nothing above posts), together
+    # with every other read's posts of this loop iteration as one worker job;
+    # each keeps its own outcome. Posts to a peer that advertised batched
+    # notifications share one transfer and notification with the other reads'
+    # posts to that agent (a failed transfer fails every read in it); a read
+    # refused at claim time never gets here, so it never joins one.
+    ops = [eng.worker.post_soon(op) if op is not None else _nothing_posted() for op in todo]
+    return ops, note, agents, merge
+
+
+def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
+                  posts: list[PostList], results: list[Any]) -> None:
+    """Count one read's transfers, then raise unless every one succeeded and the
+    lease still holds (bytes that landed after the lease are not trusted)."""
+    req = job.req
+    tr = job.tracing
+    leases = job.leases
+    if metrics is not None:
+        count_transfers(metrics, eng.engine_id, req.remote.engine_id, posts, results,
                         request_id=req.request_id)
     if tr is not None:
         for post, r in zip(posts, results):
@@ -456,21 +506,11 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     if errors:
         raise errors[0]
     if leases is not None:
-        leases.check(time.monotonic())  # bytes that landed after the lease are not trusted
-    if job.abort_reason is None and any(a is not None for a in areas):
-        # Only now, every transfer DONE and the lease valid, do engine blocks get
-        # the staged bytes. Off the loop; never abandoned half way (the engine
-        # must not get a completion while its blocks are still being written).
-        t_scatter = time.perf_counter()
-        scattering = _in_executor(planner, _scatter_all, eng, staged, areas)
-        try:
-            await asyncio.shield(scattering)
-        except asyncio.CancelledError:
-            await asyncio.wait([scattering])
-            raise
-        if metrics is not None:
-            metrics.series(metrics.scatter_seconds, eng.engine_id).observe(
-                time.perf_counter() - t_scatter)
+        leases.check(time.monotonic())
+
+
+def outcome_of(plan: ReadPlan, posts: list[PostList], results: list[Any]) -> ReadOutcome:
+    """What a read that succeeded reports (its completion's figures)."""
     posted = sum(int(p.length.size) for p in posts)
     return ReadOutcome(plan.nbytes, posted, plan.descriptors_before_coalescing,
                        [r for r in results if isinstance(r, TransferStats)],
@@ -679,6 +719,8 @@ class ReadTable:
         self._jobs: dict[tuple[str, str], ReadJob] = {}
         self._per_engine: dict[str, int] = {}
         self._abandons: set[asyncio.Task[None]] = set()
+        #: reads accepted inside :meth:`together`, started when it ends
+        self._gathering: list[tuple[EngineRank, ReadJob]] | None = None
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -715,10 +757,121 @@ class ReadTable:
         job = ReadJob(req)
         self._jobs[key] = job
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
+        if self._gathering is not None:
+            self._gathering.append((eng, job))
+        else:
+            self._start_one(eng, job)
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Reads accepted inside start together when it ends (one engine message's,
+        e.g. a Batch): those of one engine rank that read the same remote engine
+        over links already made share one task (:mod:`~kvsidecar.daemon.read_batch`),
+        the others start one task each as :meth:`accept` alone would."""
+        if self._gathering is not None:  # nested: the outer one starts them
+            yield
+            return
+        self._gathering = []
+        try:
+            yield
+        finally:
+            gathered, self._gathering = self._gathering, None
+            self._start(gathered)
+
+    def _start(self, gathered: list[tuple[EngineRank, ReadJob]]) -> None:
+        groups: dict[tuple[int, str, int, tuple[str, ...]], list[tuple[EngineRank, ReadJob]]] = {}
+        for eng, job in gathered:
+            r = job.req.remote
+            groups.setdefault((id(eng), r.engine_id, r.tp_size, tuple(r.handshake)),
+                              []).append((eng, job))
+        for group in groups.values():
+            eng = group[0][0]
+            jobs = [job for _, job in group if not self._aborted_unstarted(eng, job)]
+            links = self._batch_links(eng, jobs) if len(jobs) > 1 else None
+            if links is None:
+                for job in jobs:
+                    self._start_one(eng, job)
+            else:
+                self._start_batch(eng, jobs, *links)
+
+    def _aborted_unstarted(self, eng: EngineRank, job: ReadJob) -> bool:
+        """A read released in the message that asked for it ends before it starts."""
+        if job.abort_reason is None:
+            return False
+        c = _aborted_before_posting(job)
+        self._tell_p(eng, job, c)
+        self._finish(eng, job, c)
+        return True
+
+    def _batch_links(self, eng: EngineRank, jobs: list[ReadJob]
+                     ) -> tuple[Sequence[int], list[Peer]] | None:
+        """The candidate P ranks and their links when ``jobs`` may go as one batch:
+        links all made, nothing staged, nothing traced; else None."""
+        if eng.staging is not None or (self.tracing is not None and self.tracing.enabled):
+            return None
+        r = jobs[0].req.remote
+        cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+        peers = []
+        for p in cands:
+            peer = eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p)
+            if peer is None:
+                return None
+            peers.append(peer)
+        return cands, peers
+
+    def _start_one(self, eng: EngineRank, job: ReadJob) -> None:
         job.task = asyncio.ensure_future(self._run(eng, job))
         # A task cancelled before its first step never runs its body; the
         # callback still reports it and frees the request id.
         job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+
+    def _start_batch(self, eng: EngineRank, jobs: list[ReadJob], cands: Sequence[int],
+                     peers: list[Peer]) -> None:
+        from kvsidecar.daemon.read_batch import run_batch  # it builds on this module
+
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(run_batch(
+            eng, jobs, cands, peers, self._plans, self._timeout_s, self._metrics,
+            self._handshakes, functools.partial(self._settle, eng, t0)))
+        self._metrics.series(self._metrics.batched_reads, eng.engine_id).inc(len(jobs))
+        drop = functools.partial(self._drop, eng)
+        for job in jobs:
+            job.task = task
+            job.on_abort = drop
+        task.add_done_callback(functools.partial(self._batch_done, eng, jobs))
+
+    def _settle(self, eng: EngineRank, t0: float, job: ReadJob,
+                got: ReadOutcome | BaseException) -> None:
+        """A read of a batch ended: complete it, or, when the failure is one a
+        fresh handshake may cure, carry it on alone (:meth:`_attempts` decides)."""
+        if job.ended:
+            return
+        if isinstance(got, (NixlError, LeaseRefused, PartialReadError)):
+            job.on_abort = None
+            job.task = asyncio.ensure_future(self._run(eng, job, failed=got))
+            job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+            return
+        self._complete(eng, job, got, t0)
+
+    def _drop(self, eng: EngineRank, job: ReadJob) -> None:
+        """Abort a read of a batch that posted nothing yet, alone and at once."""
+        c = _aborted_before_posting(job)
+        self._tell_p(eng, job, c)
+        self._finish(eng, job, c)
+
+    def _batch_done(self, eng: EngineRank, jobs: list[ReadJob], task: asyncio.Task[None]
+                    ) -> None:
+        """Nothing of the batch runs any more: a read it still owns (cancelled,
+        or a bug) gets its completion here, so none is lost."""
+        err = None if task.cancelled() else task.exception()
+        if err is not None:
+            log.error("a batch of %d reads of engine %r failed", len(jobs), eng.engine_id,
+                      exc_info=err)
+        for job in jobs:
+            if job.ended or job.task is not task:
+                continue
+            self._complete(eng, job, asyncio.CancelledError() if err is None else err,
+                           time.perf_counter())
 
     def abort(self, engine_id: str, request_id: str, reason: str) -> bool:
         job = self._jobs.get((engine_id, request_id))
@@ -739,7 +892,7 @@ class ReadTable:
             await asyncio.wait(tasks, timeout=timeout_s)
 
     def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
+        if task.cancelled() and not job.ended:
             c = _aborted_before_posting(job)
             self._tell_p(eng, job, c)
             self._finish(eng, job, c)
@@ -776,6 +929,7 @@ class ReadTable:
             for p in cands if p < len(r.handshake)])
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        job.ended = True
         eng.peers.release(job.links)
         if job.tracing is not None:
             job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
@@ -789,19 +943,33 @@ class ReadTable:
                 del self._per_engine[key[0]]
         self._deliver(eng, c)
 
-    async def _run(self, eng: EngineRank, job: ReadJob) -> None:
+    async def _run(self, eng: EngineRank, job: ReadJob,
+                   failed: BaseException | None = None) -> None:
         req = job.req
         t0 = time.perf_counter()
-        if self.tracing is not None and self.tracing.enabled:
+        if self.tracing is not None and self.tracing.enabled and job.span is None:
             job.tracing = self.tracing
             job.span = self.tracing.start("kvsidecar.read", job.trace_id, engine=eng.engine_id,
                                           rank=eng.tp_rank, peer=req.remote.engine_id,
                                           decode_request_id=req.request_id)
+        got: ReadOutcome | BaseException
         try:
-            out = await self._attempts(eng, job)
-        except asyncio.CancelledError:
-            c = _aborted_before_posting(job)
+            got = await self._attempts(eng, job, failed)
+        except asyncio.CancelledError as e:
+            got = e
         except Exception as e:  # every failure becomes a completion, never a crash
+            got = e
+        self._complete(eng, job, got, t0)
+
+    def _complete(self, eng: EngineRank, job: ReadJob, got: ReadOutcome | BaseException,
+                  t0: float) -> None:
+        """The read's one completion from its outcome (or why it failed; cancelled:
+        aborted before posting), P told when it did not receive."""
+        req = job.req
+        if isinstance(got, asyncio.CancelledError):
+            c = _aborted_before_posting(job)
+        elif isinstance(got, BaseException):
+            e = got
             reason = f"{type(e).__name__}: {e}"
             log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason,
                         extra=_event(eng, req, "failed", reason))
@@ -809,6 +977,7 @@ class ReadTable:
             if isinstance(e, LeaseLost):
                 self._metrics.leases_lost.labels(eng.engine_id).inc()
         else:
+            out = got
             if job.abort_reason is not None:
                 c = aborted(req, f"{job.abort_reason}; its transfers had finished")
             else:
@@ -822,8 +991,10 @@ class ReadTable:
         self._tell_p(eng, job, c)  # nothing of this read is in flight any more
         self._finish(eng, job, c)
 
-    async def _attempts(self, eng: EngineRank, job: ReadJob) -> ReadOutcome:
-        """Run the read, again after a failure a stale link explains.
+    async def _attempts(self, eng: EngineRank, job: ReadJob,
+                        failed: BaseException | None = None) -> ReadOutcome:
+        """Run the read, again after a failure a stale link explains (``failed``:
+        its first attempt, made in a batch, failed so).
 
         Retry once only over links older than the request (or made before the
         local agent was reset), and never after a timeout (the peer is stalled,
@@ -838,6 +1009,9 @@ class ReadTable:
         retries, resets = 1, _RESET_RETRIES
         while True:
             try:
+                if failed is not None:
+                    first, failed = failed, None
+                    raise first
                 return await run_read(eng, job, self._planner, self._plans, self._timeout_s,
                                       self._metrics, self._handshakes)
             except PartialReadError:

@@ -105,6 +105,10 @@ class Metrics:
             "kvsidecar_reads_posted_during_claim_total", "Reads posted while their lease "
             "claim was still on its way to P (links P confirmed within the last "
             "--post-during-claim seconds); their notifications follow the grant", ENGINE)
+        self.batched_reads = c(
+            "kvsidecar_reads_batched_total", "Reads carried by a batch task: reads of one "
+            "engine message to one remote engine over links already made share one task "
+            "(one wait for their claims and plans, one post)", ENGINE)
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
             "that posted scattered descriptors, by reason (full: no room in the pool; "

@@ -64,6 +64,7 @@ def test_sixteen_reads_reach_p_as_few_transfers_with_oracle_exact_bytes(
         d0, p0 = _counts(d, D_READS), _counts(p, P_READS)
         sents = [P.prefill(f"r{i}", Request(seed=10 + i, prompt_tokens=8 + 5 * i))
                  for i in range(16)]
+        batched0 = d.metric("kvsidecar_reads_batched_total", engine="mt-D")
         D.start_reads(sents)  # one read_many of 16 reads, all from P rank 0
         rids = [s.request_id for s in sents]
         got = D.wait_for(rids)
@@ -75,6 +76,8 @@ def test_sixteen_reads_reach_p_as_few_transfers_with_oracle_exact_bytes(
         assert {per[0].kind for per in sent_back.values()} == {"sent"}
         (dn, dr), (pn, pr) = _counts(d, D_READS), _counts(p, P_READS)
         assert dr - d0[1] == 16 and pr - p0[1] == 16  # every read, each named once
+        # over the link the warm read made, the 16 shared one task (read_batch)
+        assert d.metric("kvsidecar_reads_batched_total", engine="mt-D") - batched0 == 16
         if batched:
             # fewer transfers than reads, and as few notifications as transfers
             assert dn - d0[0] < 16 and pn - p0[0] < 16, (dn - d0[0], pn - p0[0])

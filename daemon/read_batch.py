@@ -1,0 +1,170 @@
+"""D side: the reads of one engine message that share a remote engine, carried
+by one task.
+
+Each read of a ``read_many`` used to run its own task through
+:func:`~kvsidecar.daemon.reads.run_read`: its own peer lookup, claim await,
+planning await and transfer await, so 16 reads cost 16 tasks and ~64 task
+wake-ups on the event loop, the largest share of D's per-read CPU after NIXL.
+Here one task looks the links up once, issues every read's claim (they leave
+as one control batch per P rank), submits every read's plan (one planning
+job), waits for all of them at once, then posts every read that may go (the
+worker merges them into one READ per P rank) and completes each read from its
+own transfers' callbacks.
+
+Each read keeps its own request id, lease, timeout, abort and completion: a
+refused claim, a plan error or an expired lease fails that read alone (``settle``
+gets its exception), the others go on. An abort before posting is the read
+table's business (it drops the read from the batch at once); this module only
+skips reads whose ``ended`` is set.
+
+Used only where it changes nothing but the cost: links already made (the first
+read to a new peer links through ``run_read``), no staging, no tracing, and
+the claim awaited before posting (``--post-during-claim`` stays a per-read
+path; over a batch the claim round trip is paid once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.leases import ReaderLeases, Renewals
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.control import Claim
+from kvsidecar.daemon.peers.links import Peer
+from kvsidecar.daemon.planner import ReadPlan
+from kvsidecar.daemon.reads import (
+    PostList,
+    ReadJob,
+    ReadOutcome,
+    _plan_and_address,
+    _retrieve,
+    check_results,
+    outcome_of,
+    post_read,
+)
+from kvsidecar.daemon.thread_groups import ThreadGroups
+from kvsidecar.metrics.registry import Metrics
+
+#: what ``settle`` gets for a read: its outcome, or why it failed
+Settle = Callable[[ReadJob, "ReadOutcome | BaseException"], None]
+
+
+async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+                    peers: list[Peer], plans: ThreadGroups, timeout_s: float | None,
+                    metrics: Metrics | None, handshakes: HandshakeClient,
+                    settle: Settle) -> None:
+    """Carry ``jobs`` (same engine rank, same remote engine, links ``peers`` to
+    the candidate P ranks ``cands``, all made) to their ends; ``settle`` is
+    called once per read that has not ``ended`` meanwhile, with its outcome or
+    its exception. Returns once every posted transfer has ended (so whoever
+    awaits this task knows nothing of the batch still writes)."""
+    jobs = [job for job in jobs if not job.ended]  # aborted before this first step
+    if not jobs:
+        return
+    remote = jobs[0].req.remote
+    for job in jobs:
+        eng.peers.hold(peers, job.links)
+        job.peers = list(peers)
+    layout = peers[0].info.layout
+    for p, peer in zip(cands[1:], peers[1:]):
+        if peer.info.layout != layout:
+            err = RuntimeError(
+                f"remote engine {remote.engine_id!r} ranks {cands[0]} and {p} report different "
+                "layouts (cache sizes differ between ranks)")
+            for job in jobs:
+                settle(job, err)
+            return
+    remote_bases = {p: peer.bases for p, peer in zip(cands, peers)}
+    claimed_at = time.monotonic()
+    sent = []
+    for job in jobs:
+        req = job.req
+        rid = req.remote_request_id or req.request_id
+        job.leases = ReaderLeases(handshakes, [
+            (remote.handshake[p], Claim(
+                engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
+                request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+                reader_tp=eng.layout.tp_size))
+            for p, peer in zip(cands, peers)])
+        sent.append(job.leases.send_claims())  # they leave first, as one control batch
+    planning = [plans.submit(_plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
+                             eng.bases, remote_bases, {},
+                             cost=sum(len(ids) for ids in job.req.local_block_ids))
+                for job in jobs]
+    waits: list[asyncio.Future[Any]] = [f for s in sent for _, _, f in s]
+    await asyncio.wait(waits + planning)
+    now = time.monotonic()
+    claim_series = (metrics.series(metrics.lease_claim_seconds, eng.engine_id)
+                    if metrics is not None else None)
+    ready: list[tuple[ReadJob, ReadPlan, list[PostList]]] = []
+    for job, claims, planned in zip(jobs, sent, planning):
+        if job.ended:  # aborted while claiming and planning: already completed
+            _retrieve(planned)
+            continue
+        assert job.leases is not None
+        try:
+            job.leases.settle(claims)  # a refusal fails this read with nothing posted
+            if claim_series is not None:
+                claim_series.observe(now - claimed_at)
+            plan, posts, _ = planned.result()
+            job.leases.check(now)  # never start on an expired lease
+        except Exception as e:
+            _retrieve(planned)
+            settle(job, e)
+            continue
+        ready.append((job, plan, posts))
+    if not ready:
+        return
+    if eng.post_during_claim_s > 0:
+        eng.peers.confirm(peers, now)  # P granted over these links just now
+    until = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    every: list[asyncio.Future[Any]] = []
+    for job, plan, posts in ready:
+        none = [None] * len(posts)
+        ops, *_ = post_read(eng, job, timeout_s, metrics, cands, peers, posts, none, none)
+        assert job.leases is not None
+        waiting = _Waiting(eng, job, plan, posts, ops, job.leases.renew_later(until), metrics,
+                           settle)
+        for op in ops:
+            op.add_done_callback(waiting.one_done)
+        every.extend(ops)
+    await asyncio.wait(every)
+
+
+class _Waiting:
+    """One posted read of a batch: completed from its own transfers' callbacks,
+    as soon as the last of them ends (never later than its batch's others)."""
+
+    def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
+                 ops: list[asyncio.Future[Any]], renewing: Renewals, metrics: Metrics | None,
+                 settle: Settle) -> None:
+        self._eng, self._job, self._plan, self._posts = eng, job, plan, posts
+        self._ops, self._renewing, self._metrics, self._settle = ops, renewing, metrics, settle
+        self._left = len(ops)
+
+    def one_done(self, _: asyncio.Future[Any]) -> None:
+        self._left -= 1
+        if self._left:
+            return
+        self._renewing.cancel()
+        results = [_result(op) for op in self._ops]
+        try:
+            check_results(self._eng, self._job, self._metrics, self._posts, results)
+            got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
+        except Exception as e:
+            got = e
+        if not self._job.ended:
+            self._settle(self._job, got)
+
+
+def _result(op: asyncio.Future[Any]) -> Any:
+    """An ended op's outcome as ``gather(return_exceptions=True)`` gives it."""
+    if op.cancelled():
+        return asyncio.CancelledError()
+    return op.exception() or op.result()
+
