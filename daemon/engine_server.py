@@ -193,6 +193,10 @@ class EngineServer:
         self.refused_in_flight = 0
         self.refused_assembling = 0
         self.slow_messages = 0
+        #: times a connection stopped being read because its engine left
+        #: ``_MAX_UNSENT`` reply packets unread (bounded and lossless, but an
+        #: engine that does it is stuck or misbehaving: counted, for metrics)
+        self.paused_unread = 0
         self._on_refuse = on_refuse
         self._lock_fd: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -461,6 +465,13 @@ class _Connection:
             self._loop.remove_reader(self.fd)
             self._reading = False
 
+    def pause_unread(self) -> None:
+        """Stop reading: the engine leaves its replies unread (counted once per
+        pause; reading resumes when the queue drains, see :meth:`_flush`)."""
+        if self._reading:
+            self.server.paused_unread += 1
+            self.pause()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -596,7 +607,7 @@ class _Connection:
             # Checked here too, not only when a flush is stuck: the kernel takes
             # nothing more while the engine reads nothing, so no flush runs, and
             # the replies to what is read meanwhile would pile up without bound.
-            self.pause()
+            self.pause_unread()
 
     def _flush(self) -> None:
         unsent = self._unsent
@@ -614,7 +625,7 @@ class _Connection:
                 self._loop.add_writer(self.fd, self._flush)
                 self._writing = True
             if len(unsent) > _MAX_UNSENT:
-                self.pause()  # the engine does not read its replies: stop reading it
+                self.pause_unread()  # the engine does not read its replies: stop reading it
             return
         if self._writing:
             self._loop.remove_writer(self.fd)

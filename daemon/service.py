@@ -188,6 +188,10 @@ class Sidecar:
         )
         server = self._server
         self.metrics.engine_assembling_bytes.set_function(lambda: server.assembling_bytes)
+        self.metrics.counter_from(
+            "kvsidecar_engine_connections_paused", "Times the engine server stopped reading "
+            "a connection whose engine left 64 replies unread (read again once it reads "
+            "them; nothing is lost)", lambda: server.paused_unread)
         #: hands memfd / CUDA VMM fds to the engine that registered them (SCM_RIGHTS)
         self._fds = FdServer(
             fd_socket_for(settings.socket), self._server.access,

@@ -499,6 +499,8 @@ def test_pipelined_requests_with_replies_unread_are_bounded_and_none_lost(
     sends would block; others are served meanwhile; once it reads, every ping
     it got in is answered, once, in order."""
     tries = 20_000
+    paused = "kvsidecar_engine_connections_paused_total"
+    before = target.side.metric(paused)
     with BlockingChannel(target.side.socket, timeout_s=30) as chan:
         chan.sock.setblocking(False)
         sent = 0
@@ -515,6 +517,7 @@ def test_pipelined_requests_with_replies_unread_are_bounded_and_none_lost(
             stuck_since = None
             sent += 1
         assert sent < tries, "the daemon kept reading a connection that reads no replies"
+        assert target.side.metric(paused) == before + 1  # the pause is counted, once
         target.behave()  # others served while this one is stuck
         chan.sock.settimeout(30)
         ids = [_reply(chan)["id"] for _ in range(sent)]
