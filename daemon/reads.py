@@ -55,6 +55,7 @@ from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.worker import (
     NixlAgentReset,
     NixlError,
+    NixlKilledByReset,
     NixlTimeout,
     NotifyOp,
     ReadOp,
@@ -354,8 +355,12 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     the lease, or the late claim would find the hold ended and be refused. The
     notifications go once every transfer ended and the claim was granted; a
     refusal fails the read (its bytes landed but nothing vouched for them).
-    Over a stale link the READ fails like any failed transfer (agent reset and
-    one retry), hence the recency condition.
+    Over a stale link (a P rank that re-registered or restarted within the
+    window) the READ fails like any failed transfer (agent reset) or reads
+    memory that is no longer the hold's; the claim's refusal then says so and
+    the read is retried whole over fresh links (nothing was notified, see
+    :func:`_notify_after_grant`). The recency condition bounds how often that
+    costs an agent reset.
 
     Staging areas (``areas[i]`` for ``posts[i]``) are released by the caller
     when this returns or raises with every transfer's outcome known: DONE, or
@@ -404,7 +409,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             claiming.add_done_callback(_retrieve)
         if renewing is not None:
             renewing.cancel()
-    check_results(eng, job, metrics, posts, results)
+    check_results(eng, job, metrics, posts, results, notified=claiming is None)
     if job.abort_reason is None and any(a is not None for a in areas):
         # Only now, every transfer DONE and the lease valid, do engine blocks get
         # the staged bytes. Off the loop; never abandoned half way (the engine
@@ -479,9 +484,12 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
 
 
 def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
-                  posts: list[PostList], results: list[Any]) -> None:
+                  posts: list[PostList], results: list[Any], *, notified: bool = True) -> None:
     """Count one read's transfers, then raise unless every one succeeded and the
-    lease still holds (bytes that landed after the lease are not trusted)."""
+    lease still holds (bytes that landed after the lease are not trusted).
+    ``notified``: the transfers carried the read's notifications (claimed
+    first); a read posted during its claim notified no rank yet, so a failure
+    of some ranks is not partial (the read may be retried whole)."""
     req = job.req
     tr = job.tracing
     leases = job.leases
@@ -496,9 +504,10 @@ def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
                             descriptors=r.descriptors, post_s=r.post_us / 1e6,
                             wire_s=r.xfer_us / 1e6)
     errors = [r for r in results if isinstance(r, BaseException)]
-    if errors and len(errors) < len(results):
+    if errors and len(errors) < len(results) and notified:
         # Some ranks were read and notified: their holds may be released already,
-        # so this read must not be retried as a whole.
+        # so this read must not be retried as a whole. (Posted during its claim,
+        # nothing was notified: a failure there fails or retries it whole.)
         raise PartialReadError(
             f"{len(errors)} of {len(results)} remote ranks failed ({errors[0]}); the others "
             "were read and notified"
@@ -528,10 +537,18 @@ async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
     claim (a refusal raises), then notify every P rank, without waiting for the
     notifications to leave: the bytes are in and the lease vouches for them, so
     the read is received now. A notification that fails is counted and logged;
-    P then ends that hold by its lease instead (``results``, per post, as given)."""
+    P then ends that hold by its lease instead (``results``, per post, as given).
+
+    A failed transfer notifies no one, but the claim is still awaited and its
+    refusal raised first: a P rank that re-registered or restarted within the
+    window fails the READ over the stale link, and its refusal (``stale_link``)
+    is what tells the read to re-link and retry. Nothing was notified, so a
+    retry of the whole read is safe; every transfer of this attempt has ended
+    (DONE, or dead with the agent reset that failed it), so nothing of it can
+    write into the blocks the retry fills."""
+    await claiming
     if any(isinstance(r, BaseException) for r in results):
         return results  # failed transfers decide; the abandon tells P
-    await claiming
     for post in posts:
         sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note, merge[post.rank]))
         sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
@@ -1002,8 +1019,10 @@ class ReadTable:
         over an old link; other refusals (the hold ended) leave the shared links
         alone. :class:`NixlAgentReset` posted nothing (the agent was reset under
         a link, typically because a concurrent read over the same stale peer
-        failed): it may happen to the retry too, so it alone earns up to
-        ``_RESET_RETRIES`` more tries.
+        failed) and :class:`NixlKilledByReset` died with an agent another read's
+        failure reset (nothing of it lands any more): either may happen to the
+        retry too, when several reads trip over the same stale peer at once, so
+        they alone earn up to ``_RESET_RETRIES`` more tries.
         """
         req = job.req
         retries, resets = 1, _RESET_RETRIES
@@ -1020,7 +1039,7 @@ class ReadTable:
             except (NixlError, LeaseRefused) as e:
                 if isinstance(e, LeaseRefused) and not e.stale_link:
                     raise
-                reset = isinstance(e, NixlAgentReset)
+                reset = isinstance(e, (NixlAgentReset, NixlKilledByReset))
                 stale = self._forget_peers(eng, job) or reset
                 if not stale or isinstance(e, NixlTimeout) or job.abort_reason is not None:
                     raise

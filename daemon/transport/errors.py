@@ -7,7 +7,7 @@ at the likely cause, so a failed read says what to look at.
 
 from __future__ import annotations
 
-__all__ = ["NixlAgentReset", "NixlError", "NixlTimeout", "wrap"]
+__all__ = ["NixlAgentReset", "NixlError", "NixlKilledByReset", "NixlTimeout", "wrap"]
 
 
 class NixlError(Exception):
@@ -25,6 +25,13 @@ class NixlTimeout(NixlError):
 
 class NixlAgentReset(NixlError):
     """A read named a link made before the agent was reset; nothing was posted."""
+
+
+class NixlKilledByReset(NixlError):
+    """A read was in flight on an agent that *another* read's failure reset: it
+    posted, but died with the agent, so nothing of it lands any more. Its own
+    links are of the old generation; the reader may retry it over fresh ones
+    (unlike the read that caused the reset, nothing says its peer is bad)."""
 
 
 _HINTS = {

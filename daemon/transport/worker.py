@@ -118,15 +118,21 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsidecar.daemon.thread_names import prctl_this_thread
-from kvsidecar.daemon.transport.errors import NixlAgentReset, NixlError, NixlTimeout, wrap
+from kvsidecar.daemon.transport.errors import (
+    NixlAgentReset,
+    NixlError,
+    NixlKilledByReset,
+    NixlTimeout,
+    wrap,
+)
 from kvsidecar.daemon.transport.merging import group_posts
 from kvsidecar.daemon.transport.metadata import peek_agent_name
 from kvsidecar.daemon.transport.probe import transport_note
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlTimeout", "NixlWorker",
-           "NotifyOp", "PollPolicy", "ReadOp", "TransferStats", "transport_note"]
+__all__ = ["AgentReset", "NixlAgentReset", "NixlError", "NixlKilledByReset", "NixlTimeout",
+           "NixlWorker", "NotifyOp", "PollPolicy", "ReadOp", "TransferStats", "transport_note"]
 
 #: keep polling in-flight reads while a burst of jobs arrives (a group of posts
 #: counts each post; a group is never split)
@@ -1030,8 +1036,8 @@ class NixlWorker:
             self._recreate_at = self._down_since + self._recreate_wait
             self._recreate_tries = 1
             self._pending_reset = (reason, len(doomed) + len(others), time.perf_counter() - t0)
-            err = NixlError(f"read from a remote agent failed: the agent was reset because "
-                            f"another read failed ({reason})")
+            err = NixlKilledByReset(f"read from a remote agent failed: the agent was reset "
+                                    f"because another read failed ({reason})")
             for r, e in doomed:
                 self._fail(r.fut, e)
             for r in others:
@@ -1045,7 +1051,7 @@ class NixlWorker:
         for r, e in doomed:
             self._fail(r.fut, e)
         for r in others:
-            self._fail(r.fut, NixlError(
+            self._fail(r.fut, NixlKilledByReset(
                 f"read from remote agent {r.remote!r} failed: the agent was reset because "
                 f"another read failed ({reason})", remote=r.remote))
 

@@ -207,3 +207,52 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
             e.close()
         for s in (d0, d, p):
             assert s.stop() == 0
+
+
+def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
+        tmp_path) -> None:
+    """P rank 1 re-registers (new agent, new memory) right after D confirmed both
+    links. Four reads at once then post during their claims over the stale link:
+    the READ from rank 1 fails (or reads memory that is no longer the hold's),
+    nothing is notified, rank 1 refuses the claim (registered again since the
+    reader linked), and each read re-links and is retried whole: every one is
+    received, oracle-exact, and P's holds on both ranks end ``sent``. A failed
+    transfer there is never a PartialReadError (nothing was notified), and a
+    read that died with the agent reset another read caused is retried too."""
+    ps = [SidecarProcess(tmp_path, f"rr-p{i}", args=["--metrics-port", "0"]).start()
+          for i in range(2)]
+    d = SidecarProcess(tmp_path, "rr-d", args=["--metrics-port", "0",
+                                               "--post-during-claim", "600"]).start()
+    P = SimEngine("rr-P", attn(8), 2, 96, ps)
+    D = SimEngine("rr-D", attn(8), 1, 96, [d])
+    early = "kvsidecar_reads_posted_during_claim_total"
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        D.finish("warm")
+        assert d.metric(early, engine="rr-D") == 0  # the first read over a link claims first
+        c1 = P.clients[1]
+        c1.deregister(P.engine_id)
+        for r in P.registrations[1].regions:
+            r.close()
+        reg = c1.register(P.engine_id, 1, P.layout, allocate=True)
+        P.registrations[1] = reg
+        P.buffers[1] = [r.numpy() for r in reg.regions]
+        rids = [f"after-{i}" for i in range(4)]
+        for i, rid in enumerate(rids):
+            D.start_read(P.prefill(rid, Request(seed=2 + i, prompt_tokens=24), timeout_s=60))
+        got = D.wait_for(rids)
+        for rid in rids:
+            assert got[rid][0].kind == "received", got[rid][0]
+            assert D.verify(rid) == []
+        held = P.wait_for(rids, timeout_s=30)
+        assert {c.kind for rid in rids for c in held[rid].values()} == {"sent"}
+        assert d.metric(early, engine="rr-D") >= 4  # each first attempt posted early
+        assert "registered again since the reader linked" in d.read_log()
+        assert "PartialReadError" not in d.read_log()
+    finally:
+        D.close()
+        P.close()
+        assert d.stop() == 0
+        for p in ps:
+            assert p.stop() == 0
