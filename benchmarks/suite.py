@@ -493,19 +493,23 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> 
     unix, zblock = floors.unix_rtts(n), floors.zmq_curve_rtts(n)
     zloop, hand = floors.zmq_curve_rtts(n, on_loop=True), floors.loop_thread_rtts(n)
     queued = inside.get("kvsidecar_read_queue_seconds", float("nan"))
-    claim = inside.get("kvsidecar_lease_claim_seconds", float("nan"))
+    # Reads posted during their claim (--post-during-claim, the default once
+    # the link is confirmed) observe no claim round trip: it overlaps the transfer.
+    claim = inside.get("kvsidecar_lease_claim_seconds")
     done = inside.get("kvsidecar_transfer_seconds", float("nan"))
     read = inside.get("kvsidecar_read_seconds", float("nan"))
+    claim_hop = ("posted during the claim: it overlaps the transfer, only the "
+                 "notification waits for the grant" if claim is None else us(claim))
     return [
         "hop table (sidecar: means of this run; floor: the same hop bare, same run): "
         f"engine channel, read in + completion out, and the read task's start (engine "
         f"total − D's read task → completion queued): {us(total - read)} | floor one "
         f"AF_UNIX SEQPACKET round trip between two processes {floor(unix)}",
-        f"hop table: lease claim D → P → D: {us(claim)} | floor one ZMQ DEALER/ROUTER "
+        f"hop table: lease claim D → P → D: {claim_hop} | floor one ZMQ DEALER/ROUTER "
         f"round trip over tcp with CURVE between two event loops {floor(zloop)} "
         f"(both sides blocking: {floor(zblock)})",
         f"hop table: rest of accepted → posted (read task start, link lookup, planning "
-        f"on the loop, post hand-off): {us(queued - claim)} | floor: none measured",
+        f"on the loop, post hand-off): {us(queued - (claim or 0.0))} | floor: none measured",
         f"hop table: post → done (post call; P's worker answering the endpoint flush "
         f"NIXL ends a transfer with; D's worker polling): {us(done)} | floor raw NIXL "
         f"post + completion + notification with both sides spinning {us(raw50)} p50",

@@ -94,7 +94,7 @@ class EngineRank:
     staging_mode: str = "off"
     #: post reads during their claim over links P confirmed this recently (seconds;
     #: settings.post_during_claim_s, 0 = claim first)
-    post_during_claim_s: float = 0.0
+    post_during_claim_s: float = 2.0
     #: sidecar-owned host memory for staged reads (None: never staged)
     staging: StagingPool | None = None
     _seq: int = 0

@@ -66,7 +66,7 @@ class Settings:
     staging_bytes: int = 256 << 20
     #: D side: post a read while its lease claim is on the way when P granted a
     #: claim over the same links this recently (seconds; 0: always claim first)
-    post_during_claim_s: float = 0.0
+    post_during_claim_s: float = 2.0
     #: P side: the most reads a reader may name in one batched notification, which
     #: lets it post the reads of one flush as one NIXL transfer (0: one per read)
     notif_batch_reads: int = 64
@@ -295,12 +295,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "background when the engine rank registers; a read that finds no "
                         "room posts scattered descriptors (env KVSIDECAR_STAGING_BYTES)")
     p.add_argument("--post-during-claim", type=_number(float, "POST_DURING_CLAIM"),
-                   default=_env("POST_DURING_CLAIM", "0"),
+                   default=_env("POST_DURING_CLAIM", "2"),
                    help="D side: post a read's transfers while its lease claim is still on its "
                         "way to P when P granted a claim over the same links within this many "
-                        "seconds (the notification waits for the grant; a refusal fails the "
-                        "read once its transfers end); 0 (the default) claims first, always "
-                        "(env KVSIDECAR_POST_DURING_CLAIM)")
+                        "seconds (default 2; the notification waits for the grant; a refusal "
+                        "fails the read, or re-links and retries it, once its transfers end); "
+                        "0 claims first, always (env KVSIDECAR_POST_DURING_CLAIM)")
     p.add_argument("--notif-batch-reads", type=_number(int, "NOTIF_BATCH_READS"),
                    default=_env("NOTIF_BATCH_READS", "64"),
                    help="P side: advertise that a reader may merge up to this many reads it "

@@ -25,8 +25,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.socket == f"/tmp/kvsidecar-{os.geteuid()}/cpu.sock"
     assert s.backends == ("UCX",) and s.handshake_port == 0 and s.metrics_port == -1
     assert s.advertised == "127.0.0.1"
-    assert s.post_during_claim_s == 0.0
-    assert parse(["--post-during-claim", "2"]).post_during_claim_s == 2.0
+    assert s.post_during_claim_s == 2.0
+    assert parse(["--post-during-claim", "0"]).post_during_claim_s == 0.0
 
 
 def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
