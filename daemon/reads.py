@@ -41,11 +41,13 @@ from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import (
+    Addresses,
     PlanError,
     ReadPlan,
     candidate_ranks,
     check_block_ids,
     plan_many,
+    plan_many_addressed,
     plan_read,
 )
 from kvsidecar.daemon.staging import Area, scatter
@@ -139,6 +141,25 @@ class ReadOutcome:
     transfers: list[TransferReport] = field(default_factory=list)
 
 
+def posts_of(plan: ReadPlan, addrs: Addresses) -> list[PostList]:
+    """:func:`build_posts` of a plan whose addresses the planner added
+    (:func:`~kvsidecar.daemon.planner.plan_many_addressed`)."""
+    by_rank = {r.remote_rank: r for r in plan.reads}
+    out = []
+    for p in plan.notify:
+        rr = by_rank.get(p)
+        if rr is None:
+            out.append(PostList(p, _EMPTY, _EMPTY, _EMPTY))
+        else:
+            local, remote = addrs[p]
+            out.append(PostList(p, local, remote, rr.length, rr.descriptors_before_coalescing))
+    return out
+
+
+_EMPTY = np.empty(0, np.int64)
+_EMPTY.setflags(write=False)
+
+
 def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) -> list[PostList]:
     """Turn region-relative plan offsets into addresses (vectorised; planning thread)."""
     by_rank = {r.remote_rank: r for r in plan.reads}
@@ -178,17 +199,35 @@ def _address(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64],
 def _plan_and_address_many(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
     """:func:`_plan_and_address` for the reads of one planning job (a Batch), each
     call's outcome in its place: the reads between the same two layouts are
-    planned together (:func:`~kvsidecar.daemon.planner.plan_many`)."""
-    by_pair: dict[tuple[int, int, int], list[int]] = {}
-    for i, (local, rank, remote, *_) in enumerate(calls):
-        by_pair.setdefault((id(local), rank, id(remote)), []).append(i)
+    planned together (:func:`~kvsidecar.daemon.planner.plan_many`); those with
+    nothing staged over the very same base arrays get their addresses added by
+    the planner in one pass (:func:`~kvsidecar.daemon.planner.plan_many_addressed`)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (local, rank, remote, _, local_bases, remote_bases, *staging) in enumerate(calls):
+        staged = bool(staging and staging[0])
+        key = (id(local), rank, id(remote), staged, id(local_bases),
+               *((p, id(b)) for p, b in remote_bases.items()))
+        groups.setdefault(key, []).append(i)
     out: list[tuple[bool, Any]] = [(False, None)] * len(calls)
-    for idx in by_pair.values():
-        local, rank, remote = calls[idx[0]][:3]
-        reqs = [calls[i][3] for i in idx]
-        plans = plan_many(local, rank, remote,
-                          [(r.local_block_ids, r.remote_block_ids, r.skip_tokens, r.num_tokens)
-                           for r in reqs])
+    for key, idx in groups.items():
+        local, rank, remote, _, local_bases, remote_bases, *_ = calls[idx[0]]
+        many = [(r.local_block_ids, r.remote_block_ids, r.skip_tokens, r.num_tokens)
+                for r in (calls[i][3] for i in idx)]
+        if not key[3]:
+            try:
+                addressed = plan_many_addressed(local, rank, remote, many, local_bases,
+                                                remote_bases)
+            except Exception:  # planned one by one below: a failure stays its read's own
+                log.exception("planning %d reads with their addresses failed", len(idx))
+            else:
+                for i, got in zip(idx, addressed):
+                    if isinstance(got, PlanError):
+                        out[i] = (False, got)
+                    else:
+                        posts = posts_of(*got)
+                        out[i] = (True, (got[0], posts, [None] * len(posts)))
+                continue
+        plans = plan_many(local, rank, remote, many)
         for i, plan in zip(idx, plans):
             if isinstance(plan, PlanError):
                 out[i] = (False, plan)

@@ -14,8 +14,10 @@ from kvsidecar.daemon.planner import (
     ReadPlan,
     _attention_pairs_many,
     plan_many,
+    plan_many_addressed,
     plan_read,
 )
+from kvsidecar.daemon.reads import build_posts, posts_of
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.sim.hostcopy import apply_plan
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
@@ -134,3 +136,37 @@ def test_a_check_one_request_fails_sends_the_batch_one_by_one() -> None:
         assert isinstance(got[0], ReadPlan) and isinstance(got[1], PlanError)
         with pytest.raises(PlanError, match=re.escape(str(got[1]))):
             plan_read(D, 0, P, bad[0], bad[1], skip_tokens=bad[2], check=False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("p_tp", "d_tp"), PAIRS)
+def test_addresses_added_in_one_pass_are_each_plans_own(family: str, p_tp: int,
+                                                         d_tp: int) -> None:
+    """plan_many_addressed: the plans of plan_many, and per P rank the addresses
+    build_posts adds to each plan_read plan on its own (bases per region, and
+    per P rank on the remote side); a bad request fails alone."""
+    make: Make = FAMILIES[family]
+    rng = np.random.default_rng(p_tp * 7 + d_tp)
+    P, D = make(p_tp, 40), make(d_tp, 48)
+    tokens = 37
+    local_bases = rng.integers(1, 1 << 40, D.num_regions).astype(np.int64) * 4096
+    remote_bases = {p: rng.integers(1, 1 << 40, P.num_regions).astype(np.int64) * 4096
+                    for p in range(p_tp)}
+    for j in range(d_tp):
+        reqs = [(_ids(rng, D, tokens, consecutive=c), _ids(rng, P, tokens, consecutive=c),
+                 0, None) for c in (True, False, False)]
+        reqs.append(([[D.num_blocks]] + [[0]] * (len(D.groups) - 1), reqs[0][1], 0, None))
+        got = plan_many_addressed(D, j, P, reqs, local_bases, remote_bases)
+        assert isinstance(got[3], PlanError) and "out of range" in str(got[3])
+        for (lb, rb, skip, num), one in zip(reqs[:3], got[:3]):
+            assert not isinstance(one, PlanError)
+            plan, addrs = one
+            alone = plan_read(D, j, P, lb, rb, skip_tokens=skip, num_tokens=num, check=False)
+            _same(alone, plan)
+            want = build_posts(alone, local_bases, remote_bases)
+            have = posts_of(plan, addrs)
+            assert [w.rank for w in want] == [h.rank for h in have]
+            for w, h in zip(want, have):
+                for f in ("local", "remote", "length"):
+                    assert np.array_equal(getattr(w, f), getattr(h, f)), f
+                assert w.descriptors_before == h.descriptors_before
