@@ -212,10 +212,11 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
 def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
         tmp_path) -> None:
     """P rank 1 re-registers (new agent, new memory) right after D confirmed both
-    links. Four reads at once then post during their claims over the stale link:
-    the READ from rank 1 fails (or reads memory that is no longer the hold's),
-    nothing is notified, rank 1 refuses the claim (registered again since the
-    reader linked), and each read re-links and is retried whole: every one is
+    links. Four reads follow at once; those that find the confirmed links (the
+    first, at least) post during their claims over the stale link: the READ
+    from rank 1 fails (or reads memory that is no longer the hold's), nothing
+    is notified, rank 1 refuses the claim (registered again since the reader
+    linked), and the read re-links and is retried whole: every read is
     received, oracle-exact, and P's holds on both ranks end ``sent``. A failed
     transfer there is never a PartialReadError (nothing was notified), and a
     read that died with the agent reset another read caused is retried too."""
@@ -239,15 +240,19 @@ def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
         P.registrations[1] = reg
         P.buffers[1] = [r.numpy() for r in reg.regions]
         rids = [f"after-{i}" for i in range(4)]
-        for i, rid in enumerate(rids):
-            D.start_read(P.prefill(rid, Request(seed=2 + i, prompt_tokens=24), timeout_s=60))
+        sents = [P.prefill(rid, Request(seed=2 + i, prompt_tokens=24), timeout_s=60)
+                 for i, rid in enumerate(rids)]
+        for sent in sents:  # one read call each: --post-during-claim is the per-read path
+            D.start_read(sent)
         got = D.wait_for(rids)
         for rid in rids:
             assert got[rid][0].kind == "received", got[rid][0]
             assert D.verify(rid) == []
         held = P.wait_for(rids, timeout_s=30)
         assert {c.kind for rid in rids for c in held[rid].values()} == {"sent"}
-        assert d.metric(early, engine="rr-D") >= 4  # each first attempt posted early
+        # The first read posts over the confirmed (stale) links; the others may
+        # find them already dropped by its failure and link afresh (claim first).
+        assert d.metric(early, engine="rr-D") >= 1
         assert "registered again since the reader linked" in d.read_log()
         assert "PartialReadError" not in d.read_log()
     finally:
