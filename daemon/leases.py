@@ -121,6 +121,11 @@ class ReaderLeases:
         while await self._renew(until):
             await asyncio.sleep(self.renew_every_s)
 
+    def renew_from_now(self, until: float = math.inf) -> asyncio.Task[None]:
+        """The renewals :meth:`renew_later` starts when the first is due, as a
+        task started now (a batch of reads keeps one timer for all of them)."""
+        return asyncio.ensure_future(self._renewing(until))
+
     def renew_later(self, until: float = math.inf) -> Renewals:
         """:meth:`renew_forever` in the background, started only when its first
         renewal is due: a read that ends sooner (nearly every read; a lease is
@@ -218,7 +223,7 @@ class Renewals:
 
     def _start(self) -> None:
         self._timer = None
-        self._task = asyncio.ensure_future(self._leases._renewing(self._until))
+        self._task = self._leases.renew_from_now(self._until)
 
     def cancel(self) -> None:
         """The read ended: no more renewals (one in flight is abandoned)."""

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.leases import ReaderLeases, Renewals
+from kvsidecar.daemon.leases import ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.links import Peer
@@ -46,6 +46,7 @@ from kvsidecar.daemon.reads import (
     check_results,
     outcome_of,
     post_read,
+    targets_of,
 )
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.metrics.registry import Metrics
@@ -123,17 +124,60 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     if eng.post_during_claim_s > 0:
         eng.peers.confirm(peers, now)  # P granted over these links just now
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    targets = targets_of(cands, peers)
+    renewals = _Renewals(until)
     every: list[asyncio.Future[Any]] = []
     for job, plan, posts in ready:
         none = [None] * len(posts)
-        ops, *_ = post_read(eng, job, timeout_s, metrics, cands, peers, posts, none, none)
-        assert job.leases is not None
-        waiting = _Waiting(eng, job, plan, posts, ops, job.leases.renew_later(until), metrics,
-                           settle)
+        ops, *_ = post_read(eng, job, timeout_s, metrics, cands, peers, posts, none, none,
+                            targets=targets)
+        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle)
+        renewals.add(waiting)
         for op in ops:
             op.add_done_callback(waiting.one_done)
         every.extend(ops)
+    renewals.arm()
     await asyncio.wait(every)
+
+
+class _Renewals:
+    """The lease renewals of a batch's posted reads: one timer for all of them
+    (a read's own would be a timer per read, set and cancelled, while nearly
+    every read ends long before its first renewal is due). When it fires,
+    each read still running starts renewing on its own (as
+    :meth:`~kvsidecar.daemon.leases.ReaderLeases.renew_later` would), until
+    its read's deadline ``until``."""
+
+    def __init__(self, until: float) -> None:
+        self._until = until
+        self._running: set[_Waiting] = set()
+        self._every_s = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, waiting: _Waiting) -> None:
+        assert waiting.job.leases is not None
+        self._running.add(waiting)
+        self._every_s = min(self._every_s, waiting.job.leases.renew_every_s)
+
+    def arm(self) -> None:
+        if self._running:
+            self._timer = asyncio.get_running_loop().call_later(self._every_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        for waiting in self._running:
+            assert waiting.job.leases is not None
+            waiting.renewing = waiting.job.leases.renew_from_now(self._until)
+
+    def ended(self, waiting: _Waiting) -> None:
+        """``waiting``'s transfers all ended: its renewals stop (the last one
+        pending is abandoned); the timer goes with the batch's last read."""
+        self._running.discard(waiting)
+        if waiting.renewing is not None:
+            waiting.renewing.cancel()
+        if not self._running and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _Waiting:
@@ -141,25 +185,28 @@ class _Waiting:
     as soon as the last of them ends (never later than its batch's others)."""
 
     def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
-                 ops: list[asyncio.Future[Any]], renewing: Renewals, metrics: Metrics | None,
+                 ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
                  settle: Settle) -> None:
-        self._eng, self._job, self._plan, self._posts = eng, job, plan, posts
-        self._ops, self._renewing, self._metrics, self._settle = ops, renewing, metrics, settle
+        self.job = job
+        self._eng, self._plan, self._posts = eng, plan, posts
+        self._ops, self._renewals, self._metrics, self._settle = ops, renewals, metrics, settle
         self._left = len(ops)
+        #: its renewals, once the batch's timer started them
+        self.renewing: asyncio.Task[None] | None = None
 
     def one_done(self, _: asyncio.Future[Any]) -> None:
         self._left -= 1
         if self._left:
             return
-        self._renewing.cancel()
+        self._renewals.ended(self)
         results = [_result(op) for op in self._ops]
         try:
-            check_results(self._eng, self._job, self._metrics, self._posts, results)
+            check_results(self._eng, self.job, self._metrics, self._posts, results)
             got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
         except Exception as e:
             got = e
-        if not self._job.ended:
-            self._settle(self._job, got)
+        if not self.job.ended:
+            self._settle(self.job, got)
 
 
 def _result(op: asyncio.Future[Any]) -> Any:

@@ -466,10 +466,32 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     return outcome_of(plan, posts, results)
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What a post needs of each candidate P rank's link (agent, generation,
+    peer info, merge limit): looked up once per read, or once for a batch."""
+
+    agents: dict[int, str]
+    gens: dict[int, int]
+    infos: dict[int, Any]
+    merge: dict[int, int]
+
+
+def targets_of(cands: Sequence[int], peers: list[Peer]) -> Targets:
+    # Peers that accept batched notifications get a read's posts merged with
+    # other reads' of the same flush (one transfer, one notification).
+    return Targets({p: peer.agent for p, peer in zip(cands, peers)},
+                   {p: peer.generation for p, peer in zip(cands, peers)},
+                   {p: peer.info for p, peer in zip(cands, peers)},
+                   {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
+                    for p, peer in zip(cands, peers)})
+
+
 def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
               metrics: Metrics | None, cands: Sequence[int], peers: list[Peer],
               posts: list[PostList], staged: Sequence[StagedPlan | None],
               areas: Sequence[Area | None], *, notify: bool = True,
+              targets: Targets | None = None,
               ) -> tuple[list[asyncio.Future[Any]], bytes, dict[int, str], dict[int, int]]:
     """Hand every P rank's post of one read to the worker (nothing here awaits):
     the futures of their outcomes, in ``posts`` order, with the notification and
@@ -477,7 +499,8 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     claim): no notification rides with the transfers and bare notifications are
     left out (an already-done future stands in for them); see
     :func:`_post_and_wait`. Staged posts (``areas[i]`` given) read into their
-    area: ``posts[i]`` is replaced by the staged addresses."""
+    area: ``posts[i]`` is replaced by the staged addresses. ``targets``: of
+    ``cands`` and ``peers``, when the caller already has them (a batch)."""
     req = job.req
     remote = req.remote
     job.posted = True
@@ -486,13 +509,8 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
             time.monotonic() - job.accepted_at)
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
-    agents = {p: peer.agent for p, peer in zip(cands, peers)}
-    gens = {p: peer.generation for p, peer in zip(cands, peers)}
-    infos = {p: peer.info for p, peer in zip(cands, peers)}
-    # Peers that accept batched notifications get this read's posts merged
-    # with other reads' of the same flush (one transfer, one notification).
-    merge = {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
-             for p, peer in zip(cands, peers)}
+    t = targets or targets_of(cands, peers)
+    agents, gens, infos, merge = t.agents, t.gens, t.infos, t.merge
     attached = note if notify else None
     todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
     for i, post in enumerate(posts):

@@ -7,12 +7,16 @@ sidecars with metrics, so the batch counter counts this test only."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.ipc.layout import Layout, attention_layout
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 
@@ -105,3 +109,67 @@ def test_a_batch_to_two_p_ranks_moves_oracle_exact_bytes(tmp_path: Path) -> None
         P.close()
         codes = [s.stop() for s in (*ps, d)]
         assert codes == [0, 0, 0], codes
+
+
+def _big(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block: a 48-block read moves 192 MiB (a while over TCP)."""
+    return attention_layout(model="lease", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+def test_a_batch_renews_each_reads_lease_and_each_read_judges_its_own(tmp_path: Path) -> None:
+    """Two big reads in one read_many, over TCP, P granting 1 s leases: once both
+    are posted P's sidecar is stopped, so the renewals the batch's timer starts
+    go unanswered and each read's lease runs out mid-read. When P resumes both
+    transfers finish (inside D's 60 s read timeout), but each read reports
+    ``failed`` naming its lease, never ``received``; P's holds end with the
+    transfers. Both went as one batch (counted)."""
+    env = {"UCX_TLS": "tcp,self"}
+    p = SidecarProcess(tmp_path, "rbl-p", env=env, args=["--hold-lease", "1"]).start()
+    d = SidecarProcess(tmp_path, "rbl-d", env=env, args=[
+        "--read-timeout", "60", "--handshake-timeout", "1", "--metrics-port", "0"]).start()
+    P = SimEngine("rbl-P", _big, 1, 100, [p], timeout_s=60)
+    D = SimEngine("rbl-D", _big, 1, 100, [d], timeout_s=60)
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        D.finish("warm")
+        sents = []
+        for i in range(2):
+            big = Request(seed=2 + i, prompt_tokens=64 * 48)  # P's pages stay POISON
+            sent = Sent(f"lapse{i}", P.remote, P.blocks_for(big.prompt_tokens), big)
+            P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids, readers=1,
+                              timeout_s=60)
+            sents.append(sent)
+        assert p.proc is not None
+        before = d.metric(BATCHED, engine="rbl-D")
+        D.start_reads(sents)
+        deadline = time.monotonic() + 60
+        while d.metric("kvsidecar_read_queue_seconds_count", engine="rbl-D") < 3:  # posted
+            assert time.monotonic() < deadline, "the reads were never posted"
+            time.sleep(0.005)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while d.log_path.read_text().count("lease lapsed") < 2:
+                assert time.monotonic() < deadline, "D never noticed the leases ran out"
+                time.sleep(0.05)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        rids = [s.request_id for s in sents]
+        got = {rid: per[0] for rid, per in D.wait_for(rids, timeout_s=120).items()}
+        assert d.metric(BATCHED, engine="rbl-D") - before == 2
+        for rid in rids:
+            assert got[rid].kind == "failed", got[rid]
+            assert "lease ran out" in got[rid].reason, got[rid].reason
+            assert got[rid].invalid_block_ids == D.receiving[rid].block_ids
+        held = P.wait_for(rids, timeout_s=60)
+        assert {per[0].kind for per in held.values()} == {"sent"}  # read, then freed
+        assert d.metric("kvsidecar_leases_lost_total", engine="rbl-D") == 2
+        for rid in rids:
+            D.finish(rid)
+    finally:
+        D.close()
+        P.close()
+        assert d.stop() == 0
+        p.stop()
