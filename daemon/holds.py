@@ -37,6 +37,7 @@ sockets or timers: the daemon feeds it events and calls
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -122,6 +123,17 @@ class Lease:
     reason: str = ""
 
 
+@functools.lru_cache(maxsize=64)
+def _expected(p_tp: int, reader_tp: int) -> int:
+    """:func:`expected_notifications`, 1 for sizes it refuses (a reader's word
+    on its tp size; a few pairs per fleet, so a small cache answers nearly
+    every report without validating the sizes again)."""
+    try:
+        return expected_notifications(p_tp, reader_tp)
+    except ValueError:
+        return 1
+
+
 class HoldBook:
     """All holds of one engine rank, keyed by (engine id, request id)."""
 
@@ -191,7 +203,7 @@ class HoldBook:
             h.released = "released by the engine"
             return True
         del self._holds[key]
-        self._end(h, HoldOutcome(engine_id, request_id, "aborted", "released by the engine"))
+        self._end(h, "aborted", "released by the engine")
         return True
 
     def drop_engine(self, engine_id: str) -> int:
@@ -262,17 +274,14 @@ class HoldBook:
         for key, h in list(self._holds.items()):
             if h.released and now >= h.lease_until:
                 del self._holds[key]
-                self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
-                                         f"{h.released}; its readers' leases have run out"))
+                self._end(h, "aborted", f"{h.released}; its readers' leases have run out")
             elif now >= h.deadline:
                 del self._holds[key]
                 self.max_overrun = max(self.max_overrun, now - h.deadline)
                 got = {e: len(r) for e, r in h.seen.items()}
-                self._end(h, HoldOutcome(
-                    h.engine_id, h.request_id, "expired",
-                    f"{len(h.done_engines)} of {h.readers} reading engines finished before the "
-                    f"deadline (reports per engine: {got or 'none'})",
-                ))
+                self._end(h, "expired",
+                          f"{len(h.done_engines)} of {h.readers} reading engines finished "
+                          f"before the deadline (reports per engine: {got or 'none'})")
         for key, e in list(self._early.items()):
             if now - e.arrived >= self.grace_s and now >= e.lease_until:
                 del self._early[key]
@@ -302,10 +311,7 @@ class HoldBook:
         ranks.add(r.reader_rank)
         if r.failure:
             h.failures.setdefault(r.reader_engine, f"rank {r.reader_rank}: {r.failure}")
-        try:
-            want = expected_notifications(h.p_tp, r.reader_tp)
-        except ValueError:
-            want = 1
+        want = _expected(h.p_tp, r.reader_tp)
         if len(ranks) >= want:
             h.done_engines.add(r.reader_engine)
 
@@ -314,22 +320,22 @@ class HoldBook:
             return
         del self._holds[key]
         if h.released:
-            self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
-                                     f"{h.released}; every reader finished"))
+            self._end(h, "aborted", f"{h.released}; every reader finished")
         elif h.failures:
             why = "; ".join(f"{e} {f}" for e, f in sorted(h.failures.items()))
-            self._end(h, HoldOutcome(h.engine_id, h.request_id, "aborted",
-                                     f"every reader finished, {len(h.failures)} gave up: {why}"))
+            self._end(h, "aborted", f"every reader finished, {len(h.failures)} gave up: {why}")
         else:
-            self._end(h, HoldOutcome(h.engine_id, h.request_id, "sent"))
+            self._end(h, "sent")
 
-    def _end(self, h: _Hold, outcome: HoldOutcome) -> None:
-        self._remember_end((h.engine_id, h.request_id), outcome.kind)
+    def _end(self, h: _Hold, kind: Literal["sent", "expired", "aborted"],
+             reason: str = "") -> None:
+        """Remember why ``h`` ended and report its one outcome (built once: a
+        hold ends once per read on P, the hot end of every transfer)."""
+        self._remember_end((h.engine_id, h.request_id), kind)
         readers = tuple(ReaderOutcome(e, tuple(sorted(ranks)), e in h.done_engines,
                                       h.failures.get(e, ""))
                         for e, ranks in h.seen.items())
-        self._on_done(HoldOutcome(outcome.engine_id, outcome.request_id, outcome.kind,
-                                  outcome.reason, readers))
+        self._on_done(HoldOutcome(h.engine_id, h.request_id, kind, reason, readers))
 
     def _remember_end(self, key: Key, why: str) -> None:
         self._ended[key] = why
