@@ -132,6 +132,54 @@ def proc_threads_by_role(pid: int) -> dict[str, float]:
     return out
 
 
+def proc_threads_run_wait(pid: int) -> dict[str, tuple[float, float]]:
+    """Per role (as :func:`proc_threads_by_role`): CPU seconds run, and seconds
+    spent runnable but waiting for a CPU (schedstat's second field)."""
+    out: dict[str, tuple[float, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, wait = (int(x) for x in f.read().split()[:2])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        role = "loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")
+        r0, w0 = out.get(role, (0.0, 0.0))
+        out[role] = (r0 + run / 1e9, w0 + wait / 1e9)
+    return out
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return (sum(v) - idle) / _TICK, sum(v) / _TICK
+
+
+def cpu_window_note(before: dict[str, dict[str, tuple[float, float]]],
+                    after: dict[str, dict[str, tuple[float, float]]],
+                    host0: tuple[float, float], host1: tuple[float, float]) -> str:
+    """Where the CPU went in a timed window: per sidecar and thread role, what
+    ran and what waited for a CPU, and how busy the whole host was (other
+    processes included): on 2 shared cores the wait is what a busy host costs."""
+    parts, waited = [], 0.0
+    for name, roles in after.items():
+        ran = []
+        for role, (run, wait) in roles.items():
+            r0, w0 = before.get(name, {}).get(role, (0.0, 0.0))
+            waited += wait - w0
+            if run - r0 >= 0.0005:
+                ran.append(f"{role} {ms(run - r0)}")
+        if ran:
+            parts.append(f"{name}: {', '.join(ran)}")
+    busy, total = host1[0] - host0[0], host1[1] - host0[1]
+    return (f"CPU in the timed window (schedstat): {'; '.join(parts)}; the sidecars' threads "
+            f"waited {ms(waited)} in all for a CPU; the host was {busy / total:.0%} busy "
+            "(/proc/stat, every process)" if total > 0 else "")
+
+
 def proc_rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -343,11 +391,16 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
             inside = [_InsideD(d.metrics_port) for d in ds]
             for x in inside:
                 x.start()
+            cpu0 = {x.name: proc_threads_run_wait(x.proc.pid) for x in procs}
+            host0 = host_busy()
             t0 = time.perf_counter()
             for sent in sents:
                 D.start_read(sent)
             got = wait_all(D, [x.request_id for x in sents])
             elapsed = time.perf_counter() - t0
+            cpu_note = cpu_window_note(
+                cpu0, {x.name: proc_threads_run_wait(x.proc.pid) for x in procs}, host0,
+                host_busy())
             check(D, got)
             posted = sum(metric(d.metrics_port, "kvsidecar_transfer_descriptors_sum")
                          for d in ds) - before
@@ -384,7 +437,7 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
                 f"READ on this host",
                 f"bytes on the wire {wire / 1e6:.0f} MB for {nbytes / 1e6:.0f} MB delivered "
                 "(staged runs carry the neighbouring ranks' bytes too)",
-                *(f"inside {w}" for w in where)]),
+                *(f"inside {w}" for w in where), cpu_note]),
         Figure(label + " vs raw NIXL posting the plan's scattered descriptors",
                f"{gbs:.2f} GB/s ({ms(elapsed)})", f"raw NIXL, {planned:,.0f} equal scattered "
                f"descriptors: {nbytes / raw_same / 1e9:.2f} GB/s ({ms(raw_same)})",
