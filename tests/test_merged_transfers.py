@@ -40,10 +40,9 @@ def test_a_post_that_cannot_merge_goes_alone() -> None:
     assert group_posts(["a", "a", "a"], [8, 8, 8], [1, 500, 1], 100) == [[0, 2], [1]]
 
 
-def test_a_group_closes_at_the_read_byte_bound_and_a_large_read_goes_alone() -> None:
-    # 3 + 3 fits 6, the third 3 starts a new group; 7 is over the bound on its own
-    assert group_posts(["a"] * 5, [64] * 5, [1] * 5, 1000, [3, 3, 3, 7, 2], 6) == [
-        [0, 1], [2, 4], [3]]
+def test_a_read_over_the_byte_bound_goes_alone_and_small_ones_still_merge() -> None:
+    assert group_posts(["a"] * 5, [64] * 5, [1] * 5, 1000, [3, 7, 3, 6, 3], 6) == [
+        [0, 2, 3, 4], [1]]
     # no bound: one group
     assert group_posts(["a"] * 3, [64] * 3, [1] * 3, 1000, [3, 3, 7], None) == [[0, 1, 2]]
 

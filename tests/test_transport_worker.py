@@ -774,15 +774,19 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
         got = sorted(m for _, m in await p.call("notifs", 3, 10.0))
         assert got == sorted([notifications.join(notes[:5]), notes[5],
                               notifications.join(notes[:2])])
-        # Past merge_max_bytes a group closes: 4 reads of 4 KiB, 8 KiB per transfer.
-        w._merge_max_bytes = 8192
-        ops = [ReadOp(name, i64([mem.addr + i * 4096]), i64([paddr + 4096 * i]), i64([4096]),
-                      notif=notes[i], merge=8) for i in range(4)]
+        # A read over merge_max_read_bytes goes alone; the small ones around it merge.
+        w._merge_max_read_bytes = 4096
+        sizes = [4096, 8192, 4096, 4096]
+        ops = [ReadOp(name, i64([mem.addr + 8192 * i]), i64([paddr + 8192 * i]), i64([n]),
+                      notif=notes[i], merge=8) for i, n in enumerate(sizes)]
         capped = await asyncio.gather(*(w.post_soon(op) for op in ops))
-        assert [(r.reads, r.first) for r in capped if r is not None] == [
-            (2, True), (2, False)] * 2
+        assert [(r.bytes, r.reads, r.first) for r in capped if r is not None] == [
+            (4096, 3, True), (8192, 1, True), (4096, 3, False), (4096, 3, False)]
+        for i, n in enumerate(sizes):
+            assert np.array_equal(mem.view[8192 * i:8192 * i + n],
+                                  peer_mem.view[8192 * i:8192 * i + n]), i
         await p.call("notifs", 2, 10.0)
-        w._merge_max_bytes = 4 << 20
+        w._merge_max_read_bytes = 2 << 20
         # One bad range fails the transfer, so every read merged with it.
         bad = [ReadOp(name, i64([mem.addr]), i64([paddr]), i64([4096]), merge=8),
                ReadOp(name, i64([mem.addr]), i64([paddr + MiB - 100]), i64([4096]), merge=8)]

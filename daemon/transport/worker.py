@@ -144,12 +144,13 @@ _RECREATE_FIRST_S = 0.5
 _RECREATE_MAX_S = 5.0
 _STOP_WAIT_S = 5.0  # how long stop() lets in-flight transfers finish
 _DRAIN_BEFORE_DESTROY_S = 0.2  # progress before an agent is destroyed (see _drain)
-#: Reads of one flush to one agent merge into one transfer up to this many bytes
+#: A read of more than this many bytes never merges with others into one transfer
 #: (see merging.py). Merging saves about 0.4 ms per transfer (a post and a
-#: notification); 4 MiB take about 0.9 ms on the wire here (4.7 GB/s), so a larger
-#: group saves little and holds its first read's completion (and the scatter of a
-#: staged read, which can run beside the next read's copy) until its last byte.
-MERGE_MAX_BYTES = 4 << 20
+#: notification) and delays a read's completion by the bytes merged after it; past
+#: about 2 MiB (0.45 ms on the wire here, 4.7 GB/s) it delays more than it saves,
+#: and holds back the scatter of a staged read, which can run beside the next
+#: read's copy. Small reads (the sustained figure's 256 KiB) merge as before.
+MERGE_MAX_READ_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,7 @@ class NixlWorker:
         thread_init: Callable[[], None] | None = None,
         join_notifs: Callable[[list[bytes]], bytes] | None = None,
         max_notif_bytes: int = 16384,
-        merge_max_bytes: int = MERGE_MAX_BYTES,
+        merge_max_read_bytes: int = MERGE_MAX_READ_BYTES,
     ) -> None:
         """``join_notifs`` makes one notification out of several (see
         :func:`kvsidecar.daemon.notifications.join`); without it, or for ops
@@ -400,7 +401,7 @@ class NixlWorker:
         self._thread_init = thread_init
         self._join_notifs = join_notifs
         self._max_notif_bytes = max_notif_bytes
-        self._merge_max_bytes = merge_max_bytes
+        self._merge_max_read_bytes = merge_max_read_bytes
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -669,7 +670,8 @@ class NixlWorker:
                 nbytes.append(0)
             keys.append(key if op.merge >= 2 else None)
         return group_posts(keys, [op.merge for op, _ in valid], sizes,
-                           self._max_notif_bytes - 16, nbytes, self._merge_max_bytes)
+                           self._max_notif_bytes - 16, nbytes,
+                           self._merge_max_read_bytes)
 
     def _merged_job(self, members: list[tuple[ReadOp | NotifyOp, _Fut]]) -> _Job:
         """One job for posts :meth:`_group` put together: one transfer (or one
