@@ -89,6 +89,9 @@ class ReadJob:
     accepted_at: float = field(default_factory=time.monotonic)
     posted: bool = False
     abort_reason: str | None = None
+    #: its notifications went out after its claim was granted (posted during the
+    #: claim): P ends the holds ``sent``, so an abort after that abandons nothing
+    notified: bool = False
     peers: list[Peer] = field(default_factory=list)
     #: links this read holds (PeerLinks.get(user=...)); released when it ends
     links: list[tuple[str, str, int]] = field(default_factory=list)
@@ -255,8 +258,9 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
     renewed while transfers are pending, and checked when they end: a read
     that ends past its lease fails. Over links P granted a claim on within
     ``eng.post_during_claim_s`` the read posts without awaiting its claim: the
-    claim round trip (2-3 ms here, the largest part of a small read's latency)
-    then overlaps the transfer, and the notifications wait for the grant.
+    claim round trip (0.6-1 ms here, the largest part of a small read's latency)
+    then overlaps the transfer, and the notifications wait for the grant; a
+    small one is posted before its claim even leaves (:func:`_post_first`).
     """
     req = job.req
     remote = req.remote
@@ -285,9 +289,15 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
     modes = ({p: eng.staging_mode for p, peer in zip(cands, peers)
               if peer.info.mem_type == "DRAM"}
              if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
+    args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
+            {p: peer.bases for p, peer in zip(cands, peers)}, modes)
+    cost = sum(len(ids) for ids in req.local_block_ids)
+    if (handshakes is not None and not modes and cost <= _INLINE_PLAN_BLOCKS
+            and eng.post_during_claim_s > 0
+            and eng.peers.confirmed_within(peers, eng.post_during_claim_s, time.monotonic())):
+        return await _post_first(eng, job, planner, timeout_s, metrics, handshakes, cands, peers,
+                                 args)
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
-        args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
-                {p: peer.bases for p, peer in zip(cands, peers)}, modes)
         leases = None
         claiming: asyncio.Future[None] | None = None
         sent = None
@@ -304,8 +314,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             # the next loop iteration, ahead of the planning thread's wake-up.
             claimed_at = time.monotonic()
             sent = leases.send_claims()
-        planning = plans.submit(_plan_and_address, *args,
-                                cost=sum(len(ids) for ids in req.local_block_ids))
+        planning = plans.submit(_plan_and_address, *args, cost=cost)
         planning.add_done_callback(_retrieve)
         if leases is not None:
             window = eng.post_during_claim_s
@@ -346,6 +355,39 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             for area in areas:
                 if area is not None:
                     eng.staging.release(area)
+
+
+async def _post_first(eng: EngineRank, job: ReadJob, planner: Executor,
+                      timeout_s: float | None, metrics: Metrics | None,
+                      handshakes: HandshakeClient, cands: Sequence[int], peers: list[Peer],
+                      args: tuple[Any, ...]) -> ReadOutcome:
+    """A small read over links P confirmed recently: planned right here (a few
+    blocks plan in ~40 us), posted, and only then its claim sent, all in the
+    read task's first step. Why this order: posted during its claim, the read
+    completes when both its transfer ended and its claim was granted, and on a
+    loaded host each loop iteration between acceptance and post cost hundreds
+    of microseconds (the claim's ZMQ send wakes ZMQ's I/O thread and P, which
+    compete for the two cores with the loop); the claim leaves one callback
+    after the post's hand-off instead of before the planning job."""
+    req = job.req
+    remote = req.remote
+    tr = job.tracing
+    rid = req.remote_request_id or req.request_id
+    leases = job.leases = ReaderLeases(handshakes, [
+        (remote.handshake[p], Claim(
+            engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
+            request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+            reader_tp=eng.layout.tp_size))
+        for p, peer in zip(cands, peers)])
+    with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
+        plan, posts, staged = _plan_and_address(*args)
+    # Its first step (issuing the claims) runs next iteration, ahead of the
+    # post's hand-off to the worker; the claims' send is queued behind both.
+    claiming = asyncio.ensure_future(_claim(eng, leases, peers))
+    if metrics is not None:
+        metrics.series(metrics.posted_during_claim, eng.engine_id).inc()
+    return await _post_and_wait(eng, job, planner, timeout_s, metrics, cands, peers, plan,
+                                posts, staged, [None] * len(posts), claiming)
 
 
 async def _claim(eng: EngineRank, leases: ReaderLeases, peers: list[Peer],
@@ -431,7 +473,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     try:
         results: list[Any] = await _outcomes(ops)
         if claiming is not None:
-            results = await _notify_after_grant(eng, claiming, posts, agents, note, merge,
+            results = await _notify_after_grant(eng, job, claiming, posts, agents, note, merge,
                                                 results, metrics)
     except BaseException:
         # Cancelled with transfers maybe in flight: their areas stay out of use
@@ -586,7 +628,7 @@ def outcome_of(plan: ReadPlan, posts: list[PostList], results: list[Any]) -> Rea
                         if isinstance(r, TransferStats) and post.length.size])
 
 
-async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
+async def _notify_after_grant(eng: EngineRank, job: ReadJob, claiming: asyncio.Future[None],
                               posts: list[PostList], agents: dict[int, str], note: bytes,
                               merge: dict[int, int],
                               results: list[Any], metrics: Metrics | None) -> list[Any]:
@@ -606,6 +648,7 @@ async def _notify_after_grant(eng: EngineRank, claiming: asyncio.Future[None],
     await claiming
     if any(isinstance(r, BaseException) for r in results):
         return results  # failed transfers decide; the abandon tells P
+    job.notified = True
     for post in posts:
         sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note, merge[post.rank]))
         sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
@@ -976,8 +1019,12 @@ class ReadTable:
         once and in the background, so P ends the hold (``aborted``) instead of
         waiting for its deadline. Called only when nothing of the read is in flight.
         Without claims yet (it ended while linking, or before its first step) the
-        abandon names no agent unless the link is known (P skips the check then)."""
-        if c.kind == "received":
+        abandon names no agent unless the link is known (P skips the check then).
+        A read aborted after it was notified (posted during its claim, every
+        transfer done, the claim granted) abandons nothing: the notification ends
+        the holds ``sent``, and an abandon sent beside it over the peer channel
+        could reach P first and end them ``aborted`` although they were read."""
+        if c.kind == "received" or job.notified:
             return
         leases = job.leases or self._unclaimed(eng, job)
         if leases is None:

@@ -198,10 +198,18 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
         assert D.verify("after") == []
         assert P.wait_for(["after"], timeout_s=10)["after"][0].kind == "sent"
         assert d.metric(early, engine="pdc-D") == 3
+        # A read of more blocks than are planned on the loop goes through the
+        # planning thread (the small ones above are planned and posted in the
+        # read task's first step, their claim sent after); it posts during its
+        # claim only if the grant has not come back before its plan did.
+        D.start_read(P.prefill("big", Request(seed=11, prompt_tokens=8 * 40)))
+        assert D.wait_for(["big"])["big"][0].kind == "received"
+        assert D.verify("big") == []
+        assert P.wait_for(["big"], timeout_s=10)["big"][0].kind == "sent"
         assert d.metric("kvsidecar_agent_resets_total", engine="pdc-D") == 0
         # One notification per received read (none for the refused one): a read
         # posted during its claim never carries one on its transfer as well.
-        assert p.metric("kvsidecar_notifications_received_total", outcome="ok") == 5
+        assert p.metric("kvsidecar_notifications_received_total", outcome="ok") == 6
     finally:
         for e in (D0, D, P):
             e.close()
