@@ -392,32 +392,41 @@ async def test_posts_of_one_loop_iteration_go_as_one_job_and_fail_alone(
 
 @pytest.mark.timeout(120)
 async def test_a_read_finished_early_in_a_round_is_delivered_before_the_round_ends(
-        local: Any, peer: Any, peer_mem: ShmBuf) -> None:
+        peer: Any, peer_mem: ShmBuf) -> None:
     """Jobs of one round run back to back on the worker thread (on host memory
     each ``transfer()`` copies inline): a read that ended is handed to the loop
     between them, not after the round's last job. The second job here blocks
     until the test saw the first read's result (else it gives up and reports
     that it never saw it). No notification: a READ without one ends inside
-    ``transfer()`` (one with one waits for the peer's progress)."""
+    ``transfer()`` (one with one waits for the peer's progress). Results go
+    out after jobs that took ``busy_poll_s`` at least: 1 us here, so after
+    any read."""
     from kvsidecar.daemon.transport.worker import _Job
 
-    w, _, mem, _ = local
-    _, md, paddr = peer
-    name = await w.add_remote(md)
-    await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))  # wired up
-    mem.view[:65536] = 0
-    loop = asyncio.get_running_loop()
-    seen = threading.Event()
-    read_fut: asyncio.Future[Any] = loop.create_future()
-    block_fut: asyncio.Future[Any] = loop.create_future()
-    what, fn = w._read_job(ReadOp(name, i64([mem.addr]), i64([paddr]), i64([65536])))
-    w._jobs.put((_Job(fn, read_fut, what, name),
-                 _Job(lambda _fut: seen.wait(30.0), block_fut, "block", None)))
-    stats = await asyncio.wait_for(read_fut, 60)
-    seen.set()
-    assert await asyncio.wait_for(block_fut, 60) is True  # the read came out first
-    assert isinstance(stats, TransferStats) and stats.bytes == 65536
-    assert np.array_equal(mem.view[:65536], peer_mem.view[:65536])
+    mem = ShmBuf(MiB)
+    w = NixlWorker(f"early-{uuid.uuid4().hex[:8]}", busy_poll_s=1e-6)
+    await w.start()
+    try:
+        await w.register([(mem.addr, mem.nbytes)])
+        _, md, paddr = peer
+        name = await w.add_remote(md)
+        await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))  # wired up
+        mem.view[:65536] = 0
+        loop = asyncio.get_running_loop()
+        seen = threading.Event()
+        read_fut: asyncio.Future[Any] = loop.create_future()
+        block_fut: asyncio.Future[Any] = loop.create_future()
+        what, fn = w._read_job(ReadOp(name, i64([mem.addr]), i64([paddr]), i64([65536])))
+        w._jobs.put((_Job(fn, read_fut, what, name),
+                     _Job(lambda _fut: seen.wait(30.0), block_fut, "block", None)))
+        stats = await asyncio.wait_for(read_fut, 60)
+        seen.set()
+        assert await asyncio.wait_for(block_fut, 60) is True  # the read came out first
+        assert isinstance(stats, TransferStats) and stats.bytes == 65536
+        assert np.array_equal(mem.view[:65536], peer_mem.view[:65536])
+    finally:
+        await w.stop()
+        mem.close()
 
 
 @pytest.mark.timeout(120)

@@ -31,9 +31,10 @@ cost about a microsecond.
 
 *How progress is driven.* Each round runs the queued jobs, then polls: every
 in-flight handle, then ``get_new_notifs``. Between the jobs of a round it also
-polls the in-flight handles and hands finished results to the loop, at most
-every ``busy_poll_s``: a large read's ``transfer()`` copies for milliseconds,
-and reads that ended meanwhile should not wait for the round's last post.
+polls the in-flight handles and hands finished results to the loop after a
+job that took ``busy_poll_s`` or more: a large read's ``transfer()`` copies
+for milliseconds, and reads that ended meanwhile should not wait for the
+round's last post.
 Then it blocks on the job queue for a wait that depends on what may arrive
 (:meth:`NixlWorker.poll_wait_s` says which it chose last):
 
@@ -437,8 +438,6 @@ class NixlWorker:
         # Owned by the worker thread only.
         self._agent: Any = None
         self._inflight: list[_Inflight] = []
-        #: when _poll_reads last ran (perf_counter)
-        self._polled_at = 0.0
         self._inflight_by_agent: dict[str, int] = {}
         self._remotes: dict[str, bytes] = {}
         self._regs: dict[int, Any] = {}
@@ -932,6 +931,7 @@ class NixlWorker:
                 f"{time.monotonic() - self._down_since:.1f} s (it could not be created again "
                 f"after a reset: {self._down}); retrying", remote=job.remote))
             return
+        t0 = time.perf_counter()
         try:
             result = job.fn(job.fut)
         except (NixlError, ValueError, TypeError) as exc:
@@ -941,17 +941,17 @@ class NixlWorker:
         else:
             if result is not _DEFERRED:
                 self._out_futs.append((job.fut, result, None))
-        now = time.perf_counter()
-        if (self._inflight or self._out_futs) and now - self._polled_at >= self._policy.busy_s:
-            # Between the jobs of one round too: on host memory transfer() copies
-            # inline (a few ms for a large read), so this read is DONE now and
-            # those posted before it may have ended meanwhile; their completions
-            # leave now, not after the round's last post (2->1 hetero: a staged
-            # read's scatter then runs beside the next read's copy instead of
-            # after all of them).
+        if ((self._inflight or self._out_futs)
+                and time.perf_counter() - t0 >= self._policy.busy_s):
+            # Between the jobs of one round too, after a long one: on host memory
+            # transfer() copies inline (a few ms for a large read), so this read
+            # is DONE now and those posted before it may have ended meanwhile;
+            # their completions leave now, not after the round's last post (2->1
+            # hetero: a staged read's scatter then runs beside the next read's
+            # copy instead of after all of them). Short jobs (small reads) leave
+            # it to the round's end: each hand-over wakes the loop.
             if self._inflight:
                 self._poll_reads()
-            self._polled_at = now
             self._flush()
 
     @property
@@ -986,7 +986,6 @@ class NixlWorker:
         return n
 
     def _poll_reads(self) -> None:
-        self._polled_at = time.perf_counter()
         still: list[_Inflight] = []
         for r in self._inflight:
             try:
