@@ -160,24 +160,28 @@ def host_busy() -> tuple[float, float]:
 
 def cpu_window_note(before: dict[str, dict[str, tuple[float, float]]],
                     after: dict[str, dict[str, tuple[float, float]]],
-                    host0: tuple[float, float], host1: tuple[float, float]) -> str:
+                    host0: tuple[float, float], host1: tuple[float, float]
+                    ) -> tuple[str, float]:
     """Where the CPU went in a timed window: per sidecar and thread role, what
     ran and what waited for a CPU, and how busy the whole host was (other
-    processes included): on 2 shared cores the wait is what a busy host costs."""
-    parts, waited = [], 0.0
+    processes included): on 2 shared cores the wait is what a busy host costs.
+    Also returns the CPU seconds the sidecars ran in all."""
+    parts, waited, ran_all = [], 0.0, 0.0
     for name, roles in after.items():
         ran = []
         for role, (run, wait) in roles.items():
             r0, w0 = before.get(name, {}).get(role, (0.0, 0.0))
             waited += wait - w0
+            ran_all += run - r0
             if run - r0 >= 0.0005:
                 ran.append(f"{role} {ms(run - r0)}")
         if ran:
             parts.append(f"{name}: {', '.join(ran)}")
     busy, total = host1[0] - host0[0], host1[1] - host0[1]
-    return (f"CPU in the timed window (schedstat): {'; '.join(parts)}; the sidecars' threads "
+    note = (f"CPU in the timed window (schedstat): {'; '.join(parts)}; the sidecars' threads "
             f"waited {ms(waited)} in all for a CPU; the host was {busy / total:.0%} busy "
             "(/proc/stat, every process)" if total > 0 else "")
+    return note, ran_all
 
 
 def proc_rss_mib(pid: int) -> float:
@@ -398,7 +402,7 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
                 D.start_read(sent)
             got = wait_all(D, [x.request_id for x in sents])
             elapsed = time.perf_counter() - t0
-            cpu_note = cpu_window_note(
+            cpu_note, cpu_ran = cpu_window_note(
                 cpu0, {x.name: proc_threads_run_wait(x.proc.pid) for x in procs}, host0,
                 host_busy())
             check(D, got)
@@ -424,6 +428,10 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
     # through a copy (D-side staging and P-side packing alike): on this host it
     # takes at least min(raw_same, raw_one + copy), whatever the sidecar does.
     bound = raw_one / min(raw_same, raw_one + copy)
+    # The sidecars' own CPU in the window, spread perfectly over every core, is a
+    # floor for the wall time of that run (its copies, scatter, planning, loops).
+    cores = os.cpu_count() or 1
+    cpu_floor = cpu_ran / cores
     label = (f"hetero-TP {p_tp}→{d_tp}, hybrid attention+Mamba2, demo shapes, staging "
              f"{staging} ({s.hetero_requests} requests, {nbytes / 1e6:.0f} MB, {posted:,.0f} "
              f"descriptors posted of {planned:,.0f} planned, {staged:,.0f} transfers staged)")
@@ -437,7 +445,11 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
                 f"READ on this host",
                 f"bytes on the wire {wire / 1e6:.0f} MB for {nbytes / 1e6:.0f} MB delivered "
                 "(staged runs carry the neighbouring ranks' bytes too)",
-                *(f"inside {w}" for w in where), cpu_note]),
+                *(f"inside {w}" for w in where), cpu_note,
+                f"CPU bound of this run: the sidecars ran {ms(cpu_ran)} of CPU in the window, "
+                f"at least {ms(cpu_floor)} of wall time on {cores} cores even with nothing else "
+                f"running: at best {raw_one / cpu_floor:.2f}x of one READ with this much "
+                "work" if cpu_floor > 0 else "CPU bound: not measured"]),
         Figure(label + " vs raw NIXL posting the plan's scattered descriptors",
                f"{gbs:.2f} GB/s ({ms(elapsed)})", f"raw NIXL, {planned:,.0f} equal scattered "
                f"descriptors: {nbytes / raw_same / 1e9:.2f} GB/s ({ms(raw_same)})",
