@@ -89,8 +89,9 @@ class ReadJob:
     accepted_at: float = field(default_factory=time.monotonic)
     posted: bool = False
     abort_reason: str | None = None
-    #: its notifications went out after its claim was granted (posted during the
-    #: claim): P ends the holds ``sent``, so an abort after that abandons nothing
+    #: its notifications went out: with its DONE transfers, or after its claim was
+    #: granted (posted during the claim); P ends the holds ``sent``, so a
+    #: failure (lease ran out) or abort after that abandons nothing
     notified: bool = False
     peers: list[Peer] = field(default_factory=list)
     #: links this read holds (PeerLinks.get(user=...)); released when it ends
@@ -613,6 +614,13 @@ def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
         ) from errors[0]
     if errors:
         raise errors[0]
+    if notified:
+        # Every transfer carried its notification and is DONE: P has been told
+        # this read ended. A failure from here on (the lease ran out) sends no
+        # abandon; beside the notification it could reach P first and end a
+        # hold that was read as aborted (P's outcome would depend on which of
+        # its threads woke first).
+        job.notified = True
     if leases is not None:
         leases.check(time.monotonic())
 
@@ -1020,10 +1028,11 @@ class ReadTable:
         waiting for its deadline. Called only when nothing of the read is in flight.
         Without claims yet (it ended while linking, or before its first step) the
         abandon names no agent unless the link is known (P skips the check then).
-        A read aborted after it was notified (posted during its claim, every
-        transfer done, the claim granted) abandons nothing: the notification ends
-        the holds ``sent``, and an abandon sent beside it over the peer channel
-        could reach P first and end them ``aborted`` although they were read."""
+        A read that fails or is aborted after it was notified (every transfer
+        DONE with its notification, or posted during its claim, every transfer
+        done and the claim granted) abandons nothing: the notification ends the
+        holds ``sent``, and an abandon sent beside it over the peer channel could
+        reach P first and end them ``aborted`` although they were read."""
         if c.kind == "received" or job.notified:
             return
         leases = job.leases or self._unclaimed(eng, job)

@@ -98,9 +98,12 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
     leases, so D's renewals go unanswered and the lease runs out mid-read. When
     P resumes the transfer finishes (well inside D's 60 s read timeout), but D
     reports ``failed`` naming the lease, never ``received``; P's hold (60 s
-    timeout) ends with the transfer, not at its deadline."""
+    timeout) ends with the transfer, not at its deadline, ``sent``: the
+    transfer carried its notification, so D sends no abandon (beside the
+    notification it could reach P first and end the hold ``aborted``)."""
     env = {"UCX_TLS": "tcp,self"}
-    p = SidecarProcess(tmp_path, "lease-p", env=env, args=["--hold-lease", "1"]).start()
+    p = SidecarProcess(tmp_path, "lease-p", env=env,
+                       args=["--hold-lease", "1", "--metrics-port", "0"]).start()
     # Claim first (--post-during-claim 0): this test is about renewals after a
     # grant; posted during its claim, the read could meet the stopped P before
     # the grant, and fail on the unanswered claim instead (see the test below).
@@ -144,6 +147,14 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
         assert d.metric("kvsidecar_leases_lost_total", engine="lease-D") == 1
         assert d.metric("kvsidecar_agent_resets_total", engine="lease-D") == 0  # it finished
         D.finish("lapse")
+        # A later read's claim travels behind any abandon D sent for "lapse" (one
+        # control connection, answered in order): once it is received, P has
+        # answered every abandon D sent, and there was none.
+        D.start_read(P.prefill("after", Request(seed=3, prompt_tokens=8)))
+        assert D.wait_for(["after"])["after"][0].kind == "received"
+        assert D.verify("after") == []
+        assert p.metric("kvsidecar_lease_requests_total", op="abandon") == 0
+        D.finish("after")
     finally:
         D.close()
         P.close()
