@@ -313,6 +313,18 @@ class SimEngine:
         for res in self._reserved:
             res.close()
 
+    def register_again(self, rank: int) -> None:
+        """Deregister ``rank`` and register it again with fresh memory (a new
+        agent, new regions), as an engine rank that restarted does: links
+        readers made to it before are stale from now on."""
+        c = self.clients[rank]
+        c.deregister(self.engine_id)
+        for r in self.registrations[rank].regions:
+            r.close()
+        reg = c.register(self.engine_id, rank, self.layout, allocate=True)
+        self.registrations[rank] = reg
+        self.buffers[rank] = [r.numpy() for r in reg.regions]
+
     # ------------------------------------------------------------ P role
 
     def prefill(self, request_id: str, req: Request, *, readers: int = 1,

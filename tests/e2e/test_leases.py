@@ -251,13 +251,7 @@ def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
         D.finish("warm")
         assert d.metric(early, engine="rr-D") == 0  # the first read over a link claims first
-        c1 = P.clients[1]
-        c1.deregister(P.engine_id)
-        for r in P.registrations[1].regions:
-            r.close()
-        reg = c1.register(P.engine_id, 1, P.layout, allocate=True)
-        P.registrations[1] = reg
-        P.buffers[1] = [r.numpy() for r in reg.regions]
+        P.register_again(1)
         rids = [f"after-{i}" for i in range(4)]
         sents = [P.prefill(rid, Request(seed=2 + i, prompt_tokens=24), timeout_s=60)
                  for i, rid in enumerate(rids)]

@@ -173,13 +173,7 @@ def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_pos
     with pool.engines(attn(8), 2, 1) as (P, (D,)):
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
-        c1 = P.clients[1]
-        c1.deregister(P.engine_id)
-        for r in P.registrations[1].regions:
-            r.close()
-        reg = c1.register(P.engine_id, 1, P.layout, allocate=True)
-        P.registrations[1] = reg
-        P.buffers[1] = [r.numpy() for r in reg.regions]
+        P.register_again(1)
         D.start_read(P.prefill("after", Request(seed=2, prompt_tokens=24)))
         got = D.wait_for(["after"])["after"][0]
         assert got.kind == "received", got
