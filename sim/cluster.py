@@ -426,18 +426,46 @@ class SimEngine:
 
 
 def stop_once_posted(d: SidecarProcess, p: SidecarProcess, engine_id: str, posted: int,
-                     timeout_s: float = 60.0) -> None:
+                     timeout_s: float = 60.0, *, after_s: float = 0.05) -> None:
     """SIGSTOP ``p`` once ``d`` (started with ``--metrics-port``) has posted the
-    ``posted``-th read of ``engine_id`` (its lease claim answered), plus 50 ms: a
-    stop then lands in the middle of a big transfer, never before it."""
+    ``posted``-th read of ``engine_id`` (its lease claim answered), plus
+    ``after_s``: 50 ms by default, so a stop lands in the middle of a big
+    transfer, after its first bytes; 0 where the transfer must still be
+    pending when P stops (see :func:`stop_mid_read`)."""
     assert p.proc is not None
     deadline = time.monotonic() + timeout_s
     while d.metric("kvsidecar_read_queue_seconds_count", engine=engine_id) < posted:
         if time.monotonic() > deadline:
             raise AssertionError(f"read {posted} of {engine_id} was never posted")
         time.sleep(0.005)
-    time.sleep(0.05)
+    time.sleep(after_s)
     os.kill(p.proc.pid, signal.SIGSTOP)
+
+
+def stop_mid_read(d: SidecarProcess, p: SidecarProcess, reader: SimEngine, posted: int,
+                  rids: Sequence[str], lapses: int, timeout_s: float = 60.0) -> bool:
+    """Stop ``p`` once ``d`` posted the ``posted``-th read of ``reader`` and keep
+    it stopped until D's log counts ``lapses`` lease lapses (True), or until one
+    of ``rids`` completed at D (False): its transfer ended before the stop
+    landed, so no lease could run out mid-read. P is resumed before this
+    returns. Why both: 384 MiB over loopback TCP end ~0.2 s after the post
+    (load 0.8), which a loaded host's scheduling of the test can outlast, and
+    nothing outside D says a transfer is still pending when P stops; a caller
+    tries again on False rather than waiting for a lapse that cannot come."""
+    assert p.proc is not None
+    stop_once_posted(d, p, reader.engine_id, posted, timeout_s, after_s=0.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while d.log_path.read_text().count("lease lapsed") < lapses:
+            reader.poll()
+            if any(c.request_id in rids for got in reader.completions.values() for c in got):
+                return False
+            if time.monotonic() > deadline:
+                raise AssertionError("D never noticed its lease ran out")
+            time.sleep(0.05)
+        return True
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager
