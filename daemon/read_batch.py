@@ -32,9 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.leases import ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.reads import (
@@ -43,7 +41,9 @@ from kvsidecar.daemon.reads import (
     ReadOutcome,
     _plan_and_address,
     _retrieve,
+    agents_of,
     check_results,
+    claims_of,
     outcome_of,
     post_read,
     targets_of,
@@ -84,14 +84,7 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     claimed_at = time.monotonic()
     sent = []
     for job in jobs:
-        req = job.req
-        rid = req.remote_request_id or req.request_id
-        job.leases = ReaderLeases(handshakes, [
-            (remote.handshake[p], Claim(
-                engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
-                request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-                reader_tp=eng.layout.tp_size))
-            for p, peer in zip(cands, peers)])
+        job.leases = claims_of(handshakes, eng, job.req, agents_of(cands, peers))
         sent.append(job.leases.send_claims())  # they leave first, as one control batch
     planning = [plans.submit(_plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
                              eng.bases, remote_bases, {},

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,6 +245,26 @@ def _plan_and_address_many(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any
     return out
 
 
+def claims_of(handshakes: HandshakeClient, eng: EngineRank, req: Read,
+              ranks: Iterable[tuple[int, str]]) -> ReaderLeases:
+    """The leases ``req`` claims from P: one claim per ``(P rank, its agent
+    name)`` (an empty name where no link is known; P then skips the agent
+    check), on the hold under the request id P knows it by."""
+    r = req.remote
+    rid = req.remote_request_id or req.request_id
+    return ReaderLeases(handshakes, [
+        (r.handshake[p], Claim(
+            engine_id=r.engine_id, tp_rank=p, agent_name=agent, request_id=rid,
+            reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+            reader_tp=eng.layout.tp_size))
+        for p, agent in ranks])
+
+
+def agents_of(cands: Sequence[int], peers: list[Peer]) -> Iterator[tuple[int, str]]:
+    """Each candidate P rank with the agent name of its link."""
+    return ((p, peer.info.agent_name) for p, peer in zip(cands, peers))
+
+
 async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
                    timeout_s: float | None = None, metrics: Metrics | None = None,
                    handshakes: HandshakeClient | None = None) -> ReadOutcome:
@@ -304,13 +324,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         sent = None
         claimed_at = 0.0
         if handshakes is not None:
-            rid = req.remote_request_id or req.request_id
-            leases = job.leases = ReaderLeases(handshakes, [
-                (remote.handshake[p], Claim(
-                    engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
-                    request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-                    reader_tp=eng.layout.tp_size))
-                for p, peer in zip(cands, peers)])
+            leases = job.leases = claims_of(handshakes, eng, req, agents_of(cands, peers))
             # Issued before the planning job: the claim's message leaves first in
             # the next loop iteration, ahead of the planning thread's wake-up.
             claimed_at = time.monotonic()
@@ -371,15 +385,8 @@ async def _post_first(eng: EngineRank, job: ReadJob, planner: Executor,
     compete for the two cores with the loop); the claim leaves one callback
     after the post's hand-off instead of before the planning job."""
     req = job.req
-    remote = req.remote
     tr = job.tracing
-    rid = req.remote_request_id or req.request_id
-    leases = job.leases = ReaderLeases(handshakes, [
-        (remote.handshake[p], Claim(
-            engine_id=remote.engine_id, tp_rank=p, agent_name=peer.info.agent_name,
-            request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-            reader_tp=eng.layout.tp_size))
-        for p, peer in zip(cands, peers)])
+    leases = job.leases = claims_of(handshakes, eng, req, agents_of(cands, peers))
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
         plan, posts, staged = _plan_and_address(*args)
     # Its first step (issuing the claims) runs next iteration, ahead of the
@@ -1050,13 +1057,8 @@ class ReadTable:
         except PlanError:
             return None
         agents = {peer.key[2]: peer.agent for peer in job.peers}
-        rid = req.remote_request_id or req.request_id
-        return ReaderLeases(self._handshakes, [
-            (r.handshake[p], Claim(
-                engine_id=r.engine_id, tp_rank=p, agent_name=agents.get(p, ""),
-                request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-                reader_tp=eng.layout.tp_size))
-            for p in cands if p < len(r.handshake)])
+        return claims_of(self._handshakes, eng, req,
+                         ((p, agents.get(p, "")) for p in cands if p < len(r.handshake)))
 
     def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
         job.ended = True
