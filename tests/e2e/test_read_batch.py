@@ -173,3 +173,33 @@ def test_a_batch_renews_each_reads_lease_and_each_read_judges_its_own(tmp_path: 
         P.close()
         assert d.stop() == 0
         p.stop()
+
+
+@pytest.mark.parametrize("how", ["deregister", "stop"])
+def test_a_batch_cut_short_by_deregistration_or_stop_leaves_no_hold_on_p(
+        engines, how: str) -> None:
+    """D's engine deregisters (or D's sidecar is stopped) right after its
+    read_many: whatever stage each read of the batch reached (claiming,
+    planning, posted), deregistration and stop return, and every one of P's 16
+    holds (1000 s timeout) ends well before its deadline: read (the
+    notification), or abandoned."""
+    P, D, d = engines
+    before = d.metric(BATCHED, engine=D.engine_id)
+    sents = [P.prefill(f"c{i}", Request(seed=50 + i, prompt_tokens=8 + 3 * i),
+                       timeout_s=1000) for i in range(16)]
+    D.start_reads(sents)
+    if how == "deregister":
+        D.clients[0].deregister(D.engine_id)
+        assert d.metric(BATCHED, engine=D.engine_id) - before == 16  # one batch was cut
+    else:
+        assert d.stop() == 0
+    held = P.wait_for([s.request_id for s in sents], timeout_s=60)
+    assert len(held) == 16 and all(per[0].kind != "expired" for per in held.values())
+    if how == "deregister":  # the sidecar serves on: a new engine reads oracle-exact
+        D2 = SimEngine("rb-D2", attn(8), 1, 200, [d])
+        try:
+            D2.start_read(P.prefill("after", Request(seed=99, prompt_tokens=24)))
+            assert D2.wait_for(["after"])["after"][0].kind == "received"
+            assert not D2.verify("after")
+        finally:
+            D2.close()
