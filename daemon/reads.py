@@ -166,18 +166,10 @@ _EMPTY.setflags(write=False)
 
 def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) -> list[PostList]:
     """Turn region-relative plan offsets into addresses (vectorised; planning thread)."""
-    by_rank = {r.remote_rank: r for r in plan.reads}
-    out = []
-    empty = np.empty(0, np.int64)
-    for p in plan.notify:
-        rr = by_rank.get(p)
-        if rr is None:
-            out.append(PostList(p, empty, empty, empty))
-        else:
-            out.append(PostList(p, local_bases[rr.region] + rr.local_offset,
-                                remote_bases[p][rr.region] + rr.remote_offset, rr.length,
-                                rr.descriptors_before_coalescing))
-    return out
+    return posts_of(plan, {rr.remote_rank: (local_bases[rr.region] + rr.local_offset,
+                                            remote_bases[rr.remote_rank][rr.region]
+                                            + rr.remote_offset)
+                           for rr in plan.reads})
 
 
 def _plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
