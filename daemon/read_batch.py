@@ -99,6 +99,8 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     for job, claims, planned in zip(jobs, sent, planning):
         if job.ended:  # aborted while claiming and planning: already completed
             _retrieve(planned)
+            for _, _, answer in claims:  # a failed claim of it is news to no one
+                _retrieve(answer)
             continue
         assert job.leases is not None
         try:

@@ -258,7 +258,7 @@ class SimEngine:
                 for bufs in self.buffers:
                     for buf in bufs:
                         buf[b * self.layout.page_bytes:(b + 1) * self.layout.page_bytes] = POISON
-            self._free.extend(group)
+        self.release_blocks(ids)
 
     def blocks_for(self, tokens: int, mamba_pages: int = 1) -> list[list[int]]:
         ids = []
