@@ -121,18 +121,21 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
     targets = targets_of(cands, peers)
     renewals = _Renewals(until)
+    bugs: list[BaseException] = []
     every: list[asyncio.Future[Any]] = []
     for job, plan, posts in ready:
         none = [None] * len(posts)
         ops, *_ = post_read(eng, job, timeout_s, metrics, cands, peers, posts, none, none,
                             targets=targets)
-        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle)
+        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle, bugs)
         renewals.add(waiting)
         for op in ops:
             op.add_done_callback(waiting.one_done)
         every.extend(ops)
     renewals.arm()
     await asyncio.wait(every)
+    if bugs:  # the batch's task fails with it: its owner logs it and ends every read left
+        raise bugs[0]
 
 
 class _Renewals:
@@ -177,14 +180,22 @@ class _Renewals:
 
 class _Waiting:
     """One posted read of a batch: completed from its own transfers' callbacks,
-    as soon as the last of them ends (never later than its batch's others)."""
+    as soon as the last of them ends (never later than its batch's others).
+
+    It runs as a future's done callback, where an exception would only be
+    logged by asyncio as "Exception in callback" and the read left for the
+    batch's end to complete as if cancelled. So what ``settle`` raises (a bug)
+    goes to ``bugs``: :func:`run_batch` raises the first once every transfer
+    ended, and the batch's owner logs it and completes each read still open
+    with it, under its own name."""
 
     def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
                  ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
-                 settle: Settle) -> None:
+                 settle: Settle, bugs: list[BaseException]) -> None:
         self.job = job
         self._eng, self._plan, self._posts = eng, plan, posts
         self._ops, self._renewals, self._metrics, self._settle = ops, renewals, metrics, settle
+        self._bugs = bugs
         self._left = len(ops)
         #: its renewals, once the batch's timer started them
         self.renewing: asyncio.Task[None] | None = None
@@ -200,8 +211,12 @@ class _Waiting:
             got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
         except Exception as e:
             got = e
-        if not self.job.ended:
+        if self.job.ended:
+            return
+        try:
             self._settle(self.job, got)
+        except Exception as e:
+            self._bugs.append(e)
 
 
 def _result(op: asyncio.Future[Any]) -> Any:
