@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
@@ -77,6 +77,7 @@ from .protocol import (
     Reserve,
     Reserved,
     decode_reply,
+    decode_reply_unchecked,
     encode_request,
 )
 from .regions import Region
@@ -180,12 +181,14 @@ def error_from_reply(err: Error) -> SidecarError:
 
 
 def _expect(reply: Reply, kind: type[R]) -> R:
+    """``reply`` if it is a ``kind``; else the error it is (or is not: a reply of
+    another kind is a :class:`BadMessage`) raised."""
+    if isinstance(reply, kind):
+        return reply
     if isinstance(reply, Error):
         raise error_from_reply(reply)
-    if not isinstance(reply, kind):
-        got = type(reply).__name__
-        raise BadMessage(BAD_MESSAGE, f"expected a {kind.__name__} reply, got {got}")
-    return reply
+    got = type(reply).__name__
+    raise BadMessage(BAD_MESSAGE, f"expected a {kind.__name__} reply, got {got}")
 
 
 # --------------------------------------------------------------------------
@@ -328,6 +331,11 @@ _CONNECT_PAUSE_S = (0.002, 0.05)
 #: Connection errors that mean "no daemon (yet)": wait for one within the timeout.
 _NOT_YET = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError)
 _timeval = struct.Struct("@ll")
+#: The requests :meth:`ClientCore.timeout_for` gives more than the client's
+#: timeout (a face asks it only for these: one frame less on other calls).
+_WAIT_LONGER: Final = (Register, Poll)
+#: A poll of an engine this client has not polled yet acknowledges nothing.
+_NO_ACK: Final = ("", 0)
 #: Forks this process descends through (a child's clients must not use their
 #: parent's connections); a counter, so a call checks it without a getpid().
 _forks = 0
@@ -345,17 +353,28 @@ os.register_at_fork(after_in_child=_forked)
 # The core shared by both clients: every call as a generator (sans I/O)
 # --------------------------------------------------------------------------
 
+Ask: TypeAlias = tuple[Request, type[R]]
+"""A call that is one request, answered by a reply of one kind: the request
+and that kind. A face sends the request and hands the reply to
+:func:`_expect` with the kind (and a poll's to :meth:`ClientCore.polled`).
+The engine's calls between model steps (read, hold, release, poll) are asks:
+no generator, no frame between the face and the socket but the core's
+builder, because on a cold cache every frame and object a call touches costs
+it a microsecond or more (a generator round, ~10 µs a call here)."""
+
 Call: TypeAlias = Generator[Request, Reply, T]
-"""One client call without I/O: it yields each request it needs answered and
-receives the reply (or has the transport's exception thrown in); its return
-value is the call's result. Both clients run the same generators, so request
-building, reply checking, error mapping and acknowledgement bookkeeping exist
-once; the clients only move bytes."""
+"""A call with more to it, without I/O: it yields each request it needs
+answered and receives the reply (or has the transport's exception thrown in);
+its return value is the call's result (registration, which undoes itself if
+the engine cannot use it, and batches). Both clients run the same generators
+and send the same asks, so request building, reply checking, error mapping and
+acknowledgement bookkeeping exist once; the clients only move bytes."""
 
 
 class ClientCore:
-    """What both clients share: ids, calls, decoding and correlation of replies,
-    error mapping and the per-engine poll acknowledgements."""
+    """What both clients share: ids, calls (asks and generators), decoding and
+    correlation of replies, error mapping and the per-engine poll
+    acknowledgements."""
 
     def __init__(self, socket_path: str, timeout_s: float) -> None:
         self.path = _socket_path(socket_path)
@@ -365,8 +384,8 @@ class ClientCore:
         self._ids = itertools.count(1)
         #: the receive buffer (one connection at a time per client) and its framing state
         self.buf = bytearray(RECV_BYTES)
-        self._view = memoryview(self.buf)
-        self._assembler = Assembler(MAX_REPLY_BYTES)
+        self.view = memoryview(self.buf)
+        self.assembler = Assembler(MAX_REPLY_BYTES)
 
     # ---- calls
 
@@ -384,14 +403,15 @@ class ClientCore:
         except BaseException:
             # The daemon holds a registration this engine cannot use: undo it.
             try:
-                _expect((yield Deregister(engine_id, id=self._next_id())), Ok)
+                undo, kind = self.deregister(engine_id)
+                _expect((yield undo), kind)
             except SidecarError as e:
                 log.warning("could not deregister %s after a failed registration: %s",
                             engine_id, e)
             raise
 
-    def deregister(self, engine_id: str) -> Call[None]:
-        _expect((yield Deregister(engine_id, id=self._next_id())), Ok)
+    def deregister(self, engine_id: str) -> Ask[Ok]:
+        return Deregister(engine_id, id=next(self._ids)), Ok
 
     def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind) -> Call[Region]:
         reply = _expect((yield Reserve(engine_id, nbytes, memory, id=self._next_id())),
@@ -402,20 +422,18 @@ class ClientCore:
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike,
              remote_request_id: str | None, skip_tokens: int | None,
-             num_tokens: int | None) -> Call[None]:
-        req = Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
-                   block_id_lists(remote_block_ids), remote_request_id, skip_tokens, num_tokens,
-                   id=self._next_id())
-        _expect((yield req), Ok)
+             num_tokens: int | None) -> Ask[Ok]:
+        return Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
+                    block_id_lists(remote_block_ids), remote_request_id, skip_tokens,
+                    num_tokens, id=next(self._ids)), Ok
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
-             timeout_s: float | None) -> Call[Held]:
-        req = Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
-                   id=self._next_id())
-        return _expect((yield req), Held)
+             timeout_s: float | None) -> Ask[Held]:
+        return Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
+                    id=next(self._ids)), Held
 
-    def release(self, engine_id: str, request_id: str) -> Call[None]:
-        _expect((yield Release(engine_id, request_id, id=self._next_id())), Ok)
+    def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
+        return Release(engine_id, request_id, id=next(self._ids)), Ok
 
     def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
                   ) -> Call[list[SidecarError | None]]:
@@ -460,24 +478,23 @@ class ClientCore:
                                           f"{len(reply.items)} replies")
         return [_item_outcome(r) for r in reply.items]
 
-    def poll(self, engine_id: str, wait_s: float = 0.0) -> Call[list[Completion]]:
+    def poll(self, engine_id: str, wait_s: float = 0.0) -> Ask[Completions]:
         """Completions since the last poll; one that was lost to a timeout comes
-        again, because each poll acknowledges only what this client received.
-        With ``wait_s`` an empty poll waits that long for one (protocol minor 4;
-        an older sidecar answers at once)."""
-        epoch, ack = self.acks.get(engine_id, ("", 0))
-        reply = _expect((yield Poll(engine_id, ack, epoch, wait_s, id=self._next_id())),
-                        Completions)
+        again, because each poll acknowledges only what this client received
+        (:meth:`polled`). With ``wait_s`` an empty poll waits that long for one
+        (protocol minor 4; an older sidecar answers at once)."""
+        epoch, ack = self.acks.get(engine_id, _NO_ACK)
+        return Poll(engine_id, ack, epoch, wait_s, id=next(self._ids)), Completions
+
+    def polled(self, engine_id: str, reply: Completions) -> list[Completion]:
+        """A poll's answer: its items, acknowledged by the engine's next poll."""
         self.acks[engine_id] = (reply.epoch, reply.last)
         return reply.items
 
-    def ping(self) -> Call[Pong]:
-        return _expect((yield Ping(id=self._next_id())), Pong)
+    def ping(self) -> Ask[Pong]:
+        return Ping(id=next(self._ids)), Pong
 
     # ---- wire
-
-    def encode(self, req: Request) -> bytes:
-        return encode_request(req)
 
     def decode(self, data: Buffer) -> tuple[int, Reply | SidecarError]:
         """The reply's id and the reply, or the error an undecodable reply means."""
@@ -491,7 +508,7 @@ class ClientCore:
         """The packet of ``n`` bytes just received into :attr:`buf`: the reply it
         completes (its id and outcome), or None while a long reply is arriving."""
         try:
-            message = self._assembler.feed(self._view[:n])
+            message = self.assembler.feed(self.view[:n])
         except (FramingError, MessageTooLong) as e:
             return -1, BadMessage(BAD_MESSAGE, f"unreadable reply: {e}")
         return None if message is None else self.decode(message)
@@ -518,7 +535,7 @@ class ClientCore:
                     if e.errno == errno.EPROTOTYPE else "")
             raise Unavailable(UNAVAILABLE, f"cannot connect to {self.path}: {e}{hint}"
                               ) from None
-        self._assembler = Assembler(MAX_REPLY_BYTES)  # nothing half-received carries over
+        self.assembler = Assembler(MAX_REPLY_BYTES)  # nothing half-received carries over
         return sock
 
     def closed_error(self, what: str) -> SidecarTimeout:
@@ -594,7 +611,8 @@ class SidecarClient:
                                              keep_on_exit, memory))
 
     def deregister(self, engine_id: str) -> None:
-        self._run(self._core.deregister(engine_id))
+        req, kind = self._core.deregister(engine_id)
+        _expect(self._exchange(req), kind)
 
     def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind = "memfd") -> Region:
         """Have the sidecar allocate one region of ``nbytes`` for ``engine_id`` and
@@ -634,16 +652,19 @@ class SidecarClient:
         last token; leaving it out reads whole blocks (more bytes, never fewer),
         so the default is the safe side.
         """
-        self._run(self._core.read(engine_id, request_id, local_block_ids, remote,
-                                  remote_block_ids, remote_request_id, skip_tokens, num_tokens))
+        req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
+                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens)
+        _expect(self._exchange(req), kind)
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> Held:
         """Keep blocks for readers; the reply's lease travels to them with the request."""
-        return self._run(self._core.hold(engine_id, request_id, block_ids, readers, timeout_s))
+        req, kind = self._core.hold(engine_id, request_id, block_ids, readers, timeout_s)
+        return _expect(self._exchange(req), kind)
 
     def release(self, engine_id: str, request_id: str) -> None:
-        self._run(self._core.release(engine_id, request_id))
+        req, kind = self._core.release(engine_id, request_id)
+        _expect(self._exchange(req), kind)
 
     def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
                   ) -> list[SidecarError | None]:
@@ -670,10 +691,13 @@ class SidecarClient:
         ``wait_s``: with nothing to return, block up to that long until a
         completion arrives (an engine waiting for its reads then costs no CPU
         and learns of each at once, instead of spinning on empty polls)."""
-        return self._run(self._core.poll(engine_id, wait_s))
+        core = self._core
+        req, kind = core.poll(engine_id, wait_s)
+        return core.polled(engine_id, _expect(self._exchange(req), kind))
 
     def ping(self) -> Pong:
-        return self._run(self._core.ping())
+        req, kind = self._core.ping()
+        return _expect(self._exchange(req), kind)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -720,20 +744,22 @@ class SidecarClient:
             return sock
 
     def _exchange(self, req: Request) -> Reply:
+        """Send ``req`` and return its reply (or raise what the transport means).
+
+        Written for the common case, which runs in this frame alone: an open
+        socket, one packet out, one packet back that decodes and carries this
+        request's id. Anything else (no connection yet, a forked child, a
+        timeout, a closed connection, a long or stale or undecodable reply) is
+        handed to the helpers below, which own those cases."""
         core = self._core
-        data = core.encode(req)
-        timeout_s = core.timeout_for(req)
+        data = encode_request(req)
+        timeout_s = core.timeout_for(req) if isinstance(req, _WAIT_LONGER) else core.timeout_s
         deadline = time.monotonic() + timeout_s
         resends = 0
         while True:
             sock = self._sock
-            if sock is not None and self._forks != _forks:
-                self.close()  # a forked child: the connection is its parent's (closed here only)
-                sock = None
-            if sock is None:
-                if resends:  # a daemon that keeps closing on us is not hammered
-                    time.sleep(min(_CONNECT_PAUSE_S[1], _CONNECT_PAUSE_S[0] * resends))
-                sock = self._connect(req, timeout_s, deadline)
+            if sock is None or self._forks != _forks:
+                sock = self._reconnect(req, timeout_s, deadline, resends)
             if timeout_s != self._timeo:
                 self._set_timeout(sock, timeout_s)
             try:
@@ -758,12 +784,36 @@ class SidecarClient:
                     continue
                 reply = self._settle(req, *got)
             else:
-                reply = self._receive(sock, req, timeout_s, deadline)
+                first: int | OSError
+                try:
+                    first = sock.recv_into(core.buf, 0, socket.MSG_TRUNC)
+                except OSError as e:
+                    first = e
+                else:
+                    if 0 < first <= MAX_PACKET and not core.assembler.announced:
+                        try:
+                            reply = decode_reply_unchecked(core.view[:first])
+                        except Exception:  # undecodable: _receive says what is wrong
+                            pass
+                        else:
+                            if reply.id == req.id:
+                                return reply
+                reply = self._receive(sock, req, timeout_s, deadline, first)
             if reply is not None:
                 return reply
             if time.monotonic() >= deadline:
                 raise core.timeout_error(req, timeout_s)
             resends += 1
+
+    def _reconnect(self, req: Request, timeout_s: float, deadline: float,
+                   resends: int) -> socket.socket:
+        """A new connection: the first, or after the daemon closed one (``resends``
+        times for this call), or a forked child's own."""
+        if self._sock is not None:
+            self.close()  # a forked child: the connection is its parent's (closed here only)
+        if resends:  # a daemon that keeps closing on us is not hammered
+            time.sleep(min(_CONNECT_PAUSE_S[1], _CONNECT_PAUSE_S[0] * resends))
+        return self._connect(req, timeout_s, deadline)
 
     def _set_timeout(self, sock: socket.socket, timeout_s: float) -> None:
         # A zero timeval means "block forever": the shortest wait is 1 µs.
@@ -774,13 +824,20 @@ class SidecarClient:
         self._timeo = timeout_s
 
     def _receive(self, sock: socket.socket, req: Request, timeout_s: float,
-                 deadline: float) -> Reply | None:
+                 deadline: float, first: int | OSError | None = None) -> Reply | None:
         """The reply to ``req``; None when it must be sent again (the daemon closed
-        the connection with it unread)."""
+        the connection with it unread). ``first``: what the receive :meth:`_exchange`
+        made already returned (a packet's length) or raised."""
         core = self._core
         while True:
             try:
-                n = sock.recv_into(core.buf, 0, socket.MSG_TRUNC)
+                if first is None:
+                    n = sock.recv_into(core.buf, 0, socket.MSG_TRUNC)
+                elif isinstance(first, OSError):
+                    e, first = first, None
+                    raise e
+                else:
+                    n, first = first, None
             except BlockingIOError:  # SO_RCVTIMEO
                 self.close()  # a fresh socket next time: a late reply dies with this one
                 raise core.timeout_error(req, timeout_s) from None
@@ -867,7 +924,8 @@ class AsyncSidecarClient:
                                                    allocate, keep_on_exit, memory))
 
     async def deregister(self, engine_id: str) -> None:
-        await self._run(self._core.deregister(engine_id))
+        req, kind = self._core.deregister(engine_id)
+        _expect(await self._exchange(req), kind)
 
     async def reserve(self, engine_id: str, nbytes: int,
                       memory: MemoryKind = "memfd") -> Region:
@@ -877,17 +935,18 @@ class AsyncSidecarClient:
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
                    remote_request_id: str | None = None,
                    skip_tokens: int | None = None, num_tokens: int | None = None) -> None:
-        await self._run(self._core.read(engine_id, request_id, local_block_ids, remote,
-                                        remote_block_ids, remote_request_id, skip_tokens,
-                                        num_tokens))
+        req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
+                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens)
+        _expect(await self._exchange(req), kind)
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
                    readers: int = 1, timeout_s: float | None = None) -> Held:
-        return await self._run(self._core.hold(engine_id, request_id, block_ids, readers,
-                                               timeout_s))
+        req, kind = self._core.hold(engine_id, request_id, block_ids, readers, timeout_s)
+        return _expect(await self._exchange(req), kind)
 
     async def release(self, engine_id: str, request_id: str) -> None:
-        await self._run(self._core.release(engine_id, request_id))
+        req, kind = self._core.release(engine_id, request_id)
+        _expect(await self._exchange(req), kind)
 
     async def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
                         ) -> list[SidecarError | None]:
@@ -908,10 +967,13 @@ class AsyncSidecarClient:
         """As :meth:`SidecarClient.poll`. Polls of one engine are serialised: two
         in flight would acknowledge the same number and receive items twice."""
         async with self._poll_locks.setdefault(engine_id, asyncio.Lock()):
-            return await self._run(self._core.poll(engine_id, wait_s))
+            core = self._core
+            req, kind = core.poll(engine_id, wait_s)
+            return core.polled(engine_id, _expect(await self._exchange(req), kind))
 
     async def ping(self) -> Pong:
-        return await self._run(self._core.ping())
+        req, kind = self._core.ping()
+        return _expect(await self._exchange(req), kind)
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -945,7 +1007,7 @@ class AsyncSidecarClient:
     async def _exchange(self, req: Request) -> Reply:
         loop = asyncio.get_running_loop()
         core = self._core
-        data = core.encode(req)
+        data = encode_request(req)
         timeout_s = core.timeout_for(req)
         fut: asyncio.Future[Reply] = loop.create_future()
         timer = loop.call_later(timeout_s, _expire, fut, core, req, timeout_s)

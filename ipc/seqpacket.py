@@ -96,16 +96,14 @@ class Assembler:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._parts = bytearray()
-        self._want = 0
+        #: The length of the long message being received (0: none). A plain
+        #: attribute: the client reads it on every reply, before it decodes one
+        #: packet without calling :meth:`feed`.
+        self.announced = 0
 
     @property
     def assembling(self) -> bool:
-        return self._want > 0
-
-    @property
-    def announced(self) -> int:
-        """The length of the long message being received (0: none)."""
-        return self._want
+        return self.announced > 0
 
     @property
     def received(self) -> int:
@@ -117,12 +115,12 @@ class Assembler:
             self.reset()
             raise FramingError(f"a packet of more than {MAX_PACKET} bytes (longer messages "
                                "are sent in chunks after a header)")
-        if self._want:
-            if len(self._parts) + len(packet) > self._want:
+        if self.announced:
+            if len(self._parts) + len(packet) > self.announced:
                 self.reset()
                 raise FramingError("the chunks of a long message ran past its announced length")
             self._parts += packet
-            if len(self._parts) < self._want:
+            if len(self._parts) < self.announced:
                 return None
             message = self._parts
             self.reset()
@@ -134,14 +132,14 @@ class Assembler:
             if length <= MAX_PACKET:
                 raise FramingError(f"a long-message header for {length} bytes, which fit "
                                    "one packet")
-            self._want = length
+            self.announced = length
             return None
         return packet
 
     def reset(self) -> None:
         """Drop a long message under way (its connection ended or was refused)."""
         self._parts = bytearray()
-        self._want = 0
+        self.announced = 0
 
 
 class BlockingChannel:
