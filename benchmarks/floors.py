@@ -24,9 +24,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["loop_thread_rtts", "unix_cpu", "unix_rtts", "zmq_curve_rtts"]
+from kvsidecar.ipc.protocol import decode_reply_unchecked as _decode
+from kvsidecar.ipc.protocol import encode_request as _encode
+
+T = TypeVar("T")
+
+__all__ = ["MinimalCaller", "expect", "loop_thread_rtts", "unix_cpu", "unix_rtts",
+           "zmq_curve_rtts"]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -118,6 +124,49 @@ def unix_cpu(n: int, delay_s: float = 0.0,
             cpu += time.process_time() - c0
             wall += time.perf_counter() - w0
         return cpu / n, wall / n
+
+
+class MinimalCaller:
+    """The least a Python caller of the engine channel can do per call: encode
+    the request it built, send it, receive the reply into a fixed buffer and
+    decode it, on a connection of its own to a real sidecar. No client: no
+    checks of its input, no timeout, no reconnection, no error mapping. A
+    client call measured alike, minus this, is what the client itself costs;
+    this, minus the bare round trip (:func:`unix_cpu`), is what msgspec and the
+    sidecar's answer cost."""
+
+    def __init__(self, path: str) -> None:
+        from kvsidecar.ipc.seqpacket import RECV_BYTES, new_socket
+
+        self.sock = new_socket()
+        try:
+            self.sock.connect(path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.buf = bytearray(RECV_BYTES)
+        self.view = memoryview(self.buf)
+
+    def __call__(self, req: Any) -> Any:
+        self.sock.send(_encode(req), socket.MSG_NOSIGNAL)
+        n = self.sock.recv_into(self.buf, 0, socket.MSG_TRUNC)
+        return _decode(self.view[:n])
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> MinimalCaller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def expect(reply: Any, kind: type[T]) -> T:
+    """``reply``, checked (after the timing) to be a ``kind``."""
+    if not isinstance(reply, kind):
+        raise RuntimeError(f"expected {kind.__name__}, got {reply!r}")
+    return reply
 
 
 def unix_rtts(n: int) -> list[float]:
