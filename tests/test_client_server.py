@@ -511,6 +511,62 @@ def test_sync_client_a_daemon_that_closes_without_answering(tmp_path: Path) -> N
     t.join()
 
 
+def _unusual(what: str, more: list[bytes]) -> Callable[[socket.socket], None]:
+    """A fake daemon that answers the connection's first request (a ping: it
+    opens the connection and sets its timeout, so the next call takes the sync
+    client's common path) and the second one unusually (``what``); then it
+    keeps what else the client sends until it closes in ``more``."""
+    def answer(conn: socket.socket) -> None:
+        first = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=first.id)))
+        req = decode_request(conn.recv(MAX_PACKET))
+        if what == "stale":
+            conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=req.id + 100)))  # not ours
+            conn.send(encode_reply(Pong(PROTOCOL_VERSION, engines=["right"], id=req.id)))
+        elif what == "long":
+            items = [Completion(f"r{i:06d}" + "x" * 40, "received") for i in range(3000)]
+            for p in packets(encode_reply(Completions(items, last=3000, id=req.id))):
+                conn.send(p)
+        elif what == "no-id":
+            conn.send(encode_reply(Error(BAD_MESSAGE, "what?")))
+        elif what == "garbage":
+            conn.send(b"\x92\x01")  # msgpack, but no reply
+        elif what == "close":
+            return
+        while data := conn.recv(MAX_PACKET):  # "silence": until the client gives up
+            more.append(data)
+    return answer
+
+
+@pytest.mark.parametrize(("what", "expect"), [
+    ("stale", "right"),
+    ("long", 3000),
+    ("no-id", (SidecarError, r"what\?")),
+    ("garbage", (SidecarError, "undecodable reply")),
+    ("close", (SidecarTimeout, "closed the connection before answering")),
+    ("silence", (SidecarTimeout, "no reply to Ping within 0.5 s")),
+])
+def test_sync_client_on_an_open_connection_every_unusual_reply(
+        tmp_path: Path, what: str, expect: object) -> None:
+    """The unusual replies above, on a connection already open: the sync
+    client's common path hands each to the general one, which handles it as on
+    a new connection and does not send the request again."""
+    fake, more = str(tmp_path / "fake.sock"), list[bytes]()
+    t = _fake_daemon(fake, _unusual(what, more))
+    with SidecarClient(fake, timeout_s=0.5) as c:
+        assert isinstance(c.ping(), Pong)
+        if isinstance(expect, tuple):
+            kind, match = expect
+            with pytest.raises(kind, match=match):
+                c.ping()
+        elif what == "long":
+            assert len(c.poll("d0")) == expect
+        else:
+            assert c.ping().engines == [expect]
+    t.join(5)
+    assert not t.is_alive() and more == []
+
+
 def test_sync_client_in_a_forked_child_gets_its_own_connection(client: SidecarClient,
                                                               handler: HandlerDouble) -> None:
     """A child forked after the first call must not read its parent's replies."""
