@@ -29,6 +29,18 @@ ALIGN = 4096
 
 MODES = ("off", "auto", "always")
 
+#: ``auto`` stages a post only if its runs carry at most this share of bytes
+#: beyond the post's own (the gaps between its pieces: other ranks' heads). Why:
+#: measured on the hetero demo (README, Measured), staging whose runs carry no
+#: foreign bytes (2→1: wire = delivered) won 1.6x, while staging 1→2 (the runs
+#: carry the other D rank's halves too: wire 1.36-1.66x delivered) used as much
+#: D CPU as posting scattered (49.5 vs 51.8 ms in one quick run) and took
+#: 0.53-2.48x its wall time (median 1.07, 3 full and 8 quick runs), although the
+#: model gave it 0.65-0.86 of the scattered cost. The model prices a post on one thread; on
+#: this host the staged path's extra bytes and the scatter run beside the other
+#: D rank's work on the same two cores, so they cost more than it says.
+MAX_WIRE_OVERHEAD = 0.25
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -110,8 +122,9 @@ def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
                  merge_gap: int | None = None) -> StagedPlan | None:
     """The staged plan for one post, or None to post it scattered.
 
-    ``auto`` stages when the model says it is cheaper; ``always`` stages every
-    piece (tests, and the property "a failed read never wrote engine memory").
+    ``auto`` stages when the model says it is cheaper and the runs carry at
+    most :data:`MAX_WIRE_OVERHEAD` more bytes than the pieces; ``always`` stages
+    every piece (tests, and the property "a failed read never wrote engine memory").
     Whether ``staging_bytes`` fits is the caller's question (its pool).
     ``merge_gap`` overrides the model's gap threshold (tests).
     """
@@ -161,7 +174,8 @@ def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
     scattered = m.scattered_s(n, int(length.sum()))
     staged = m.staged_s(int(post_len.size), int(post_len.sum()), int(size.size),
                         int(size.sum()))
-    if mode == "auto" and staged >= scattered:
+    if mode == "auto" and (staged >= scattered or int(post_len.sum())
+                           > (1 + MAX_WIRE_OVERHEAD) * int(length.sum())):
         return None
     return StagedPlan(post_local, post_remote, post_len, into, src.astype(np.int64),
                       dst.astype(np.int64), size.astype(np.int64), staging_bytes,

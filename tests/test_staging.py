@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsidecar.daemon.staging import Extents, scatter, strided_runs
-from kvsidecar.daemon.staging_plan import CostModel, plan_staging
+from kvsidecar.daemon.staging_plan import MAX_WIRE_OVERHEAD, CostModel, plan_staging
 
 REMOTE = 1 << 20
 LOCAL = 1 << 20
@@ -79,16 +79,22 @@ def test_staged_plan_delivers_exactly_the_scattered_bytes(post, mode, gap) -> No
         assert plan.into_staging.all()
 
 
-def test_hetero_shapes_merge_into_few_runs_and_auto_picks_staging() -> None:
-    """1→2 attention: every other 2 KiB of a run is wanted (gap = piece)."""
+def test_hetero_shapes_merge_into_few_runs_and_auto_weighs_the_foreign_bytes() -> None:
+    """1→2 attention: every other 2 KiB of a run is wanted (gap = piece). One run;
+    the model finds it cheaper, but it carries as many foreign bytes as wanted
+    ones, so ``auto`` posts it scattered (MAX_WIRE_OVERHEAD). 2→1: the same
+    pieces packed on the remote side (whole pages): no foreign bytes, staged."""
     n = 3000
     remote = np.arange(n, dtype=np.int64) * 4096
     local = np.random.default_rng(0).permutation(n).astype(np.int64) * 2048
     length = np.full(n, 2048, np.int64)
-    plan = plan_staging(local, remote, length)
+    plan = plan_staging(local, remote, length, mode="always")
     assert plan is not None
     assert plan.length.size == 1 and plan.wire_bytes == (n - 1) * 4096 + 2048
     assert plan.staged_s < plan.scattered_s
+    assert plan_staging(local, remote, length) is None
+    plan = plan_staging(local, remote // 2, length)
+    assert plan is not None and plan.length.size == 1 and plan.wire_bytes == n * 2048
     # big pieces far apart: nothing to merge, scattered it stays
     far = np.arange(8, dtype=np.int64) << 24
     assert plan_staging(far, far, np.full(8, 1 << 20, np.int64)) is None
@@ -238,16 +244,29 @@ def _demo_posts(p_tp: int, d_tp: int, tokens: int) -> list[tuple[np.ndarray, ...
             if p.length.size]
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_auto_stages_the_demo_shapes(p_tp: int, d_tp: int) -> None:
-    """The hetero demo's posts of a long prompt (thousands of 2 KiB pieces) are
-    staged by the calibrated model, into few runs: the choice behind the measured
-    A/B (README, Measured). A model that drifts into declining them fails here."""
-    for local, remote, length in _demo_posts(p_tp, d_tp, 5000):
+def test_auto_stages_the_demo_shapes_2_to_1() -> None:
+    """The hetero demo's 2→1 posts of a long prompt (thousands of 2 KiB pieces,
+    each P rank's whole pages) are staged by the calibrated model, into few runs
+    that carry no foreign bytes: the choice behind the measured A/B (README,
+    Measured). A model that drifts into declining them fails here."""
+    for local, remote, length in _demo_posts(2, 1, 5000):
         assert length.size > 1000
         plan = plan_staging(local, remote, length)
         assert plan is not None, "auto declined a demo post"
         assert plan.length.size <= 64 and plan.staged_s < plan.scattered_s
+        assert plan.wire_bytes == int(length.sum())
+
+
+def test_auto_leaves_the_demo_shapes_1_to_2_scattered() -> None:
+    """1→2: the runs would carry the other D rank's halves too (wire 1.36-1.66x
+    the pieces); the model alone would stage them, but measured, staging them
+    did not beat posting them scattered (MAX_WIRE_OVERHEAD). ``always`` still can."""
+    for local, remote, length in _demo_posts(1, 2, 5000):
+        assert length.size > 1000
+        staged = plan_staging(local, remote, length, mode="always")
+        assert staged is not None and staged.staged_s < staged.scattered_s
+        assert staged.wire_bytes > (1 + MAX_WIRE_OVERHEAD) * int(length.sum())
+        assert plan_staging(local, remote, length) is None
 
 
 def test_auto_leaves_big_pieces_scattered() -> None:
