@@ -243,18 +243,24 @@ def _item_outcome(reply: Ok | Held | Error) -> Held | SidecarError | None:
     return reply if type(reply) is Held else None
 
 
-_PLAIN_INT = frozenset({int})
-
-
 def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
     """Plain ``list[list[int]]`` for the wire; rejects floats and flat lists."""
     if type(groups) is list:
-        # What engines pass most: lists of plain ints, sent as they are. The type
-        # check is a third of msgspec.convert's cost (0.8 against 2 µs for 16 ids),
-        # and every call pays it once or twice.
+        # What engines pass most: lists of plain ints, sent as they are once each
+        # id's type is checked. Every read pays this twice and every hold once, so
+        # the cheapest check: a plain loop, faster than
+        # frozenset.issuperset(map(type, g)) at every length measured (16 ids: 2.9
+        # against 4.5 µs on a cold cache, 0.5 against 0.7 warm; 4096 ids: 72
+        # against 83 µs warm), itself a third of msgspec.convert's cost.
         for g in groups:
-            if type(g) is not list or not _PLAIN_INT.issuperset(map(type, g)):
+            if type(g) is not list:
                 break
+            for b in g:
+                if type(b) is not int:
+                    break
+            else:
+                continue  # this group is plain ints: check the next
+            break  # an id that is not a plain int
         else:
             return groups
     if isinstance(groups, np.ndarray):
