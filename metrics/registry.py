@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
+from kvsidecar.metrics.loop_counter import LoopCounter
 from kvsidecar.metrics.loop_histogram import LoopHistogram
 
 # Bucket layouts of vLLM's NixlPromMetrics (same bounds, so quantiles compare).
@@ -59,8 +60,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         c, g, h = self._counter, self._gauge, self._histogram
-        # Observed per read on the event loop: LoopHistogram (see its module).
-        lh = self._loop_histogram
+        # Observed per read on the event loop: LoopHistogram (see its module);
+        # counted per request on the event loop only: LoopCounter (likewise).
+        lh, lc = self._loop_histogram, self._loop_counter
 
         # --- per transfer: one read request x one remote rank (D side)
         self.transfer_seconds = lh(
@@ -92,7 +94,7 @@ class Metrics:
         self.read_seconds = lh(
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",
             ENGINE, buckets=LATENCY_BUCKETS)
-        self.read_bytes = c("kvsidecar_read_bytes_total", "Bytes read from peers", ENGINE_PEER)
+        self.read_bytes = lc("kvsidecar_read_bytes_total", "Bytes read from peers", ENGINE_PEER)
         self.staged_transfers = c(
             "kvsidecar_staged_transfers_total", "Transfers read as whole remote runs into "
             "staging memory, then scattered locally (--staging)", ENGINE)
@@ -101,11 +103,11 @@ class Metrics:
             "its staged bytes scattered into the engine's blocks (the copy, off the event "
             "loop, including any wait for the planning thread)", ENGINE,
             buckets=XFER_BUCKETS)
-        self.posted_during_claim = c(
+        self.posted_during_claim = lc(
             "kvsidecar_reads_posted_during_claim_total", "Reads posted while their lease "
             "claim was still on its way to P (links P confirmed within the last "
             "--post-during-claim seconds); their notifications follow the grant", ENGINE)
-        self.batched_reads = c(
+        self.batched_reads = lc(
             "kvsidecar_reads_batched_total", "Reads carried by a batch task: reads of one "
             "engine message to one remote engine over links already made share one task "
             "(one wait for their claims and plans, one post)", ENGINE)
@@ -127,7 +129,7 @@ class Metrics:
             "NIXL agent is reset (a transfer into it ended with an unknown outcome)", ENGINE)
 
         # --- outcomes
-        self.completions = c(
+        self.completions = lc(
             "kvsidecar_completions_total", "Read and hold requests finished, by outcome: "
             "received, failed, aborted (D); sent, expired, aborted (P). expired = "
             "vllm:nixl_num_kv_expired_reqs", (*ENGINE, "outcome"))
@@ -135,7 +137,7 @@ class Metrics:
             "kvsidecar_notifications_sent_total", "Bare completion notifications sent to P "
             "ranks nothing was read from, by result (failed = "
             "vllm:nixl_num_failed_notifications)", (*ENGINE, "result"))
-        self.notifications_received = c(
+        self.notifications_received = lc(
             "kvsidecar_notifications_received_total", "Notifications received from readers, by "
             "outcome (ok, bad, unknown_engine, unclaimed, rejected, wrong_sender: not from "
             "the agent the reader declared in its handshake)", ("outcome",))
@@ -162,7 +164,7 @@ class Metrics:
         self.handshakes = c(
             "kvsidecar_handshakes_total", "Peer handshakes by side (client: links this sidecar "
             "made; server: requests it answered) and result", ("side", "result"))
-        self.requests = c(
+        self.requests = lc(
             "kvsidecar_engine_requests_total", "Engine IPC requests handled, by op and error "
             "code (empty = ok)", ("op", "error"))
         self.late_completions = c(
@@ -197,7 +199,7 @@ class Metrics:
                             ("version", "python", "nixl"))
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
-        self.lease_requests = c(
+        self.lease_requests = lc(
             "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "
             "and abandons, by result (granted, refused, bad), each item of a batch counted",
             ("op", "result"))
@@ -250,7 +252,8 @@ class Metrics:
                    buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-    def series(self, metric: Counter | Histogram | LoopHistogram, *labels: str) -> Any:
+    def series(self, metric: Counter | Histogram | LoopHistogram | LoopCounter,
+               *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once per daemon: ``labels()``
         takes a lock and validates its tuple every call (2-3 us), and the hot
         paths touch several series per read. Counters and histograms only (their
@@ -267,6 +270,11 @@ class Metrics:
         h = LoopHistogram(name, doc, labels, buckets)
         self.registry.register(h)
         return h
+
+    def _loop_counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> LoopCounter:
+        c = LoopCounter(name, doc, labels)
+        self.registry.register(c)
+        return c
 
     def counter_from(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A counter whose value a component already keeps as a plain number
