@@ -123,10 +123,29 @@ def run_until(eng: Engine, done: Any) -> None:
     raise AssertionError(f"{eng.name}: condition not reached within {WAIT_S} s")
 
 
-def verify(D: Engine, rid: str, tokens_read: int, seed: int, skip: int = 0) -> None:
-    """The oracle on every D rank; pages earlier reads wrote (D.dirty) may differ."""
+def schedule_reads(D: Engine, *rids: str) -> dict[str, tuple[list[int], ...]]:
+    """One D step that schedules the reads of ``rids``; the blocks each reads
+    into, as the scheduler gave them then.
+
+    The oracle checks these, not the request's blocks at the time of the check:
+    a read can finish within this very step (its completion polled right after
+    it was sent), and the next step then runs the request, where vLLM may move
+    a Mamba group's state to a new block (the model runner copies it there;
+    this harness runs no model) -- a check against the blocks then would find
+    the new block unwritten and the read's block "not named"."""
+    D.step()
+    for rid in rids:
+        assert D.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return {rid: tuple(list(g) for g in D.block_ids(rid)) for rid in rids}
+
+
+def verify(D: Engine, rid: str, blocks: tuple[list[int], ...], tokens_read: int, seed: int,
+           skip: int = 0) -> None:
+    """The oracle on every D rank for the read of ``rid`` into ``blocks`` (what
+    :func:`schedule_reads` returned); pages earlier reads wrote (D.dirty) and
+    other requests' pages may differ."""
     kinds = [g.kv_cache_spec.__class__.__name__ for g in D.sched.kv_cache_config.kv_cache_groups]
-    ids = [[b for b in g if b != 0] for g in D.block_ids(rid)]
+    ids = [[b for b in g if b != 0] for g in blocks]
     ids = [g[-1:] if k == "MambaSpec" else g for g, k in zip(ids, kinds)]
     others = D.dirty | {b for r in D.sched.requests if r != rid for g in D.block_ids(r)
                         for b in g}
@@ -173,11 +192,11 @@ def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, s
             assert params["remote_num_tokens"] == computed
             assert len(params["remote_handshake"]) == p_tp
             D.sched.add_request(request(D, rid, tokens, params, seed=seeds[rid]))
-            D.step()  # schedules the read: the request waits for remote KV
-            assert D.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            # schedules the read: the request waits for remote KV
+            blocks = schedule_reads(D, rid)[rid]
             run_until(D, lambda rid=rid: rid in D.sched.finished_recving_kv_req_ids
                       or D.sched.requests[rid].status == RequestStatus.RUNNING)
-            verify(D, rid, computed, seeds[rid])
+            verify(D, rid, blocks, computed, seeds[rid])
             # P frees its blocks once D's notification arrives.
             run_until(P, lambda rid=rid: rid not in P.sched.requests)
             run_until(D, lambda rid=rid: len(D.outputs.get(rid, [])) >= 2)
@@ -201,6 +220,49 @@ def test_p_to_d_through_real_schedulers(sidecars: Sidecars, models: dict[bool, s
         D.shutdown()
 
 
+def test_a_read_done_within_the_step_that_scheduled_it(sidecars: Sidecars,
+                                                      models: dict[bool, str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fast transport a read can finish before the step that sent it polls
+    for completions (it did once on a quiet host in hybrid-2to1 above): the
+    scheduler learns of it in that same step and runs the request in the next,
+    where vLLM moves the Mamba group's state to a new block. The bytes are
+    where the read was told to write, oracle-exact. Here the scheduling step's
+    poll waits for the completion, so the case happens every time."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    P, D = pair(sidecars, models, 1, 1, True, {"q": 51})
+    (w,) = D.workers
+    poll = w.get_transfer_results
+    waiting = {"q"}  # the read the next poll waits for
+
+    def poll_until_received(finished: set[str]) -> Any:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            r = poll(finished)
+            if not waiting or waiting & r.finished_recving:
+                waiting.clear()
+                return r
+            assert not (r.finished_sending or r.finished_recving or r.failed_recving), r
+            assert time.monotonic() < deadline, "the read never finished"
+            time.sleep(0.002)
+
+    w.get_transfer_results = poll_until_received  # type: ignore[method-assign]
+    tokens = 33  # P computes 32: D's next token needs a new page, and the state moves
+    try:
+        params = prefill(P, "q", tokens, 51)
+        D.sched.add_request(request(D, "q", tokens, params, seed=51))
+        blocks = schedule_reads(D, "q")["q"]
+        assert "q" in D.sched.finished_recving_kv_req_ids  # done within that step
+        D.step()
+        assert D.sched.requests["q"].status == RequestStatus.RUNNING
+        assert D.block_ids("q")[1][-1] != blocks[1][-1]  # vLLM moved the Mamba state
+        verify(D, "q", blocks, tokens - 1, 51)
+        run_until(P, lambda: "q" not in P.sched.requests)
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
 def test_prefix_hit_reads_only_the_tail(sidecars: Sidecars, models: dict[bool, str]) -> None:
     """D holds the first 64 tokens (its prefix cache); it reads only the rest."""
     seeds = {"a": 21, "b": 21}  # the same logical state: b repeats a's prompt
@@ -208,9 +270,10 @@ def test_prefix_hit_reads_only_the_tail(sidecars: Sidecars, models: dict[bool, s
     try:
         params = prefill(P, "a", 65, 21)
         D.sched.add_request(request(D, "a", 65, params, seed=21))
+        blocks = schedule_reads(D, "a")["a"]
         run_until(D, lambda: "a" in D.sched.finished_recving_kv_req_ids
                   or D.sched.requests["a"].status == RequestStatus.RUNNING)
-        verify(D, "a", 65, 21)
+        verify(D, "a", blocks, 65, 21)
         run_until(D, lambda: "a" in D.outputs and D.outputs["a"][-1].finished)
         params = prefill(P, "b", 65, 21)
         D.sched.add_request(request(D, "b", 65, params, seed=21))
@@ -273,9 +336,10 @@ def test_full_prefix_hit_notifies_only(tmp_path: Path, sidecars: Sidecars,
     try:
         params = prefill(P, "a", tokens, 31)
         D.sched.add_request(request(D, "a", tokens, params, seed=31))
+        blocks = schedule_reads(D, "a")["a"]
         run_until(D, lambda: "a" in D.sched.finished_recving_kv_req_ids
                   or D.sched.requests["a"].status == RequestStatus.RUNNING)
-        verify(D, "a", tokens - 1, 31)
+        verify(D, "a", blocks, tokens - 1, 31)
         run_until(D, lambda: "a" in D.outputs and D.outputs["a"][-1].finished)
         run_until(P, lambda: "a" not in P.sched.requests)
 
@@ -328,15 +392,13 @@ def test_preemption_never_frees_blocks_a_read_may_write(sidecars: Sidecars,
     try:
         params = prefill(P, "x", tokens, 41)
         D.sched.add_request(request(D, "x", tokens, params, seed=41))
-        D.step()
-        assert D.sched.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        blocks = D.block_ids("x")
+        blocks = schedule_reads(D, "x")["x"]
         with pytest.raises(RuntimeError, match="waiting for remote KV transfer"):
             D.sched.reset_prefix_cache(reset_running_requests=True)
         assert D.sched.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert D.block_ids("x") == blocks  # still the read's, not freed
         run_until(D, lambda: D.sched.requests["x"].status == RequestStatus.RUNNING)
-        verify(D, "x", tokens, 41)
+        verify(D, "x", blocks, tokens, 41)
         run_until(P, lambda: "x" not in P.sched.requests)
         assert [c.kind for c in p_seen["x"]] == ["sent"]
 
@@ -553,13 +615,13 @@ def test_a_steps_holds_and_reads_go_in_one_message_each(sidecars: Sidecars,
         assert holds == [2]
         for rid, n in tokens.items():
             D.sched.add_request(request(D, rid, n, params[rid], seed=seeds[rid]))
-        D.step()
+        blocks = schedule_reads(D, *tokens)
         assert reads == [2]
         run_until(D, lambda: all(r in D.sched.finished_recving_kv_req_ids
                                  or D.sched.requests[r].status == RequestStatus.RUNNING
                                  for r in tokens))
         for rid, n in tokens.items():
-            verify(D, rid, n - 1 if hybrid else n, seeds[rid])
+            verify(D, rid, blocks[rid], n - 1 if hybrid else n, seeds[rid])
         run_until(P, lambda: not any(r in P.sched.requests for r in tokens))
     finally:
         P.shutdown()
