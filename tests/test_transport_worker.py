@@ -1,22 +1,21 @@
-"""NixlWorker against real NIXL/UCX: a peer in another process, memory in /dev/shm.
+"""NixlWorker against real NIXL/UCX: a peer in another process, memory in memfds.
 
 The peer process runs its own NixlWorker (the realistic case: two sidecars on
 one node) and is driven over a socketpair with pickled commands. Both sides
-map the peer's /dev/shm file, so the test can fill the peer's memory and check
-what a read brought over without asking the peer.
+map the same shared memory (a memfd of the test process, opened by the peer
+through /proc), so the test can fill the peer's memory and check what a read
+brought over without asking the peer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import mmap
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -100,26 +99,33 @@ asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
 
 
 class ShmBuf:
-    """A file in /dev/shm mapped here; other processes map it by path."""
+    """Shared memory mapped here; other processes map it by :attr:`path`.
+
+    A memfd, not a file in /dev/shm: it has no name to leave behind, so a test
+    process that dies without its teardown (killed, or aborted inside UCX)
+    leaks nothing; the kernel frees it with the last fd and mapping. Others
+    open it as ``/proc/<pid>/fd/<fd>`` while this object holds the fd.
+    """
 
     def __init__(self, nbytes: int) -> None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.path = os.path.join(base, f"kvs-nixl-test-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self.fd = os.memfd_create(f"kvs-nixl-test-{uuid.uuid4().hex[:12]}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+            os.ftruncate(self.fd, nbytes)
+            self.mm = mmap.mmap(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.nbytes = nbytes
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.view = np.frombuffer(self.mm, dtype=np.uint8)
 
     def close(self) -> None:
         del self.view
-        self.mm.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        try:
+            self.mm.close()
+        finally:
+            os.close(self.fd)
 
 
 class Peer:
@@ -157,6 +163,30 @@ class Peer:
             self.proc.kill()
             self.proc.wait()
         self.conn.close()
+
+
+_KILLED_HOLDING_SHMBUF = r"""
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("tw", sys.argv[1])
+tw = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tw)
+buf = tw.ShmBuf(1 << 20)
+buf.view[:] = 1
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no teardown, no atexit: as a UCX abort or a kill
+"""
+
+
+def test_a_test_process_killed_holding_shared_memory_leaves_nothing_in_dev_shm() -> None:
+    """Runs of this module killed or aborted mid-test (no fixture teardown) left
+    their buffers in /dev/shm (1 MiB each, two per run): the buffers must have
+    no name there."""
+    proc = subprocess.run([sys.executable, "-c", _KILLED_HOLDING_SHMBUF, __file__],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    pid = int(proc.stdout)
+    if os.path.isdir("/dev/shm"):
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvs-nixl-test-{pid}-")]
 
 
 @pytest.fixture(scope="module")
