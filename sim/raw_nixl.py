@@ -30,10 +30,24 @@ def bare_agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
+def _region(span: int) -> ShmRegion:
+    """Shared memory for one side of a pair, its name removed at once: only its
+    own process maps it (the peer reads it by address), so a side that is
+    killed (a benchmark stopped, the initiator's kill below) leaves nothing in
+    /dev/shm, where 125 MiB regions of killed runs were found."""
+    region = ShmRegion.create(unique_name("raw"), span)
+    region.unlink()
+    return region
+
+
+#: Target loop rounds between checks that the initiator is still there.
+_PARENT_CHECK_ROUNDS = 256
+
+
 def _target(span: int, conn: Connection, spin: bool = False) -> None:
     agent = bare_agent("raw-target")
     seen: dict[bytes, float] = {}  # message -> perf_counter when it arrived (spin mode)
-    with ShmRegion.create(unique_name("raw"), span) as region:
+    with _region(span) as region:
         region.numpy()[:] = 7
         descs = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
         agent.register_memory(descs)
@@ -41,7 +55,11 @@ def _target(span: int, conn: Connection, spin: bool = False) -> None:
         if spin:  # acknowledgements need the initiator's metadata
             agent.add_remote_agent(conn.recv())
         done = False
+        rounds = 0
         while not done:
+            rounds += 1
+            if rounds % _PARENT_CHECK_ROUNDS == 0 and conn.poll():
+                return  # the initiator's end closed (it died): nobody to serve
             for peer, msgs in agent.get_new_notifs().items():
                 now = time.perf_counter()
                 for m in msgs:
@@ -74,7 +92,7 @@ class RawPair:
                                  daemon=True)
         self._conn = parent
         self._proc.start()
-        self.region = ShmRegion.create(unique_name("raw"), self.span)
+        self.region = _region(self.span)
         try:
             self.agent = bare_agent("raw-initiator")
             self._reg = self.agent.get_reg_descs([(self.region.address, self.span, 0, "")],
