@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvsidecar.metrics.loop_labels import label_key
+
 
 class LoopCounterSeries:
     """One labelled series. Event loop thread only (see the module docstring)."""
@@ -47,14 +49,7 @@ class LoopCounter(Collector):
         self._series: dict[tuple[str, ...], LoopCounterSeries] = {}
 
     def labels(self, *values: str, **named: str) -> LoopCounterSeries:
-        if named:
-            if values:
-                raise ValueError("labels: positional or named values, not both")
-            values = tuple(named[n] for n in self._labelnames)
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, "
-                             f"got {len(values)}")
-        key = tuple(str(v) for v in values)
+        key = label_key(self._name, self._labelnames, values, named)
         got = self._series.get(key)
         if got is None:
             got = self._series[key] = LoopCounterSeries()

@@ -23,6 +23,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from kvsidecar.metrics.loop_labels import label_key
+
 
 class LoopSeries:
     """One labelled series. Event loop thread only (see the module docstring)."""
@@ -61,14 +63,7 @@ class LoopHistogram(Collector):
         self._series: dict[tuple[str, ...], LoopSeries] = {}
 
     def labels(self, *values: str, **named: str) -> LoopSeries:
-        if named:
-            if values:
-                raise ValueError("labels: positional or named values, not both")
-            values = tuple(named[n] for n in self._labelnames)
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, "
-                             f"got {len(values)}")
-        key = tuple(str(v) for v in values)
+        key = label_key(self._name, self._labelnames, values, named)
         got = self._series.get(key)
         if got is None:
             got = self._series[key] = LoopSeries(self._bounds)

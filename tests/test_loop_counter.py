@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from kvsidecar.metrics.loop_counter import LoopCounter
+from kvsidecar.metrics.loop_histogram import LoopHistogram
 
 
 def _lines(text: bytes) -> list[str]:
@@ -46,3 +47,22 @@ def test_no_labels_and_negative_refused() -> None:
         c.inc(-1)
     with pytest.raises(ValueError):
         c.labels("extra")
+
+
+@pytest.mark.parametrize("make", [lambda: LoopCounter("z_total", "doc", ("op", "error")),
+                                  lambda: LoopHistogram("z", "doc", ("op", "error"), [1.0])])
+def test_wrong_label_names_refused_as_prometheus_client_does(make) -> None:  # type: ignore[no-untyped-def]
+    """Named label values must be exactly the metric's labels (a missing one
+    was a KeyError, an extra one was dropped silently); prometheus_client's
+    Counter refuses both with a ValueError, so do the loop-owned ones."""
+    m = make()
+    ref = Counter("z_total", "doc", ("op", "error"), registry=CollectorRegistry())
+    for bad in ({"op": "read"}, {"op": "read", "error": "", "extra": "x"},
+                {"op": "read", "eror": ""}):
+        with pytest.raises(ValueError):
+            ref.labels(**bad)
+        with pytest.raises(ValueError, match="z"):
+            m.labels(**bad)
+    with pytest.raises(ValueError):
+        m.labels("read", error="")
+    assert m.labels(error="", op="read") is m.labels("read", "")
