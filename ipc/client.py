@@ -244,7 +244,7 @@ def _item_outcome(reply: Ok | Held | Error) -> Held | SidecarError | None:
 
 
 def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
-    """Plain ``list[list[int]]`` for the wire; rejects floats and flat lists."""
+    """Plain ``list[list[int]]`` for the wire; rejects floats, bools and flat lists."""
     if type(groups) is list:
         # What engines pass most: lists of plain ints, sent as they are once each
         # id's type is checked. Every read pays this twice and every hold once, so
@@ -281,12 +281,21 @@ def block_id_lists(groups: BlockIdsLike) -> list[list[int]]:
             _check_int_dtype(g)
             result.append(g.tolist())
         elif isinstance(g, Iterable) and not isinstance(g, (str, bytes)):
-            result.append([operator.index(b) for b in g])
+            result.append([_block_id(b) for b in g])
         else:
             raise TypeError(
                 f"block ids: expected one sequence per KV-cache group, got {type(g).__name__}"
             )
     return result
+
+
+def _block_id(b: Any) -> int:
+    """One id of a group given as a sequence: any integer (``operator.index``:
+    numpy's too), but not a bool, which is one too in Python: a mask passed for
+    ids would read blocks 0 and 1 (a numpy bool array is refused by dtype)."""
+    if isinstance(b, (bool, np.bool_)):
+        raise TypeError(f"block ids: expected integers, got a bool ({b!r})")
+    return operator.index(b)
 
 
 def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:

@@ -320,6 +320,11 @@ def test_block_id_conversion_rejects_what_is_not_ids() -> None:
         block_id_lists([1, 2])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         block_id_lists([[1.5]])  # type: ignore[list-item]
+    # bools are ints in Python, but ids never: a mask passed for ids is refused
+    # as a numpy bool array is
+    for mask in ([[True, False]], [[1, True]], [[np.True_]], [np.array([True])]):
+        with pytest.raises(TypeError, match="bool"):
+            block_id_lists(mask)  # type: ignore[arg-type]
 
 
 def test_sync_timeout_without_server(tmp_path: Path) -> None:
