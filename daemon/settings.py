@@ -60,7 +60,8 @@ class Settings:
     #: engine-allocated GPU memory (attach mode): serve, warn (serve loudly unless the
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
-    #: descriptor economy (daemon/staging_plan.py): off, auto (cost model) or always
+    #: descriptor economy (daemon/staging_plan.py): off, auto (cost model, and runs
+    #: with at most MAX_WIRE_OVERHEAD foreign bytes) or always
     staging: str = "off"
     #: sidecar-owned host staging memory per engine rank (bytes), mapped on first use
     staging_bytes: int = 256 << 20
@@ -286,7 +287,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staging", default=_env("STAGING", "off"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
-                        "scattered descriptors: off (default: auto maps --staging-bytes per host "
+                        "scattered descriptors and the runs carry at most 25%% more bytes "
+                        "than the read wants: off (default: auto maps --staging-bytes per host "
                         "engine rank at registration), auto (faster on the hetero demo "
                         "shapes), always (env KVSIDECAR_STAGING)")
     p.add_argument("--staging-bytes", type=_number(int, "STAGING_BYTES"),
