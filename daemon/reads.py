@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -825,6 +826,12 @@ def aborted(req: Read, reason: str) -> Completion:
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
 
 
+#: the read table whose :meth:`ReadTable.together` the current task is inside,
+#: and the reads accepted there so far
+_GATHERING: contextvars.ContextVar[tuple[ReadTable, list[tuple[EngineRank, ReadJob]]] | None] = (
+    contextvars.ContextVar("kvsidecar_read_gathering", default=None))
+
+
 class ReadTable:
     """Every accepted read of this sidecar, from acceptance to its completion.
 
@@ -850,8 +857,6 @@ class ReadTable:
         self._jobs: dict[tuple[str, str], ReadJob] = {}
         self._per_engine: dict[str, int] = {}
         self._abandons: set[asyncio.Task[None]] = set()
-        #: reads accepted inside :meth:`together`, started when it ends
-        self._gathering: list[tuple[EngineRank, ReadJob]] | None = None
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -888,8 +893,14 @@ class ReadTable:
         job = ReadJob(req)
         self._jobs[key] = job
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
-        if self._gathering is not None:
-            self._gathering.append((eng, job))
+        self._route(eng, job)
+
+    def _route(self, eng: EngineRank, job: ReadJob) -> None:
+        """Start an accepted read now, or at the end of the :meth:`together` of
+        the task that accepted it."""
+        gathering = _GATHERING.get()
+        if gathering is not None and gathering[0] is self:
+            gathering[1].append((eng, job))
         else:
             self._start_one(eng, job)
 
@@ -898,15 +909,22 @@ class ReadTable:
         """Reads accepted inside start together when it ends (one engine message's,
         e.g. a Batch): those of one engine rank that read the same remote engine
         over links already made share one task (:mod:`~kvsidecar.daemon.read_batch`),
-        the others start one task each as :meth:`accept` alone would."""
-        if self._gathering is not None:  # nested: the outer one starts them
+        the others start one task each as :meth:`accept` alone would.
+
+        What is gathered lives in a context variable, i.e. per asyncio task: should
+        a handler inside ever suspend, the reads other connections' tasks accept
+        meanwhile start at once as usual, instead of joining this message's
+        group and waiting for its end."""
+        current = _GATHERING.get()
+        if current is not None and current[0] is self:  # nested: the outer one starts them
             yield
             return
-        self._gathering = []
+        gathered: list[tuple[EngineRank, ReadJob]] = []
+        token = _GATHERING.set((self, gathered))
         try:
             yield
         finally:
-            gathered, self._gathering = self._gathering, None
+            _GATHERING.reset(token)
             self._start(gathered)
 
     def _start(self, gathered: list[tuple[EngineRank, ReadJob]]) -> None:

@@ -1,0 +1,59 @@
+"""D's read table gathers the reads one engine message accepts
+(``ReadTable.together``) and starts them as a group when the message ends.
+What it gathers belongs to the task handling that message: reads another
+connection's task accepts meanwhile start at once, even if a handler of the
+message suspended. The starts are recorded instead of run (no sidecar here);
+the real batch path is covered end to end by tests/e2e/test_read_batch.py."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvsidecar.daemon.reads import ReadTable
+from kvsidecar.metrics.registry import Metrics
+
+
+def _table() -> tuple[ReadTable, list[Any], list[list[Any]]]:
+    table = ReadTable(ThreadPoolExecutor(1), None, 1.0,  # type: ignore[arg-type]
+                      lambda eng, c: None, Metrics())
+    alone: list[Any] = []
+    groups: list[list[Any]] = []
+    table._start_one = lambda eng, job: alone.append(job)  # type: ignore[method-assign]
+    table._start = lambda gathered: groups.append(  # type: ignore[method-assign]
+        [job for _, job in gathered])
+    return table, alone, groups
+
+
+async def test_a_message_gathers_only_its_own_reads_while_it_suspends() -> None:
+    table, alone, groups = _table()
+    inside = asyncio.Event()
+
+    async def message() -> None:
+        with table.together():
+            table._route(None, "a")  # type: ignore[arg-type]
+            inside.set()
+            await asyncio.sleep(0.01)  # a handler that suspends
+            table._route(None, "b")  # type: ignore[arg-type]
+
+    async def another_connection() -> None:
+        await inside.wait()
+        table._route(None, "x")  # type: ignore[arg-type]
+        assert alone == ["x"]  # started at once, not held for the other message
+
+    await asyncio.gather(message(), another_connection())
+    assert groups == [["a", "b"]]
+    assert alone == ["x"]
+
+
+async def test_nested_gathering_starts_once_at_the_outer_end() -> None:
+    table, alone, groups = _table()
+    with table.together():
+        table._route(None, "a")  # type: ignore[arg-type]
+        with table.together():
+            table._route(None, "b")  # type: ignore[arg-type]
+        assert groups == []
+    assert groups == [["a", "b"]] and alone == []
+    table._route(None, "c")  # type: ignore[arg-type]
+    assert alone == ["c"]
