@@ -826,9 +826,20 @@ def aborted(req: Read, reason: str) -> Completion:
                       invalid_block_ids=[list(g) for g in req.local_block_ids])
 
 
-#: the read table whose :meth:`ReadTable.together` the current task is inside,
-#: and the reads accepted there so far
-_GATHERING: contextvars.ContextVar[tuple[ReadTable, list[tuple[EngineRank, ReadJob]]] | None] = (
+@dataclass(slots=True)
+class _Gathering:
+    """One :meth:`ReadTable.together` under way: its table, the reads accepted so
+    far, and whether it is still open. A task created inside it copies the
+    context and keeps seeing it after it ended: a read such a task accepts then
+    must start at once, not join a group already started (it would never run)."""
+
+    table: ReadTable
+    reads: list[tuple[EngineRank, ReadJob]]
+    open: bool = True
+
+
+#: the :meth:`ReadTable.together` the current task is inside
+_GATHERING: contextvars.ContextVar[_Gathering | None] = (
     contextvars.ContextVar("kvsidecar_read_gathering", default=None))
 
 
@@ -899,8 +910,8 @@ class ReadTable:
         """Start an accepted read now, or at the end of the :meth:`together` of
         the task that accepted it."""
         gathering = _GATHERING.get()
-        if gathering is not None and gathering[0] is self:
-            gathering[1].append((eng, job))
+        if gathering is not None and gathering.open and gathering.table is self:
+            gathering.reads.append((eng, job))
         else:
             self._start_one(eng, job)
 
@@ -916,16 +927,17 @@ class ReadTable:
         meanwhile start at once as usual, instead of joining this message's
         group and waiting for its end."""
         current = _GATHERING.get()
-        if current is not None and current[0] is self:  # nested: the outer one starts them
-            yield
+        if current is not None and current.open and current.table is self:
+            yield  # nested: the outer one starts them
             return
-        gathered: list[tuple[EngineRank, ReadJob]] = []
-        token = _GATHERING.set((self, gathered))
+        gathering = _Gathering(self, [])
+        token = _GATHERING.set(gathering)
         try:
             yield
         finally:
             _GATHERING.reset(token)
-            self._start(gathered)
+            gathering.open = False  # for the tasks created inside, which still see it
+            self._start(gathering.reads)
 
     def _start(self, gathered: list[tuple[EngineRank, ReadJob]]) -> None:
         groups: dict[tuple[int, str, int, tuple[str, ...]], list[tuple[EngineRank, ReadJob]]] = {}

@@ -57,3 +57,23 @@ async def test_nested_gathering_starts_once_at_the_outer_end() -> None:
     assert groups == [["a", "b"]] and alone == []
     table._route(None, "c")  # type: ignore[arg-type]
     assert alone == ["c"]
+
+
+async def test_a_read_a_task_created_inside_accepts_after_the_end_starts_at_once() -> None:
+    """A task created inside together() copies its context, so it still sees the
+    gathering after it ended: a read it accepts then must start (alone), not
+    join the group already started, where it would never run."""
+    table, alone, groups = _table()
+    go = asyncio.Event()
+
+    async def later() -> None:
+        await go.wait()
+        table._route(None, "late")  # type: ignore[arg-type]
+
+    with table.together():
+        table._route(None, "a")  # type: ignore[arg-type]
+        task = asyncio.create_task(later())
+    assert groups == [["a"]]
+    go.set()
+    await task
+    assert alone == ["late"] and groups == [["a"]]
