@@ -909,11 +909,18 @@ class ReadTable:
     def _route(self, eng: EngineRank, job: ReadJob) -> None:
         """Start an accepted read now, or at the end of the :meth:`together` of
         the task that accepted it."""
-        gathering = _GATHERING.get()
-        if gathering is not None and gathering.open and gathering.table is self:
+        gathering = self._gathering()
+        if gathering is not None:
             gathering.reads.append((eng, job))
         else:
             self._start_one(eng, job)
+
+    def _gathering(self) -> _Gathering | None:
+        """The :meth:`together` of this table the current task is inside, if open."""
+        gathering = _GATHERING.get()
+        if gathering is not None and gathering.open and gathering.table is self:
+            return gathering
+        return None
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
@@ -926,8 +933,7 @@ class ReadTable:
         a handler inside ever suspend, the reads other connections' tasks accept
         meanwhile start at once as usual, instead of joining this message's
         group and waiting for its end."""
-        current = _GATHERING.get()
-        if current is not None and current.open and current.table is self:
+        if self._gathering() is not None:
             yield  # nested: the outer one starts them
             return
         gathering = _Gathering(self, [])

@@ -171,11 +171,10 @@ def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
     src = (run_off[run_id] + r - run_start[run_id])[piece_staged]
     dst = local[order][piece_staged]
     size = ln[piece_staged]
-    scattered = m.scattered_s(n, int(length.sum()))
-    staged = m.staged_s(int(post_len.size), int(post_len.sum()), int(size.size),
-                        int(size.sum()))
-    if mode == "auto" and (staged >= scattered or int(post_len.sum())
-                           > (1 + MAX_WIRE_OVERHEAD) * int(length.sum())):
+    wanted, wire = int(length.sum()), int(post_len.sum())
+    scattered = m.scattered_s(n, wanted)
+    staged = m.staged_s(int(post_len.size), wire, int(size.size), int(size.sum()))
+    if mode == "auto" and (staged >= scattered or wire > (1 + MAX_WIRE_OVERHEAD) * wanted):
         return None
     return StagedPlan(post_local, post_remote, post_len, into, src.astype(np.int64),
                       dst.astype(np.int64), size.astype(np.int64), staging_bytes,
