@@ -209,7 +209,11 @@ class _Waiting:
         try:
             check_results(self._eng, self.job, self._metrics, self._posts, results)
             got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
-        except Exception as e:
+        except (Exception, asyncio.CancelledError) as e:
+            # A cancelled transfer future is a failed transfer of this read, not
+            # a cancellation of the callback: settle it so (CancelledError is not
+            # an Exception, and escaping here it would leave the read to the
+            # batch's end, reported "aborted before posting").
             got = e
         if self.job.ended:
             return

@@ -76,3 +76,28 @@ async def test_a_bug_in_settle_reaches_the_batch_not_the_loops_handler() -> None
     bugs, swallowed = await _run(settle)
     assert bugs == [bug]
     assert swallowed == []
+
+
+async def test_a_cancelled_transfer_settles_the_read_as_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the real check: a cancelled transfer future (nothing cancels them
+    today) fails the read through settle, not past the callback."""
+    from kvsidecar.daemon.reads import check_results
+    monkeypatch.setattr(read_batch, "check_results",
+                        lambda eng, job, metrics, posts, results: check_results(
+                            eng, job, None, posts, results, notified=False))
+    loop = asyncio.get_running_loop()
+    swallowed: list[Any] = []
+    loop.set_exception_handler(lambda _loop, ctx: swallowed.append(ctx))
+    calls: list[Any] = []
+    bugs: list[BaseException] = []
+    ops = [loop.create_future()]
+    w = _waiting(lambda job, got: calls.append(got), bugs, ops)
+    w.job.req = SimpleNamespace(request_id="r1")
+    w.job.tracing = None
+    w.job.leases = None
+    ops[0].cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(calls) == 1 and isinstance(calls[0], asyncio.CancelledError)
+    assert bugs == [] and swallowed == []
