@@ -237,8 +237,9 @@ class Metrics:
             "is refused with reason assembly_limit)")
         self.refused = c(
             "kvsidecar_refused_total", "Connections and messages refused at the door, by "
-            "channel (engine socket, peer handshake port) and reason (forbidden uid, "
-            "unknown key, handshake failure, connection limit)", ("channel", "reason"))
+            "channel (engine socket, peer handshake port, fd socket, metrics port) and "
+            "reason (forbidden uid, unknown key, handshake failure, connection limit, "
+            "timeout)", ("channel", "reason"))
 
     # One helper per metric type, so each metric is one line above and always
     # lands in this daemon's registry.

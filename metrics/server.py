@@ -3,38 +3,110 @@ probes (``/healthz``, ``/readyz``) the daemon plugs in.
 
 A plain ``ThreadingHTTPServer`` on a daemon thread (scrapes must work even
 when the event loop is busy or wedged); one server per daemon, stopped with it.
+
+Bounded, because anyone who reaches the port is input: the standard library
+server starts one thread per connection and waits for a request without end,
+so clients that connect and send nothing (or half a request line) each kept
+a thread and an fd for good (measured: 600 such connections, 600 threads and
+fds more in the sidecar, growing with every one). Here a connection gets
+:data:`IO_TIMEOUT_S` per read or write, at most :data:`MAX_CONNECTIONS` are
+served at once (the next ones are closed as they arrive), and every refusal,
+timeout or broken client is counted in
+``kvsidecar_refused_total{channel="metrics"}`` and logged in one line
+(rate-limited), never as a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
+from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.metrics.registry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: Connections served at once; more are closed on arrival. Prometheus and the
+#: kubelet's probes need a handful.
+MAX_CONNECTIONS = 32
+#: Seconds a connection may take for each read of its request and each write of
+#: the reply: a scrape on one host takes milliseconds.
+IO_TIMEOUT_S = 5.0
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 refused: Callable[[str, str], None], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = refused
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused("connection_limit", str(client_address))
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # no thread was started to release it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that vanished or stalled mid-reply: counted, one line, no traceback."""
+        self.refused("broken_client", str(client_address))
 
 
 class MetricsServer:
     def __init__(self, metrics: Metrics, host: str, port: int, *,
-                 probes: Mapping[str, Callable[[], tuple[int, bytes]]] | None = None) -> None:
+                 probes: Mapping[str, Callable[[], tuple[int, bytes]]] | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 io_timeout_s: float = IO_TIMEOUT_S) -> None:
         """``probes`` maps a path to a function returning (HTTP status, JSON body);
         it runs on the server's thread, so it must not wait for the event loop."""
         self._metrics = metrics
         self._probes = dict(probes or {})
         self._host = host
         self._port = port
+        self._max_connections = max_connections
+        self._io_timeout_s = io_timeout_s
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._refusals: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _refused(self, reason: str, client: str) -> None:
+        self._metrics.refused.labels("metrics", reason).inc()
+        with self._lock:
+            n = self._refusals[reason] = self._refusals.get(reason, 0) + 1
+        if worth_logging(n):
+            log.warning("metrics endpoint: dropped a connection from %s (%s; %d so far)",
+                        client, reason, n)
 
     def start(self) -> int:
         """Bind and serve on a daemon thread; returns the bound port."""
         metrics = self._metrics
         probes = self._probes
+        refused = self._refused
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = self._io_timeout_s  # applied to the connection's socket
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
@@ -59,11 +131,16 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def log_error(self, format: str, *args: Any) -> None:
+                """Called for a request that timed out or did not parse (answered 4xx)."""
+                why = "timeout" if format.startswith("Request timed out") else "bad_request"
+                refused(why, str(self.client_address))
+
             def log_message(self, format: str, *args: object) -> None:
                 """Scrapes every few seconds are not news; stay quiet."""
 
-        self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((self._host, self._port), Handler, refused,
+                                     self._max_connections)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvs-metrics",
                                         daemon=True)
         self._thread.start()
@@ -74,3 +151,4 @@ class MetricsServer:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import http.client
 import os
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from hypothesis import strategies as st
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.ipc.client import AsyncSidecarClient, SidecarClient, SidecarError, UnknownEngine
 from kvsidecar.ipc.seqpacket import MAX_PACKET, BlockingChannel, packets
+from kvsidecar.metrics.server import MAX_CONNECTIONS as MAX_METRICS_CONNECTIONS
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
 
@@ -567,6 +570,58 @@ def test_a_stream_socket_is_refused_by_the_kernel(target: Target) -> None:
         s.connect(target.side.socket)
     assert e.value.errno == errno.EPROTOTYPE
     target.behave()
+
+
+def _scrape(port: int, path: str = "/metrics") -> int:
+    """One plain scrape of the real endpoint; its HTTP status."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        r.read()
+        return int(r.status)
+
+
+def test_slow_metrics_clients_are_bounded_and_timed_out(target: Target) -> None:
+    """The metrics port is input too: 200 clients that send half a request and
+    wait (a slowloris) cost the daemon at most MAX_CONNECTIONS threads and fds
+    (the standard library server kept one thread and fd each, for good); the
+    excess is closed on arrival and counted, the held ones are dropped after
+    IO_TIMEOUT_S and counted, scrapes are answered again while the flood's
+    sockets are still open, and the engines are served throughout."""
+    port = target.side.metrics_port
+    assert _scrape(port) == 200
+    before = _proc_stats(target.pid())
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers never end
+            flood.append(s)
+        target.behave()
+        during = _proc_stats(target.pid())
+        assert during["threads"] <= before["threads"] + MAX_METRICS_CONNECTIONS + 2, (
+            before, during)
+        assert during["fds"] <= before["fds"] + MAX_METRICS_CONNECTIONS + 8, (before, during)
+        # The held ones time out; then a scrape gets a slot although the flood's
+        # sockets stay open (the refused ones were closed by the daemon).
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _scrape(port) == 200:
+                    break
+            except (OSError, http.client.HTTPException):
+                pass
+            assert time.monotonic() < deadline, target.side.read_log()
+            time.sleep(0.5)
+        assert target.side.metric("kvsidecar_refused_total", channel="metrics",
+                                  reason="connection_limit") >= 200 - MAX_METRICS_CONNECTIONS
+        assert target.side.metric("kvsidecar_refused_total", channel="metrics",
+                                  reason="timeout") >= MAX_METRICS_CONNECTIONS
+        assert "metrics endpoint: dropped a connection" in target.side.read_log()
+    finally:
+        for s in flood:
+            s.close()
+    target.behave()
+    assert _scrape(port, "/healthz") == 200
+    assert "Traceback" not in target.side.read_log()
 
 
 def _asks(client: SidecarClient, who: str, n: int) -> None:
