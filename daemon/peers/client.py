@@ -486,15 +486,25 @@ class HandshakeClient:
             self._conns.move_to_end(addr)
         if conn is not None:
             return conn
-        host, _ = split_address(addr)
+        try:
+            host, _ = split_address(addr)
+        except ValueError as e:
+            raise HandshakeFailed(addr[:300], f"cannot dial it: {e}") from None
         sock = LoopSocket.of(self._ctx, zmq.DEALER)
-        sock.sock.setsockopt(zmq.LINGER, 0)
-        sock.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        if self._keys is not None:
-            self._keys.dial_with(sock.sock)
-        if ipv6(host):
-            sock.sock.setsockopt(zmq.IPV6, 1)
-        sock.sock.connect(f"tcp://{addr}")
+        try:
+            sock.sock.setsockopt(zmq.LINGER, 0)
+            sock.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            if self._keys is not None:
+                self._keys.dial_with(sock.sock)
+            if ipv6(host):
+                sock.sock.setsockopt(zmq.IPV6, 1)
+            sock.sock.connect(f"tcp://{addr}")
+        except zmq.ZMQError as e:
+            # An address from an engine's read that libzmq refuses (a port that is
+            # not a number, say): the socket is closed here, or it would be leaked
+            # and the context's term() at shutdown would wait for it forever.
+            sock.close(linger=0)
+            raise HandshakeFailed(addr, f"cannot dial it: {e.strerror}") from None
         conn = _Connection(addr, sock)
         conn.reader = asyncio.create_task(self._read(conn), name=f"handshake-reader-{addr}")
         self._conns[addr] = conn

@@ -104,6 +104,48 @@ def test_dead_handshake_address_fails_the_read_not_the_daemon(pool) -> None:
         assert not D.verify("after-dead")
 
 
+#: handshake addresses an engine may name that libzmq refuses to dial at all
+UNDIALABLE = ["127.0.0.1:abc", "127.0.0.1:-1", "a:b:c", "*:5555", "ipc:///tmp/x:1",
+              "1.2.3.4:5 ", "\x00:1"]
+
+
+def test_undialable_addresses_fail_their_reads_and_leak_nothing(pool, tmp_path) -> None:
+    """Reads naming handshake addresses libzmq cannot dial each fail at once,
+    naming the address, on a D sidecar of their own; the same engine then
+    reads oracle-exact bytes, D's fds are back where they were, and D still
+    shuts down cleanly. Before: each such read left a ZMQ socket behind (its
+    connect raised after the socket was made), and at SIGTERM the context's
+    term() waited for those sockets forever (the sidecar had to be killed)."""
+    d = SidecarProcess(tmp_path, "d-undialable").start()
+    P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
+    D = SimEngine(pool.uid("D"), hybrid, 1, 96, [d])
+    try:
+        assert d.proc is not None
+        sent = P.prefill("held", Request(seed=5, prompt_tokens=60))
+        D.start_read(sent, request_id="warm")  # links, sockets, executors made once
+        assert {c.kind for c in _completion(D, "warm").values()} == {"received"}
+        D.finish("warm")
+        fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        good = sent.remote
+        for i, addr in enumerate(UNDIALABLE * 3):
+            sent.remote = RemoteEngine(good.engine_id, 1, [addr])
+            rec = D.start_read(sent, request_id=f"undialable-{i}")
+            c = _completion(D, f"undialable-{i}")[0]
+            assert c.kind == "failed" and "cannot dial it" in c.reason, (addr, c)
+            assert c.invalid_block_ids == rec.block_ids
+            D.finish(f"undialable-{i}")
+        assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= fds
+        D.start_read(P.prefill("after", Request(seed=6, prompt_tokens=60)))
+        got = _completion(D, "after")
+        assert {c.kind for c in got.values()} == {"received"}, got
+        assert not D.verify("after")
+    finally:
+        D.close()
+        P.close()
+        rc = d.stop(timeout_s=60)
+    assert rc == 0, d.read_log()
+
+
 def test_incompatible_peer_is_refused_by_field(pool) -> None:
     def other(tp: int, nb: int):
         return attention_layout(model="e2e-attn", num_layers=3, total_kv_heads=8, head_dim=32,
