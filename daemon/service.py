@@ -458,6 +458,7 @@ class Sidecar:
         if req.tp_rank >= layout.tp_size:
             raise RequestError(BAD_REQUEST, f"tp_rank {req.tp_rank} outside the layout's "
                                             f"tp_size {layout.tp_size}")
+        self._check_engine_room()
         # Creating or mapping shared memory touches every page (about 1 s per GB):
         # off the loop, so other engines keep being served meanwhile.
         peer = current_peer.get()
@@ -529,6 +530,20 @@ class Sidecar:
                  req.tp_rank, layout.tp_size, layout.family, layout.num_regions,
                  layout.region_bytes, req.mode)
         return self._registered(eng)
+
+    def _check_engine_room(self) -> None:
+        """Refuse a new engine past ``--max-engines``: each one is a NIXL agent (its
+        own thread, ~16 fds and ~5 MB measured) plus its memory, and engines of an
+        allowed uid could otherwise register until the daemon ran out of fds.
+        Engines being registered count (this one among them); one series for all
+        refusals, as a refused id is not an engine of this daemon."""
+        limit = self.settings.max_engines
+        new = sum(1 for e in self._registering if e not in self._engines)
+        if len(self._engines) + new > limit:
+            self.metrics.limit_refusals.labels("", "engines").inc()
+            raise RequestError(UNAVAILABLE, f"this sidecar serves {len(self._engines)} engines "
+                                            f"and registers {new - 1} more (--max-engines "
+                                            f"{limit}): deregister one first")
 
     def _registered(self, eng: EngineRank) -> Registered:
         return Registered(engine_id=eng.engine_id, handshake_address=self.handshake_address,

@@ -36,6 +36,9 @@ class Settings:
     max_completions_per_engine: int = 65536
     max_early_notifications: int = 4096
     max_peer_links_per_engine: int = 1024
+    #: engines registered (or being registered) at once: each costs a NIXL agent
+    #: (a thread, ~16 fds, ~5 MB) and its memory
+    max_engines: int = 64
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -220,6 +223,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("MAX_PEER_LINKS_PER_ENGINE", "1024"),
                    help="remote ranks one engine rank keeps linked (NIXL remote agents); "
                         "idle ones are evicted first (env KVSIDECAR_MAX_PEER_LINKS_PER_ENGINE)")
+    p.add_argument("--max-engines", type=_number(int, "MAX_ENGINES"),
+                   default=_env("MAX_ENGINES", "64"),
+                   help="engines registered here at once, each with its own NIXL agent "
+                        "(env KVSIDECAR_MAX_ENGINES)")
     p.add_argument("--metrics-port", type=_number(int, "METRICS_PORT"),
                    default=_env("METRICS_PORT", "-1"),
                    help="Prometheus /metrics port, -1 = off, 0 = ephemeral "
@@ -360,7 +367,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         raise ConfigError(f"--cuda-attach (env KVSIDECAR_CUDA_ATTACH) must be one of serve, "
                           f"warn, refuse, got {ns.cuda_attach!r}")
     for name in ("max_reads_per_engine", "max_holds_per_engine", "max_completions_per_engine",
-                 "max_early_notifications", "max_peer_links_per_engine"):
+                 "max_early_notifications", "max_peer_links_per_engine", "max_engines"):
         if getattr(ns, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
                               f"be >= 1, got {getattr(ns, name)}")
@@ -395,6 +402,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         max_completions_per_engine=ns.max_completions_per_engine,
         max_early_notifications=ns.max_early_notifications,
         max_peer_links_per_engine=ns.max_peer_links_per_engine,
+        max_engines=ns.max_engines,
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         log_level=ns.log_level.upper(),

@@ -18,6 +18,7 @@ from kvsidecar.ipc.client import (
     BadRequest,
     Duplicate,
     SidecarClient,
+    Unavailable,
     UnknownEngine,
 )
 from kvsidecar.ipc.layout import attention_layout
@@ -140,6 +141,48 @@ def test_undialable_addresses_fail_their_reads_and_leak_nothing(pool, tmp_path) 
         assert {c.kind for c in got.values()} == {"received"}, got
         assert not D.verify("after")
     finally:
+        D.close()
+        P.close()
+        rc = d.stop(timeout_s=60)
+    assert rc == 0, d.read_log()
+
+
+async def test_engines_past_max_engines_are_refused_and_counted(pool, tmp_path) -> None:
+    """Registrations past ``--max-engines`` (3 here; each engine costs a NIXL agent,
+    a thread and ~16 fds, measured) get ``unavailable`` naming the flag, also
+    when they arrive all at once, and are counted in one series; the engines
+    registered keep reading oracle-exact bytes, and a deregistration makes room.
+    Before: no bound (200 registrations of one client: +3,200 fds, +400
+    threads, +1 GB RSS in the sidecar, growing linearly)."""
+    d = SidecarProcess(tmp_path, "d-max-engines",
+                       args=["--max-engines", "3", "--metrics-port", "0"]).start()
+    P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
+    D = SimEngine(pool.uid("D"), hybrid, 1, 96, [d])
+    extra = AsyncSidecarClient(d.socket, timeout_s=60)
+    layout = attn(2)(1, 4)
+    try:
+        # One more engine fits; then six registrations at once: one of them fits
+        # (3 in all), five are refused, none registered past the bound.
+        await extra.register("extra-0", 0, layout, allocate=True)
+        got = await asyncio.gather(*(extra.register(f"extra-{i}", 0, layout, allocate=True)
+                                     for i in range(1, 7)), return_exceptions=True)
+        refused = [e for e in got if isinstance(e, Exception)]
+        assert len(refused) == 5, got
+        for e in refused:
+            assert isinstance(e, Unavailable) and "--max-engines 3" in e.message, e
+        assert d.metric("kvsidecar_limit_refusals_total", limit="engines") == 5
+        assert d.metric("kvsidecar_engines") == 3
+        D.start_read(P.prefill("at-limit", Request(seed=7, prompt_tokens=60)))
+        assert {c.kind for c in _completion(D, "at-limit").values()} == {"received"}
+        assert not D.verify("at-limit")
+        registered = [f"extra-{i}" for i, r in enumerate([None, *got]) if not
+                      isinstance(r, Exception)]
+        await extra.deregister(registered[-1])
+        await extra.register("extra-again", 0, layout, allocate=True)
+        await extra.deregister("extra-again")
+        await extra.deregister(registered[0])
+    finally:
+        await extra.close()
         D.close()
         P.close()
         rc = d.stop(timeout_s=60)
