@@ -229,8 +229,10 @@ class Sidecar:
         #: sets, looked up once instead of labels() for every item of every batch
         self._request_series: dict[tuple[type, str], Any] = {}
         #: allocations engines reserved before registering (vLLM's KV pool)
-        self._reservations = Reservations(on_limit=lambda engine_id: self.metrics.limit_refusals
-                                          .labels(engine_id[:200], "reservations").inc())
+        #: refusals in one series: a refused id is no engine of this daemon, and a
+        #: series per refused id would grow the registry with every new id sent
+        self._reservations = Reservations(on_limit=lambda _engine_id: self.metrics
+                                          .limit_refusals.labels("", "reservations").inc())
 
     # ------------------------------------------------------------ lifecycle
 

@@ -21,6 +21,7 @@ from kvsidecar.ipc.client import (
     Unavailable,
     UnknownEngine,
 )
+from kvsidecar.daemon.reservations import MAX_RESERVATIONS
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Error, RemoteEngine, decode_reply
@@ -181,6 +182,17 @@ async def test_engines_past_max_engines_are_refused_and_counted(pool, tmp_path) 
         await extra.register("extra-again", 0, layout, allocate=True)
         await extra.deregister("extra-again")
         await extra.deregister(registered[0])
+        # Reservations (64 per sidecar): refusals of fresh ids share one series too,
+        # so ids sent past a limit do not grow the registry.
+        held = [await extra.reserve(f"res-{i}", 4096) for i in range(MAX_RESERVATIONS)]
+        for i in range(3):
+            with pytest.raises(Unavailable):
+                await extra.reserve(f"res-refused-{i}", 4096)
+        assert d.metric("kvsidecar_limit_refusals_total", engine="",
+                        limit="reservations") == 3
+        for i, region in enumerate(held):
+            region.close()
+            await extra.deregister(f"res-{i}")
     finally:
         await extra.close()
         D.close()
