@@ -13,6 +13,7 @@ import time
 import msgspec
 import pytest
 
+from kvsidecar.daemon.reservations import MAX_RESERVATIONS
 from kvsidecar.ipc.client import (
     AsyncSidecarClient,
     BadRequest,
@@ -21,7 +22,6 @@ from kvsidecar.ipc.client import (
     Unavailable,
     UnknownEngine,
 )
-from kvsidecar.daemon.reservations import MAX_RESERVATIONS
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
 from kvsidecar.ipc.protocol import Error, RemoteEngine, decode_reply
