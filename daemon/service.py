@@ -601,8 +601,17 @@ class Sidecar:
             await self._release_regions([r.region], True)
 
     def _pid_visible(self, req: Register) -> bool:
-        """Whether ``req.pid`` can serve as a liveness signal: only a pid of this
-        sidecar's own PID namespace that is alive right now."""
+        """Whether ``req.pid`` can serve as a liveness signal: a pid of this
+        sidecar's own PID namespace.
+
+        A stated pid that does not exist is not trusted (liveness by requests
+        only), except when it is the kernel's own word: the pid ``SO_PEERCRED``
+        recorded for the connection that sent the registration. Then the engine
+        died before its registration was done (a crash or OOM kill during a
+        large allocation), and the next liveness check (within 1 s) releases it.
+        Taking that pid for unknown held the memory for the whole
+        --engine-lease and refused the restarted engine's registration of the
+        same id as 'already registered (by a live process)' meanwhile."""
         if not req.pid:
             return False
         if not self._pid_ns or req.pid_ns != self._pid_ns:
@@ -611,6 +620,12 @@ class Sidecar:
                      req.pid_ns or "unknown", self._pid_ns, self.settings.engine_lease_s)
             return False
         if not _alive(req.pid):
+            peer = current_peer.get()
+            if peer is not None and peer.pid == req.pid:
+                log.warning("engine %r: its process (pid %d) exited before its registration "
+                            "was done; released at the next liveness check", req.engine_id,
+                            req.pid)
+                return True
             log.warning("engine %r: pid %d does not exist here; liveness by its requests only",
                         req.engine_id, req.pid)
             return False

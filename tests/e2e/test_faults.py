@@ -320,6 +320,59 @@ def test_engine_process_exit_releases_its_registration(pool, tmp_path) -> None:
         time.sleep(0.1)
 
 
+def test_an_engine_that_dies_during_its_registration_is_released_by_pid(pool) -> None:
+    """A client killed mid-request: it sends its registration and exits at once
+    (the sidecar's NIXL agent alone takes longer to make), so the registration
+    finishes for a process that is gone. The sidecar releases it by pid, as for
+    any engine that dies, and the restarted engine registers the same id and
+    reads oracle-exact bytes. Before: the dead pid was taken for one it cannot
+    check ("liveness by its requests only"), the memory stayed for the whole
+    --engine-lease (30 s) and the restart's registration was refused meanwhile as
+    'already registered (by a live process)'."""
+    side = pool.d[3]
+    engine_id = pool.uid("dies-registering-")
+    script = textwrap.dedent(f"""
+        import os
+        from kvsidecar.ipc.layout import attention_layout
+        from kvsidecar.ipc.protocol import Register, encode_request
+        from kvsidecar.ipc.seqpacket import BlockingChannel
+        layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
+                                  block_tokens=4, tp_size=1, num_blocks=4)
+        chan = BlockingChannel({side.socket!r}, timeout_s=30)
+        chan.send(encode_request(Register({engine_id!r}, 0, layout, "allocate", [], False,
+                                          os.getpid(), os.readlink("/proc/self/ns/pid"),
+                                          "the-dead-one", id=1)))
+        os._exit(0)  # gone before the reply
+    """)
+    subprocess.run([sys.executable, "-c", script], timeout=60, check=True)
+    with SidecarClient(side.socket) as c:
+        deadline = time.monotonic() + 60
+        while f"registered engine {engine_id!r}" not in side.log_path.read_text():
+            assert time.monotonic() < deadline, "the registration never finished"
+            time.sleep(0.05)
+        while engine_id in c.ping().engines:
+            assert time.monotonic() < deadline, "dead engine never released"
+            time.sleep(0.1)
+
+    def released() -> list[str]:
+        return [line for line in side.log_path.read_text().splitlines()
+                if f"engine {engine_id!r} released" in line]
+
+    while not released():  # logged once its agent has stopped
+        assert time.monotonic() < deadline, "no release logged"
+        time.sleep(0.05)
+    assert "exited" in released()[0], released()
+    P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
+    D = SimEngine(engine_id, hybrid, 1, 96, [side])
+    try:
+        D.start_read(P.prefill("restarted", Request(seed=8, prompt_tokens=60)))
+        assert {c.kind for c in _completion(D, "restarted").values()} == {"received"}
+        assert not D.verify("restarted")
+    finally:
+        D.close()
+        P.close()
+
+
 def test_sigterm_finishes_or_aborts_in_flight_reads_and_cleans_up(pool, tmp_path) -> None:
     sidecar = SidecarProcess(tmp_path, "short-lived").start()
     P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
