@@ -51,6 +51,7 @@ from kvsidecar.daemon.holds import Report
 from kvsidecar.daemon.memory_kinds import MemoryContext
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
+from kvsidecar.daemon.peers.addresses import check_address
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import (
     Abandon,
@@ -125,6 +126,9 @@ HOUSEKEEPING_BUSY_S = 0.1  # holds or early notifications to expire
 HOUSEKEEPING_IDLE_S = 1.0  # nothing to expire: engine liveness and reservations only
 
 MAX_WAITING_POLLS = 4
+#: Peer addresses remembered as checked (a set lookup per read instead of a check);
+#: past it the set starts over.
+MAX_DIALABLE = 4096
 """Polls that may wait at once per engine rank (``Poll.wait_s``); more are
 answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_polls"}``)."""
 
@@ -228,6 +232,8 @@ class Sidecar:
         #: the requests counter's series per (request type, error code): both closed
         #: sets, looked up once instead of labels() for every item of every batch
         self._request_series: dict[tuple[type, str], Any] = {}
+        #: peer addresses reads named that passed check_address (at most MAX_DIALABLE)
+        self._dialable: set[str] = set()
         #: allocations engines reserved before registering (vLLM's KV pool)
         #: refusals in one series: a refused id is no engine of this daemon, and a
         #: series per refused id would grow the registry with every new id sent
@@ -362,10 +368,25 @@ class Sidecar:
 
     async def _read(self, req: Read) -> Reply:
         eng = self._engine(req.engine_id)
+        for address in req.remote.handshake:
+            if address not in self._dialable:
+                self._check_address(address)
         self._admit(eng, "reads", self._reads.count(eng.engine_id),
                     self.settings.max_reads_per_engine, "reads in flight")
         self._reads.accept(eng, req)
         return Ok()
+
+    def _check_address(self, address: str) -> None:
+        """Refuse a read naming a peer address that is not ``host:port`` in
+        printable ASCII (see check_address); remember good ones (bounded), so
+        the check costs a set lookup per read."""
+        try:
+            check_address(address)
+        except ValueError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        if len(self._dialable) >= MAX_DIALABLE:
+            self._dialable.clear()
+        self._dialable.add(address)
 
     def _admit(self, eng: EngineRank, limit: str, used: int, bound: int, what: str) -> None:
         """Refuse new work that would pass a per-engine bound, and work whose

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ipv6", "normalise", "split_address"]
+__all__ = ["check_address", "ipv6", "normalise", "split_address"]
 
 
 
@@ -22,3 +22,15 @@ def normalise(address: str) -> str:
 
 def ipv6(host: str) -> bool:
     return host.startswith("[") or ":" in host
+
+
+def check_address(address: str) -> None:
+    """Raise ValueError unless ``address`` is ``host:port`` in printable ASCII
+    without spaces: an engine names its peers' addresses, they reach log lines
+    and errors as they are (a newline in one would forge log lines), and
+    libzmq dials nothing else anyway."""
+    if not (address.isascii() and address.isprintable()) or " " in address:
+        raise ValueError(f"handshake address {address[:300]!r} is not printable ASCII "
+                         "without spaces")
+    split_address(address)
+

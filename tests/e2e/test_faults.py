@@ -108,7 +108,7 @@ def test_dead_handshake_address_fails_the_read_not_the_daemon(pool) -> None:
 
 #: handshake addresses an engine may name that libzmq refuses to dial at all
 UNDIALABLE = ["127.0.0.1:abc", "127.0.0.1:-1", "a:b:c", "*:5555", "ipc:///tmp/x:1",
-              "1.2.3.4:5 ", "\x00:1"]
+              "udp://1.2.3.4:5:1"]
 
 
 def test_undialable_addresses_fail_their_reads_and_leak_nothing(pool, tmp_path) -> None:
@@ -137,6 +137,15 @@ def test_undialable_addresses_fail_their_reads_and_leak_nothing(pool, tmp_path) 
             assert c.invalid_block_ids == rec.block_ids
             D.finish(f"undialable-{i}")
         assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) <= fds
+        # Addresses that are not printable ASCII (they reach log lines as they are:
+        # a newline would forge one) are refused at the door, with a clear error.
+        for addr in ["10.0.0.1:5555\n2026-11-27 CRITICAL forged:1", "épée:1", "a b:1", ":::"]:
+            sent.remote = RemoteEngine(good.engine_id, 1, [addr])
+            with pytest.raises(BadRequest) as e:
+                D.clients[0].read(D.engine_id, "refused", [[1], [2]], sent.remote,
+                                  sent.block_ids)
+            assert "handshake address" in e.value.message or "host:port" in e.value.message
+        assert "forged" not in d.read_log()
         D.start_read(P.prefill("after", Request(seed=6, prompt_tokens=60)))
         got = _completion(D, "after")
         assert {c.kind for c in got.values()} == {"received"}, got
