@@ -52,6 +52,7 @@ from kvsidecar.daemon.memory_kinds import MemoryContext
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.addresses import check_address
+from kvsidecar.daemon.peers.client import MAX_CONNECTIONS as HANDSHAKE_CLIENT_CONNECTIONS
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import (
     Abandon,
@@ -165,6 +166,7 @@ class Sidecar:
         self.peer_auth = "curve" if keys is not None else "none"
         self._hs_client = HandshakeClient(
             timeout_s=settings.handshake_timeout_s, keys=keys,
+            max_connections=fd_budget(HANDSHAKE_CLIENT_CONNECTIONS, 0.25),
             on_evict=lambda what: self.metrics.peer_cache_evictions.labels(what).inc(),
             on_control_sent=self.metrics.control_items.labels(side="sent").observe)
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,

@@ -151,7 +151,9 @@ class Metrics:
             "notification", (*ENGINE, "peer"), buckets=ITEM_BUCKETS)
         self.peer_cache_evictions = c(
             "kvsidecar_peer_cache_evictions_total", "Least recently used entries dropped from "
-            "the handshake client at its bounds (handshake answers, peer connections)",
+            "the handshake client at its bounds (handshake answers, peer connections; "
+            "connection_refused: a new peer connection refused, every one waiting for an "
+            "answer)",
             ("cache",))
         self.peer_links_evicted = c(
             "kvsidecar_peer_links_evicted_total", "Idle links to remote ranks dropped (their "

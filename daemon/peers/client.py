@@ -490,7 +490,25 @@ class HandshakeClient:
             host, _ = split_address(addr)
         except ValueError as e:
             raise HandshakeFailed(addr[:300], f"cannot dial it: {e}") from None
-        sock = LoopSocket.of(self._ctx, zmq.DEALER)
+        if len(self._conns) >= self.max_connections:
+            # Room first: idle connections go, least recently used first. Those
+            # waiting for an answer stay, and past the bound no socket is made:
+            # a read naming thousands of dead addresses (its own P ranks' and
+            # their abandons) once opened one socket each, until the daemon ran
+            # out of fds ('Too many open files') and failed everyone's reads.
+            idle = [a for a, c in self._conns.items() if not c.pending]
+            for a in idle[: len(self._conns) - self.max_connections + 1]:
+                self._drop_conn(a, HandshakeFailed(a, "connection closed (too many peers)"))
+                self._evicted("connection")
+            if len(self._conns) >= self.max_connections:
+                self._evicted("connection_refused")
+                raise HandshakeFailed(addr, f"{len(self._conns)} peer connections are waiting "
+                                            f"for answers, the bound ({self.max_connections}); "
+                                            "try again once they are answered or time out")
+        try:
+            sock = LoopSocket.of(self._ctx, zmq.DEALER)
+        except zmq.ZMQError as e:
+            raise HandshakeFailed(addr, f"cannot open a socket: {e.strerror}") from None
         try:
             sock.sock.setsockopt(zmq.LINGER, 0)
             sock.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
@@ -508,10 +526,6 @@ class HandshakeClient:
         conn = _Connection(addr, sock)
         conn.reader = asyncio.create_task(self._read(conn), name=f"handshake-reader-{addr}")
         self._conns[addr] = conn
-        idle = [a for a, c in self._conns.items() if not c.pending and a != addr]
-        for a in idle[: max(0, len(self._conns) - self.max_connections)]:
-            self._drop_conn(a, HandshakeFailed(a, "connection closed (too many peers)"))
-            self._evicted("connection")
         return conn
 
     def _drop_conn(self, addr: str, exc: HandshakeFailed) -> None:

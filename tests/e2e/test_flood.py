@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.ipc.fdpass import fd_socket_for
+from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.cluster import SidecarProcess, engines
 from kvsidecar.sim.models import hybrid
 from kvsidecar.sim.oracle import Request
@@ -100,3 +101,48 @@ def test_a_connection_flood_neither_starves_nor_kills_the_sidecar(tmp_path: Path
         p.kill()
         d.stop()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_read_naming_thousands_of_dead_addresses_cannot_exhaust_fds(pool, tmp_path: Path
+                                                                      ) -> None:
+    """One read names a P engine of 4,096 ranks, each at its own dead address, on
+    a D sidecar limited to 1,024 fds. It fails with a clear error; the handshake
+    client opens no more sockets than its bound (the rest fail at once, naming
+    it), so D never runs out of fds, no flush task dies unseen, and once the
+    dead handshakes and abandons time out a real read is oracle-exact. Before:
+    a socket per address, 'Too many open files' from libzmq, the abandon to the
+    real P lost with a 'Task exception was never retrieved'."""
+    d = SidecarProcess(tmp_path, "d-wide", args=["--handshake-timeout", "2"],
+                       launcher=["prlimit", "--nofile=1024:1024", "--"]).start()
+    try:
+        assert d.proc is not None
+        with engines(pool.p[:1], [d], pool.uid, hybrid, 1, 1) as (P, (D,)):
+            _transfer(P, D, "before", 1)
+            baseline = _open_fds(d.proc.pid)
+            sent = P.prefill("wide", Request(seed=2, prompt_tokens=60))
+            n = 4096
+            dead = [f"127.0.0.{1 + i // 60000}:{1 + i % 60000}" for i in range(n)]
+            D.clients[0].read(D.engine_id, "wide", [[0], [1]],
+                              RemoteEngine(P.engine_id, n, dead), sent.block_ids,
+                              remote_request_id="wide")
+            most = 0
+            deadline = time.monotonic() + 120
+            got = []
+            while not got:
+                assert time.monotonic() < deadline, "the wide read never completed"
+                most = max(most, _open_fds(d.proc.pid))
+                got = [c for c in D.clients[0].poll(D.engine_id) if c.request_id == "wide"]
+                time.sleep(0.01)
+            assert got[0].kind == "failed", got
+            while _open_fds(d.proc.pid) > baseline + 8:  # dead handshakes time out
+                assert time.monotonic() < deadline, (baseline, _open_fds(d.proc.pid))
+                most = max(most, _open_fds(d.proc.pid))
+                time.sleep(0.1)
+            assert most < 1024, most
+            _transfer(P, D, "after", 3)
+            log = d.read_log()
+            assert "Too many open files" not in log and "never retrieved" not in log, log
+        assert d.stop() == 0
+    finally:
+        d.kill()
