@@ -549,6 +549,7 @@ class Sidecar:
         self._attach_staging(eng, mem_type)
         eng.fd_token = self._offer_fds(eng)
         self._engines[req.engine_id] = eng
+        self.metrics.engine_arrived(req.engine_id)
         self._hs_server.invalidate(req.engine_id)
         self.metrics.engines.set(len(self._engines))
         log.info("registered engine %r rank %d/%d (%s, %d regions x %d B, %s)", req.engine_id,

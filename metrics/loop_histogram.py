@@ -85,5 +85,11 @@ class LoopHistogram(Collector):
             fam.add_metric(list(key), buckets, total)
         yield fam
 
+    def remove_first(self, value: str) -> None:
+        """Drop every series whose first label is ``value`` (an engine that left).
+        Event loop thread; a scrape meanwhile iterates a copy of the series."""
+        for key in [k for k in self._series if k and k[0] == value]:
+            del self._series[key]
+
     def describe(self) -> Iterable[Metric]:
         return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]

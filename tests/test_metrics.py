@@ -57,3 +57,32 @@ def test_counter_from_reads_the_owners_number_at_scrape_time() -> None:
     m.counter_from("kvsidecar_things", "things seen", lambda: box["n"])
     box["n"] = 4
     assert m.registry.get_sample_value("kvsidecar_things_total") == 4
+
+
+def test_series_of_engines_long_gone_are_removed_recent_ones_kept() -> None:
+    """Engines come and go (a restarted vLLM has a new id): the counters and
+    histograms of the last ``keep_departed`` engines to leave stay as history,
+    older ones' series go from every kind of metric (and the series cache), an
+    engine that registers again is live, and live engines are never touched.
+    Before: every series of every engine that ever registered stayed, ~310
+    bytes of /metrics per engine id that came and went, without end."""
+    m = Metrics(keep_departed=2)
+    engines = ["live", "e0", "e1", "e2", "back", "e3"]
+    for e in engines:
+        m.completions.labels(e, "received").inc()
+        m.series(m.read_seconds, e).observe(0.01)
+        m.series(m.read_bytes, e, "peer-x").inc(4096)
+        m.limit_refusals.labels(e, "reads").inc()
+    for e in ["e0", "e1", "back", "e2"]:
+        m.forget_engine(e)
+    m.engine_arrived("back")  # registered again before its series could go
+    m.forget_engine("e3")
+    text = m.render().decode()
+    for e in ["e0", "e1"]:
+        assert f'engine="{e}"' not in text, e
+    for e in ["live", "e2", "back", "e3"]:
+        assert text.count(f'engine="{e}"') >= 4, e
+    # A dropped engine's cached series are gone too: counting again starts afresh.
+    m.series(m.read_bytes, "e0", "peer-x").inc(1)
+    assert sample(m, "kvsidecar_read_bytes_total", engine="e0", peer="peer-x") == 1
+    assert sample(m, "kvsidecar_read_bytes_total", engine="live", peer="peer-x") == 4096
