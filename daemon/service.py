@@ -409,6 +409,13 @@ class Sidecar:
 
     async def _poll(self, req: Poll) -> Reply:
         eng = self._engine(req.engine_id)
+        if (req.ack is not None and eng.completions and req.epoch == eng.epoch
+                and req.ack > eng.completions[-1][0]):
+            # Acknowledging past the newest completion can only be a bug: it would
+            # drop, unseen, every completion numbered up to it (now and later).
+            raise RequestError(BAD_REQUEST, f"ack {req.ack} is past the newest completion "
+                                            f"({eng.completions[-1][0]}); ack the 'last' of "
+                                            "a previous reply (nothing was dropped)")
         reply = eng.poll(req.ack, req.epoch)
         if reply.items or req.wait_s <= 0 or self._stopping:
             return reply

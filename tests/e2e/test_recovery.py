@@ -6,13 +6,22 @@ import os
 import signal
 import socket
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvsidecar.ipc.client import BadRequest, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
-from kvsidecar.ipc.protocol import Completion, RemoteEngine
+from kvsidecar.ipc.protocol import (
+    Completion,
+    Error,
+    Poll,
+    RemoteEngine,
+    decode_reply,
+    encode_request,
+)
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
@@ -295,4 +304,31 @@ def test_a_poll_reply_lost_to_a_timeout_is_delivered_again(pool) -> None:
         assert c.poll(P.engine_id) == []
         # Another registration's numbers are never taken as acknowledgements.
         c._core.acks[P.engine_id] = ("other-epoch", 10**6)
+        assert c.poll(P.engine_id) == []
+
+
+def test_an_ack_past_the_newest_completion_is_refused_and_drops_nothing(pool) -> None:
+    """An engine that acknowledges a number no reply ever carried (a bug, or an
+    out-of-range id from an attacker of its own uid) gets a clear error, and the
+    completions waiting stay to be polled. Before: everything numbered up to the
+    bogus ack was dropped unseen, that poll's and every later one's."""
+    with pool.engines(attn(8), 1, 1) as (P, _):
+        c = P.clients[0]
+        assert c.poll(P.engine_id) == []
+        epoch, last = c._core.acks[P.engine_id]
+        P.prefill("kept", Request(seed=1, prompt_tokens=8), timeout_s=0.2)
+        deadline = time.monotonic() + 20
+        with BlockingChannel(pool.p[0].socket, timeout_s=30) as chan:
+            def poll(ack: int) -> Any:
+                chan.send(encode_request(Poll(P.engine_id, ack, epoch, id=ack % 1000 + 1)))
+                return decode_reply(chan.recv())
+
+            while not poll(last).items:  # acknowledges nothing new: the item stays
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for bogus in (last + 2, 10**12):
+                err = poll(bogus)
+                assert isinstance(err, Error) and err.code == "bad_request", err
+                assert "past the newest completion" in err.message and "nothing" in err.message
+        assert [x.kind for x in c.poll(P.engine_id)] == ["expired"]
         assert c.poll(P.engine_id) == []
