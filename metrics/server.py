@@ -10,7 +10,8 @@ so clients that connect and send nothing (or half a request line) each kept
 a thread and an fd for good (measured: 600 such connections, 600 threads and
 fds more in the sidecar, growing with every one). Here a connection gets
 :data:`IO_TIMEOUT_S` per read or write, at most :data:`MAX_CONNECTIONS` are
-served at once (the next ones are closed as they arrive), and every refusal,
+served at once and :data:`MAX_PER_CLIENT` from one address (the next ones are
+closed as they arrive), and every refusal,
 timeout or broken client is counted in
 ``kvsidecar_refused_total{channel="metrics"}`` and logged in one line
 (rate-limited), never as a traceback.
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 #: Connections served at once; more are closed on arrival. Prometheus and the
 #: kubelet's probes need a handful.
 MAX_CONNECTIONS = 32
+#: Connections served at once from one client address, so that one client that
+#: holds its connections open cannot take every slot from the scraper and the
+#: kubelet's probes (a failing liveness probe restarts the sidecar).
+MAX_PER_CLIENT = 8
 #: Seconds a connection may take for each read of its request and each write of
 #: the reply: a scrape on one host takes milliseconds.
 IO_TIMEOUT_S = 5.0
@@ -45,27 +50,54 @@ class _BoundedServer(ThreadingHTTPServer):
     request_queue_size = 64
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 refused: Callable[[str, str], None], max_connections: int) -> None:
+                 refused: Callable[[str, str], None], max_connections: int,
+                 max_per_client: int) -> None:
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max = max_connections
+        self._max_per_client = max_per_client
+        self._lock = threading.Lock()
+        self._open = 0
+        self._by_client: dict[str, int] = {}
         self.refused = refused
 
+    def _take(self, client: str) -> str:
+        """A slot for ``client``: '' when taken, else the refusal's reason."""
+        with self._lock:
+            if self._open >= self._max:
+                return "connection_limit"
+            if self._by_client.get(client, 0) >= self._max_per_client:
+                return "client_connection_limit"
+            self._open += 1
+            self._by_client[client] = self._by_client.get(client, 0) + 1
+            return ""
+
+    def _give(self, client: str) -> None:
+        with self._lock:
+            self._open -= 1
+            left = self._by_client[client] - 1
+            if left:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused("connection_limit", str(client_address))
+        client = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        why = self._take(client)
+        if why:
+            self.refused(why, str(client_address))
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()  # no thread was started to release it
+            self._give(client)  # no thread was started to give it back
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give(str(client_address[0]) if isinstance(client_address, tuple) else "")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that vanished or stalled mid-reply: counted, one line, no traceback."""
@@ -76,6 +108,7 @@ class MetricsServer:
     def __init__(self, metrics: Metrics, host: str, port: int, *,
                  probes: Mapping[str, Callable[[], tuple[int, bytes]]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
+                 max_per_client: int = MAX_PER_CLIENT,
                  io_timeout_s: float = IO_TIMEOUT_S) -> None:
         """``probes`` maps a path to a function returning (HTTP status, JSON body);
         it runs on the server's thread, so it must not wait for the event loop."""
@@ -84,6 +117,7 @@ class MetricsServer:
         self._host = host
         self._port = port
         self._max_connections = max_connections
+        self._max_per_client = max_per_client
         self._io_timeout_s = io_timeout_s
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -140,7 +174,7 @@ class MetricsServer:
                 """Scrapes every few seconds are not news; stay quiet."""
 
         self._httpd = _BoundedServer((self._host, self._port), Handler, refused,
-                                     self._max_connections)
+                                     self._max_connections, self._max_per_client)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvs-metrics",
                                         daemon=True)
         self._thread.start()
