@@ -5,6 +5,13 @@ metadata then never changes after registration, so a peer that loaded it once
 never reads with a stale copy, and notifications arrive at the agent of the
 engine they are for.
 
+With ``--post-lanes N`` a D engine rank has N workers ("lanes"), the engine's
+memory registered in each: lane 0 is :attr:`EngineRank.worker`, the agent
+peers know (handshake, notifications in and out, holds); the others only post
+READs (see :func:`~kvsidecar.daemon.reads.lane_of`). Why: on host memory
+``transfer()`` is the CMA copy itself, so one worker thread copies a hetero
+read's P ranks one after the other while the other core idles.
+
 Memory comes in both ownership directions: *attach* maps regions the engine
 created; *allocate* creates them here and hands references back (the
 direction GPU memory needs, since memory belongs to the process that
@@ -97,11 +104,18 @@ class EngineRank:
     post_during_claim_s: float = 2.0
     #: sidecar-owned host memory for staged reads (None: never staged)
     staging: StagingPool | None = None
+    #: every worker that posts reads, lane 0 (``worker``) first; set from ``worker``
+    #: when left empty (one lane)
+    lanes: list[NixlWorker] = field(default_factory=list)
     _seq: int = 0
     #: polls waiting for this rank's next completion (``Poll.wait_s``)
     _pollers: list[asyncio.Future[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.lanes:
+            self.lanes = [self.worker]
+        if self.lanes[0] is not self.worker:
+            raise ValueError("lane 0 must be the engine rank's worker")
         self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
                               on_done=self.hold_done, lease_s=self.hold_lease_s,
                               max_life_s=self.hold_max_life_s,

@@ -21,6 +21,11 @@ Used only where it changes nothing but the cost: links already made (the first
 read to a new peer links through ``run_read``), no staging, no tracing, and
 the claim awaited before posting (``--post-during-claim`` stays a per-read
 path; over a batch the claim round trip is paid once).
+
+With several lanes (``--post-lanes``) a read from several P ranks is spread
+over them as on its own (:func:`~kvsidecar.daemon.reads.lane_of`): posted
+without notifications, and notified from lane 0 once all its transfers ended
+(:func:`~kvsidecar.daemon.reads.notify_ended`), so a failure is never partial.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from kvsidecar.daemon.reads import (
     agents_of,
     check_results,
     claims_of,
+    lane_of,
+    notify_ended,
     outcome_of,
     post_read,
     targets_of,
@@ -125,9 +132,12 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     every: list[asyncio.Future[Any]] = []
     for job, plan, posts in ready:
         none = [None] * len(posts)
-        ops, *_ = post_read(eng, job, timeout_s, metrics, cands, peers, posts, none, none,
-                            targets=targets)
-        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle, bugs)
+        lanes = lane_of(len(eng.lanes), posts)
+        ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
+                                             none, none, targets=targets,
+                                             notify=lanes is None, lanes=lanes)
+        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle, bugs,
+                           None if lanes is None else (note, agents, merge))
         renewals.add(waiting)
         for op in ops:
             op.add_done_callback(waiting.one_done)
@@ -191,11 +201,15 @@ class _Waiting:
 
     def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
                  ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
-                 settle: Settle, bugs: list[BaseException]) -> None:
+                 settle: Settle, bugs: list[BaseException],
+                 deferred: tuple[bytes, dict[int, str], dict[int, int]] | None = None) -> None:
+        """``deferred``: posted over lanes without notifications; the read's
+        notification, agents and merge limits, sent once every transfer ended."""
         self.job = job
         self._eng, self._plan, self._posts = eng, plan, posts
         self._ops, self._renewals, self._metrics, self._settle = ops, renewals, metrics, settle
         self._bugs = bugs
+        self._deferred = deferred
         self._left = len(ops)
         #: its renewals, once the batch's timer started them
         self.renewing: asyncio.Task[None] | None = None
@@ -207,7 +221,15 @@ class _Waiting:
         self._renewals.ended(self)
         results = [_result(op) for op in self._ops]
         try:
-            check_results(self._eng, self.job, self._metrics, self._posts, results)
+            if self._deferred is None:  # its notifications rode with its transfers
+                check_results(self._eng, self.job, self._metrics, self._posts, results)
+            else:
+                note, agents, merge = self._deferred
+                if not self.job.ended:
+                    notify_ended(self._eng, self.job, self._posts, agents, note, merge,
+                                 results, self._metrics)
+                check_results(self._eng, self.job, self._metrics, self._posts, results,
+                              notified=False)
             got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
         except (Exception, asyncio.CancelledError) as e:
             # A cancelled transfer future is a failed transfer of this read, not

@@ -452,11 +452,23 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     when this returns or raises with every transfer's outcome known: DONE, or
     failed (the worker reports a failure only once the agent carrying it was
     destroyed). If this task is cancelled while transfers are in flight, their
-    areas are quarantined until the agent's generation moves on instead.
+    areas are quarantined until the generation of the lane that carried each
+    moves on instead.
+
+    Lanes (``--post-lanes``): a read with bytes from several P ranks posts them
+    on several lanes (:func:`lane_of`), which P does not accept notifications
+    from (the handshake declares lane 0's agent alone). Such a read carries no
+    notification either, as if posted during its claim: lane 0 notifies every
+    P rank once all of its transfers ended DONE (:func:`_notify_after_grant`).
+    So a failure of one rank has notified none: the read fails (or is retried)
+    whole, never as a :class:`PartialReadError`; and a failed transfer is
+    reported only once the lane that carried it was reset, as on one lane.
     """
     leases = job.leases
+    lanes = lane_of(len(eng.lanes), posts)
+    notify = claiming is None and lanes is None
     ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
-                                         staged, areas, notify=claiming is None)
+                                         staged, areas, notify=notify, lanes=lanes)
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
     # They start once the claim was granted (a renewal before it would find no
@@ -474,19 +486,20 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         renew()
     else:
         claiming.add_done_callback(renew)
-    generation = eng.worker.generation
+    generations = [w.generation for w in eng.lanes]
     try:
         results: list[Any] = await _outcomes(ops)
-        if claiming is not None:
+        if not notify:
             results = await _notify_after_grant(eng, job, claiming, posts, agents, note, merge,
                                                 results, metrics)
     except BaseException:
         # Cancelled with transfers maybe in flight: their areas stay out of use
-        # until an agent reset has provably killed them.
+        # until a reset of the lane carrying each has provably killed them.
         if eng.staging is not None:
             for i, area in enumerate(areas):
                 if area is not None:
-                    eng.staging.quarantine(area, generation)
+                    lane = 0 if lanes is None else lanes[i]
+                    eng.staging.quarantine(area, generations[lane], lane)
                     areas[i] = None
         raise
     finally:
@@ -495,7 +508,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             claiming.add_done_callback(_retrieve)
         if renewing is not None:
             renewing.cancel()
-    check_results(eng, job, metrics, posts, results, notified=claiming is None)
+    check_results(eng, job, metrics, posts, results, notified=notify)
     if job.abort_reason is None and any(a is not None for a in areas):
         # Only now, every transfer DONE and the lease valid, do engine blocks get
         # the staged bytes. Off the loop; never abandoned half way (the engine
@@ -513,6 +526,33 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     return outcome_of(plan, posts, results)
 
 
+_LANE = [str(k) for k in range(16)]  # label values, not formatted per post
+
+
+def lane_of(n: int, posts: Sequence[PostList]) -> list[int] | None:
+    """The lane of each post when a read spreads over ``n`` lanes: its i-th post
+    with bytes on lane i mod n (P rank by P rank, in candidate order), bare
+    notifications on lane 0; None when every post would go on lane 0 anyway (one
+    lane, or bytes from one P rank: a homogeneous read stays on lane 0 with its
+    notification attached).
+
+    Why per P rank: each P rank's transfer is one NIXL post whose CMA copy runs
+    inside ``transfer()`` on the posting thread; posts to different P ranks on
+    different threads copy in parallel (raw NIXL, 2 x 16,384 scattered 4 KiB
+    descriptors from two P processes: 1.50x with two agents on two threads,
+    ``benchmarks/raw_lanes.py``)."""
+    if n <= 1:
+        return None
+    out, k = [], 0
+    for post in posts:
+        if post.length.size:
+            out.append(k % n)
+            k += 1
+        else:
+            out.append(0)
+    return out if k > 1 else None
+
+
 @dataclass(frozen=True)
 class Targets:
     """What a post needs of each candidate P rank's link (agent, generation,
@@ -522,6 +562,8 @@ class Targets:
     gens: dict[int, int]
     infos: dict[int, Any]
     merge: dict[int, int]
+    #: each rank's link, for the generation of a lane other than 0
+    peers: dict[int, Peer] = field(default_factory=dict)
 
 
 def targets_of(cands: Sequence[int], peers: list[Peer]) -> Targets:
@@ -531,14 +573,15 @@ def targets_of(cands: Sequence[int], peers: list[Peer]) -> Targets:
                    {p: peer.generation for p, peer in zip(cands, peers)},
                    {p: peer.info for p, peer in zip(cands, peers)},
                    {p: min(peer.info.notif_batch_reads, notifications.MAX_NOTIF_READS)
-                    for p, peer in zip(cands, peers)})
+                    for p, peer in zip(cands, peers)},
+                   dict(zip(cands, peers)))
 
 
 def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
               metrics: Metrics | None, cands: Sequence[int], peers: list[Peer],
               posts: list[PostList], staged: Sequence[StagedPlan | None],
               areas: Sequence[Area | None], *, notify: bool = True,
-              targets: Targets | None = None,
+              targets: Targets | None = None, lanes: Sequence[int] | None = None,
               ) -> tuple[list[asyncio.Future[Any]], bytes, dict[int, str], dict[int, int]]:
     """Hand every P rank's post of one read to the worker (nothing here awaits):
     the futures of their outcomes, in ``posts`` order, with the notification and
@@ -547,7 +590,11 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     left out (an already-done future stands in for them); see
     :func:`_post_and_wait`. Staged posts (``areas[i]`` given) read into their
     area: ``posts[i]`` is replaced by the staged addresses. ``targets``: of
-    ``cands`` and ``peers``, when the caller already has them (a batch)."""
+    ``cands`` and ``peers``, when the caller already has them (a batch).
+    ``lanes``: the lane of each post (:func:`lane_of`; None: all on lane 0);
+    only with ``notify=False``, as P accepts notifications from lane 0 alone."""
+    if lanes is not None and notify:
+        raise ValueError("posts spread over lanes carry no notification")
     req = job.req
     remote = req.remote
     job.posted = True
@@ -560,6 +607,7 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     agents, gens, infos, merge = t.agents, t.gens, t.infos, t.merge
     attached = note if notify else None
     todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
+    workers = [eng.worker] * len(posts)
     for i, post in enumerate(posts):
         sp, area = staged[i], areas[i]
         if sp is not None and area is not None:
@@ -569,8 +617,15 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
                 metrics.series(metrics.staged_transfers, eng.engine_id).inc()
         if post.length.size:
             far = infos[post.rank]
+            gen = gens[post.rank]
+            if lanes is not None:
+                if lanes[i]:
+                    workers[i] = eng.lanes[lanes[i]]
+                    gen = t.peers[post.rank].generation_of(lanes[i])
+                if metrics is not None:
+                    metrics.series(metrics.lane_transfers, eng.engine_id, _LANE[lanes[i]]).inc()
             todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
-                               notif=attached, timeout_s=timeout_s, generation=gens[post.rank],
+                               notif=attached, timeout_s=timeout_s, generation=gen,
                                mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
                                remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
                                merge=merge[post.rank]))
@@ -583,7 +638,8 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     # notifications share one transfer and notification with the other reads'
     # posts to that agent (a failed transfer fails every read in it); a read
     # refused at claim time never gets here, so it never joins one.
-    ops = [eng.worker.post_soon(op) if op is not None else _nothing_posted() for op in todo]
+    ops = [w.post_soon(op) if op is not None else _nothing_posted()
+           for w, op in zip(workers, todo)]
     return ops, note, agents, merge
 
 
@@ -643,7 +699,8 @@ def outcome_of(plan: ReadPlan, posts: list[PostList], results: list[Any]) -> Rea
                         if isinstance(r, TransferStats) and post.length.size])
 
 
-async def _notify_after_grant(eng: EngineRank, job: ReadJob, claiming: asyncio.Future[None],
+async def _notify_after_grant(eng: EngineRank, job: ReadJob,
+                              claiming: asyncio.Future[None] | None,
                               posts: list[PostList], agents: dict[int, str], note: bytes,
                               merge: dict[int, int],
                               results: list[Any], metrics: Metrics | None) -> list[Any]:
@@ -659,15 +716,31 @@ async def _notify_after_grant(eng: EngineRank, job: ReadJob, claiming: asyncio.F
     is what tells the read to re-link and retry. Nothing was notified, so a
     retry of the whole read is safe; every transfer of this attempt has ended
     (DONE, or dead with the agent reset that failed it), so nothing of it can
-    write into the blocks the retry fills."""
-    await claiming
+    write into the blocks the retry fills.
+
+    ``claiming`` None: a read spread over lanes whose claim was granted before
+    posting (:func:`lane_of`); only lane 0 (``eng.worker``) notifies, as P
+    accepts notifications from the agent its handshake declared alone."""
+    if claiming is not None:
+        await claiming
+    notify_ended(eng, job, posts, agents, note, merge, results, metrics)
+    return results
+
+
+def notify_ended(eng: EngineRank, job: ReadJob, posts: list[PostList], agents: dict[int, str],
+                 note: bytes, merge: dict[int, int], results: list[Any],
+                 metrics: Metrics | None) -> None:
+    """Every transfer of a read posted without notifications ended (and its claim,
+    if any, was granted): unless one failed, notify every P rank from lane 0
+    (``eng.worker``, the agent P's handshake declared), without waiting for the
+    notifications to leave. A failed transfer notifies no one: the read fails or
+    is retried whole, and the abandon tells P."""
     if any(isinstance(r, BaseException) for r in results):
-        return results  # failed transfers decide; the abandon tells P
+        return
     job.notified = True
     for post in posts:
         sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note, merge[post.rank]))
         sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
-    return results
 
 
 def _notified(engine_id: str, rank: int, metrics: Metrics | None,

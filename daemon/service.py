@@ -512,23 +512,34 @@ class Sidecar:
                             thread_init=partial(_worker_thread_init, self._gpu),
                             join_notifs=notifications.join,
                             max_notif_bytes=notifications.MAX_NOTIF_BYTES)
+        # Lanes past 0 only post reads (no notifications in or out: peers know lane
+        # 0's agent alone); see engines.py and reads.lane_of.
+        lanes = [worker] + [
+            NixlWorker(f"{agent}-l{k}", backends=self.settings.backends,
+                       on_reset=partial(self._on_lane_reset, req.engine_id),
+                       thread_init=partial(_worker_thread_init, self._gpu))
+            for k in range(1, self.settings.post_lanes)]
         mem_type, device = uniform(regions)
         try:
-            await worker.start()
-            reg_id = await worker.register([(r.address, layout.region_bytes) for r in regions],
-                                           mem_type, device.index)
+            # Each lane on its own thread: started and registered side by side.
+            await asyncio.gather(*(lane.start() for lane in lanes))
+            reg_id, *_ = await asyncio.gather(*(
+                lane.register([(r.address, layout.region_bytes) for r in regions], mem_type,
+                              device.index) for lane in lanes))
             meta = await worker.metadata()
         except BaseException as e:
-            with contextlib.suppress(Exception):
-                await worker.stop()
+            for lane in lanes:
+                with contextlib.suppress(Exception):
+                    await lane.stop()
             await self._release_regions(regions, owned)
             raise RequestError(BAD_REQUEST, f"NIXL registration failed: {e}") from None
         bases = [r.address for r in regions]
         eng = EngineRank(
             engine_id=req.engine_id, tp_rank=req.tp_rank, layout=layout, regions=regions,
             owned=owned, keep_on_exit=req.keep_on_exit, pid=req.pid, worker=worker,
-            reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
+            lanes=lanes, reg_id=reg_id, bases=np.array(bases, dtype=np.int64),
             peers=PeerLinks(worker, layout, self._hs_client, on_link=self._count_link,
+                            lanes=lanes,
                             on_unload_failed=self.metrics.cleanup_failures.labels(
                                 what="remote_agent").inc,
                             reader=(req.engine_id, req.tp_rank),
@@ -733,6 +744,20 @@ class Sidecar:
             daemon_id=self.daemon_id, notif_batch_reads=self.settings.notif_batch_reads,
         )
         self._hs_server.invalidate(engine_id)
+        for address, remote_engine, _ in eng.peers.reset():
+            self._hs_client.forget(address, remote_engine)
+
+    def _on_lane_reset(self, engine_id: str, reset: AgentReset) -> None:
+        """A lane other than 0 was reset (a read it carried failed): every link of the
+        engine rank is dropped, as for lane 0 (see PeerLinks.reset), so the next read
+        links again and loads its peers into the new agent. Peers never knew this
+        agent (the handshake declares lane 0's), so nothing is published."""
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            return
+        self.metrics.agent_resets.labels(engine_id).inc()
+        self.metrics.agent_reset_seconds.labels(engine_id).observe(reset.teardown_s)
+        self.metrics.late_completions.labels(engine_id).inc(reset.reads_failed)
         for address, remote_engine, _ in eng.peers.reset():
             self._hs_client.forget(address, remote_engine)
 
@@ -956,7 +981,8 @@ class Sidecar:
                     m.registered_regions.labels(e).set(len(eng.regions))
                     m.registered_bytes.labels(e).set(len(eng.regions) * eng.layout.region_bytes)
                     m.peers.labels(e).set(len(eng.peers))
-                    m.worker_lag.labels(e).set(max(0.0, now - eng.worker.heartbeat))
+                    m.worker_lag.labels(e).set(max(0.0, now - min(w.heartbeat
+                                                                  for w in eng.lanes)))
                 m.engines.set(len(self._engines))
             except Exception:  # sampling must outlive any single bad entry
                 log.exception("metrics sampling failed; continuing")
@@ -1001,14 +1027,16 @@ class Sidecar:
         bound = self.settings.health_timeout_s
         checks = [heartbeat("event_loop", now - self.loop_beat, bound)]
         for engine_id, eng in list(self._engines.items()):
-            checks.append(heartbeat(f"worker:{engine_id}", now - eng.worker.heartbeat, bound))
+            for k, w in enumerate(eng.lanes):
+                checks.append(heartbeat(f"worker:{engine_id}" + (f":lane{k}" if k else ""),
+                                        now - w.heartbeat, bound))
         return checks
 
     def readiness(self) -> list[Check]:
         """Liveness plus agents up, listener bound, self-check passed, not draining."""
         checks = self.liveness()
         down = [e for e, eng in list(self._engines.items())
-                if not eng.worker.running or eng.worker.down_reason]
+                if any(not w.running or w.down_reason for w in eng.lanes)]
         checks.append(Check("nixl_agents", not down, f"agents down: {', '.join(down)}" if down
                             else f"{len(self._engines)} engine agents running"))
         checks.append(self._listener_check())
@@ -1152,7 +1180,7 @@ class Sidecar:
 
         eng.staging_mode = self.settings.staging
         eng.staging = StagingPool(self.settings.staging_bytes, eng.worker, gauges,
-                                  m.staging_bytes_mapped.labels(e).set)
+                                  m.staging_bytes_mapped.labels(e).set, lanes=eng.lanes)
         eng.staging.prepare()  # now, in the background: reads then find it ready
 
     async def _drop_engine(self, engine_id: str, why: str) -> None:
@@ -1162,16 +1190,17 @@ class Sidecar:
         eng.wake_pollers()
         self._hs_server.invalidate(engine_id)
         await self._quiesce(eng, why)
-        try:
-            await eng.worker.stop()
-        except Exception as e:
-            log.warning("stopping the NIXL worker of engine %r failed: %s", engine_id, e)
-            self.metrics.cleanup_failures.labels(what="worker").inc()
-        if eng.worker.cleanup_failures:  # NIXL deregistrations that failed (logged there)
-            self.metrics.cleanup_failures.labels(what="nixl_deregister").inc(
-                eng.worker.cleanup_failures)
+        for lane in eng.lanes:  # every lane: its thread, agent and registrations
+            try:
+                await lane.stop()
+            except Exception as e:
+                log.warning("stopping a NIXL worker of engine %r failed: %s", engine_id, e)
+                self.metrics.cleanup_failures.labels(what="worker").inc()
+            if lane.cleanup_failures:  # NIXL deregistrations that failed (logged there)
+                self.metrics.cleanup_failures.labels(what="nixl_deregister").inc(
+                    lane.cleanup_failures)
         if eng.staging is not None:
-            eng.staging.close()  # its worker (and every transfer into it) is gone
+            eng.staging.close()  # its workers (and every transfer into it) are gone
         self._fds.withdraw(eng.fd_token)
         await self._release_regions(eng.regions, eng.owned)
         await self._drop_reservation(engine_id)  # views into it were just released

@@ -74,6 +74,9 @@ class Settings:
     #: P side: the most reads a reader may name in one batched notification, which
     #: lets it post the reads of one flush as one NIXL transfer (0: one per read)
     notif_batch_reads: int = 64
+    #: D side: NIXL agents (each on its own worker thread) per engine rank that
+    #: post reads; a hetero read's P ranks are posted on lanes in parallel
+    post_lanes: int = 1
 
     @property
     def bind_host(self) -> str:
@@ -98,6 +101,8 @@ class Settings:
 
 MAX_SECONDS = 86400.0
 """Upper bound of every duration setting: a typo of extra zeros fails at start-up."""
+MAX_POST_LANES = 8
+"""Each lane is a NIXL agent, a thread and a registration of the engine's memory."""
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Same values as kvsidecar.daemon.transport.check.MODES (settings import nothing heavy).
@@ -310,6 +315,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "seconds (default 2; the notification waits for the grant; a refusal "
                         "fails the read, or re-links and retries it, once its transfers end); "
                         "0 claims first, always (env KVSIDECAR_POST_DURING_CLAIM)")
+    p.add_argument("--post-lanes", type=_number(int, "POST_LANES"),
+                   default=_env("POST_LANES", "1"),
+                   help="D side: NIXL agents per engine rank, each owned by its own worker "
+                        "thread, the engine's memory registered in each; a read from several "
+                        "P ranks posts P rank i on lane i mod N, so their copies run in "
+                        "parallel (1..8, default 1; env KVSIDECAR_POST_LANES)")
     p.add_argument("--notif-batch-reads", type=_number(int, "NOTIF_BATCH_READS"),
                    default=_env("NOTIF_BATCH_READS", "64"),
                    help="P side: advertise that a reader may merge up to this many reads it "
@@ -380,6 +391,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not 0 <= ns.notif_batch_reads <= 64:
         raise ConfigError(f"--notif-batch-reads (env KVSIDECAR_NOTIF_BATCH_READS) must be "
                           f"0..64, got {ns.notif_batch_reads}")
+    if not 1 <= ns.post_lanes <= MAX_POST_LANES:
+        raise ConfigError(f"--post-lanes (env KVSIDECAR_POST_LANES) must be "
+                          f"1..{MAX_POST_LANES}, got {ns.post_lanes}")
     if ns.staging_bytes < 0:
         raise ConfigError(f"--staging-bytes (env KVSIDECAR_STAGING_BYTES) must be >= 0, "
                           f"got {ns.staging_bytes}")
@@ -424,4 +438,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         staging_bytes=ns.staging_bytes,
         post_during_claim_s=ns.post_during_claim,
         notif_batch_reads=ns.notif_batch_reads,
+        post_lanes=ns.post_lanes,
     )

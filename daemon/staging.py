@@ -21,8 +21,9 @@ Safety rules (the read path in :mod:`~kvsidecar.daemon.reads` keeps them):
 - an area goes back to the pool when its transfer ended: DONE, or failed
   (the worker reports a failure only after destroying the agent that carried
   it, so nothing writes there any more). An area whose outcome is unknown
-  (the awaiting task was cancelled) is quarantined until the worker's
-  generation moves on (an agent reset kills every transfer of the old one);
+  (the awaiting task was cancelled) is quarantined until the generation of
+  the worker (lane) that carried its transfer moves on (an agent reset kills
+  every transfer of the old agent; other lanes' resets prove nothing about it);
 - a read that finds no room is posted scattered, counted, never refused.
 
 GPU (VRAM) engines never stage: this module is for host DRAM only.
@@ -34,7 +35,7 @@ import asyncio
 import logging
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,14 +118,18 @@ class StagingPool:
 
     def __init__(self, capacity: int, worker: NixlWorker,
                  on_change: Callable[[int, int], None] | None = None,
-                 on_mapped: Callable[[int], None] | None = None) -> None:
+                 on_mapped: Callable[[int], None] | None = None,
+                 lanes: Sequence[NixlWorker] = ()) -> None:
         self.capacity = capacity
         self._worker = worker
+        #: every worker a staged read may be posted on (lane 0, ``worker``, first):
+        #: the pool is registered in each
+        self._lanes = list(lanes) or [worker]
         self._on_change = on_change
         self._on_mapped = on_mapped
         self._closed = False
         self._extents = Extents(capacity)
-        self._quarantine: list[tuple[Area, int]] = []
+        self._quarantine: list[tuple[Area, int, int]] = []  # (area, generation, lane)
         self._mm: mmap.mmap | None = None
         self._view: U8 | None = None
         self._base = 0
@@ -160,8 +165,9 @@ class StagingPool:
                                                                       self.capacity)
                 view = np.frombuffer(mm, dtype=np.uint8)
                 base = int(view.ctypes.data)
-                if not self._closed:
-                    await self._worker.register([(base, self.capacity)], "DRAM", 0)
+                for lane in self._lanes:
+                    if not self._closed:
+                        await lane.register([(base, self.capacity)], "DRAM", 0)
                 if self._closed:  # the engine left meanwhile: its worker is gone
                     del view
                     mm.close()
@@ -181,7 +187,7 @@ class StagingPool:
 
     @property
     def quarantined(self) -> int:
-        return sum(a.nbytes for a, _ in self._quarantine)
+        return sum(a.nbytes for a, _, _ in self._quarantine)
 
     def acquire(self, nbytes: int) -> Area | None:
         """An area of ``nbytes`` (rounded to pages), or None when the pool has no room."""
@@ -200,9 +206,10 @@ class StagingPool:
         self._extents.give(area.offset, area.nbytes)
         self._changed()
 
-    def quarantine(self, area: Area, generation: int) -> None:
-        """Outcome unknown: keep it until the worker's agent generation passes ``generation``."""
-        self._quarantine.append((area, generation))
+    def quarantine(self, area: Area, generation: int, lane: int = 0) -> None:
+        """Outcome unknown: keep it until the agent generation of lane ``lane`` (the
+        worker its transfer was posted on) passes ``generation``."""
+        self._quarantine.append((area, generation, lane))
         self._changed()
 
     def view(self, area: Area) -> U8:
@@ -222,13 +229,12 @@ class StagingPool:
             self._mm = None
 
     def _reclaim(self) -> None:
-        gen = self._worker.generation
         keep = []
-        for area, g in self._quarantine:
-            if gen > g:
+        for area, g, lane in self._quarantine:
+            if self._lanes[lane].generation > g:
                 self._extents.give(area.offset, area.nbytes)
             else:
-                keep.append((area, g))
+                keep.append((area, g, lane))
         if len(keep) != len(self._quarantine):
             self._quarantine = keep
             self._changed()

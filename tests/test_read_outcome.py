@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvsidecar.daemon.planner import plan_many_addressed, plan_read
-from kvsidecar.daemon.reads import build_posts, outcome_of, posts_of
+from kvsidecar.daemon.reads import PostList, build_posts, lane_of, outcome_of, posts_of
 from kvsidecar.daemon.transport.worker import TransferStats
 from kvsidecar.sim.models import attn, hybrid
 
@@ -37,3 +37,23 @@ def test_outcome_is_the_plans_figures(make, d_tp, p_tp) -> None:  # type: ignore
     out2 = outcome_of(got[0], posts2, results)
     assert (out2.nbytes, out2.descriptors_before) == (plan.nbytes,
                                                       plan.descriptors_before_coalescing)
+
+
+def _post(rank: int, n: int) -> PostList:
+    a = np.arange(n, dtype=np.int64)
+    return PostList(rank, a, a, a)
+
+
+def test_lanes_spread_p_ranks_with_bytes_and_keep_single_rank_reads_on_lane_0() -> None:
+    """``--post-lanes``: the i-th P rank with bytes goes on lane i mod n; bare
+    notifications stay on lane 0; a read with bytes from one P rank (homogeneous
+    TP, 1→2) is not spread (None: posted on lane 0 with its notification)."""
+    two = [_post(0, 5), _post(1, 5)]
+    assert lane_of(1, two) is None
+    assert lane_of(2, two) == [0, 1]
+    four = [_post(r, 3) for r in range(4)]
+    assert lane_of(2, four) == [0, 1, 0, 1]
+    assert lane_of(3, four) == [0, 1, 2, 0]
+    assert lane_of(2, [_post(0, 4)]) is None
+    assert lane_of(2, [_post(0, 0), _post(1, 4)]) is None  # one rank has bytes
+    assert lane_of(2, [_post(0, 0), _post(1, 4), _post(2, 4)]) == [0, 0, 1]

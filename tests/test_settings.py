@@ -27,6 +27,9 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.advertised == "127.0.0.1"
     assert s.post_during_claim_s == 2.0
     assert parse(["--post-during-claim", "0"]).post_during_claim_s == 0.0
+    assert s.post_lanes == 1 and parse(["--post-lanes", "2"]).post_lanes == 2
+    monkeypatch.setenv("KVSIDECAR_POST_LANES", "3")
+    assert parse([]).post_lanes == 3
 
 
 def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,6 +80,7 @@ def test_wildcard_bind_advertises_a_dialable_host() -> None:
      "--cuda-attach (env KVSIDECAR_CUDA_ATTACH) must be one of serve, warn, refuse"),
     (["--post-during-claim", "-1"], {},
      "--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be 0..3600 seconds"),
+    (["--post-lanes", "0"], {}, "--post-lanes (env KVSIDECAR_POST_LANES) must be 1..8, got 0"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str],
                                               msg: str) -> None:

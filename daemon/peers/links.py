@@ -15,6 +15,16 @@ once more; if the peer now answers with another daemon id, agent name or
 metadata, that fresh answer is linked. Links that are dropped unload their
 remote agent, retried while reads over it are still in flight.
 
+Lanes (``--post-lanes``): an engine rank may post on several NIXL agents, one
+per worker thread. A link loads the remote agent into every lane and records
+each lane's agent generation (:attr:`Peer.generations`); a read posted on lane
+``k`` carries ``generations[k]``, so a lane reset since the link fails that
+post before anything is posted (:class:`NixlAgentReset`). Any lane's reset
+drops every link of the engine rank (the owner calls :meth:`PeerLinks.reset`,
+as for lane 0): links are few and cheap to make again, and one rule for all
+lanes keeps "a link is loaded in every current lane" true without per-lane
+link state. Only lane 0's agent is declared to peers (the handshake's reader).
+
 Bounded: at most ``max_links`` links per local engine rank (each is a remote
 agent loaded into NIXL). A new link first evicts the least recently used
 links that no read holds (counted); when every link is held by a read or
@@ -25,12 +35,13 @@ still being made (a read may be waiting for it), the new one is refused with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +79,12 @@ class Peer:
     made_at: float
     #: the local agent generation this link was loaded into (see NixlWorker reset)
     generation: int = 0
+    #: the generation of each lane's agent it was loaded into (lane 0's is ``generation``)
+    generations: tuple[int, ...] = ()
+
+    def generation_of(self, lane: int) -> int:
+        """The generation of lane ``lane``'s agent this link was loaded into."""
+        return self.generations[lane] if self.generations else self.generation
 
 
 class PeerLinkLimit(RuntimeError):
@@ -84,10 +101,15 @@ class PeerLinks:
                  readable: tuple[str, ...] = ("DRAM",),
                  max_links: int = 1024,
                  on_evict: Callable[[], None] | None = None,
-                 on_refused: Callable[[], None] | None = None) -> None:
+                 on_refused: Callable[[], None] | None = None,
+                 lanes: Sequence[NixlWorker] = ()) -> None:
         if max_links < 1:
             raise ValueError("max_links must be >= 1")
         self._worker = worker
+        #: every worker a link is loaded into (lane 0 first: ``worker``)
+        self._lanes = list(lanes) or [worker]
+        if self._lanes[0] is not worker:
+            raise ValueError("lane 0 must be the engine rank's worker")
         self.max_links = max_links
         #: told once per idle link evicted at the bound / per link refused at it (metrics)
         self._on_evict = on_evict
@@ -219,16 +241,19 @@ class PeerLinks:
         tries suffice; the last failure says so.
         """
         for _ in range(_LINK_TRIES):
-            declared = self._worker.generation
+            declared = self._generations()
             peer = await self._fetch_and_load(address, engine_id, tp_size, rank)
-            if peer.generation == declared == self._worker.generation:
+            if peer.generations == declared == self._generations():
                 return peer
-            log.info("link to %s engine %r rank %d: the local NIXL agent was reset while "
-                     "linking (generation %d -> %d); linking again", address, engine_id,
-                     rank, declared, peer.generation)
+            log.info("link to %s engine %r rank %d: a local NIXL agent was reset while "
+                     "linking (generations %s -> %s); linking again", address, engine_id,
+                     rank, declared, peer.generations)
             self._client.forget(address, engine_id)  # re-declare the reader's new agent
         raise NixlAgentReset(f"link to {address} engine {engine_id!r} rank {rank}: the local "
                              f"NIXL agent was reset during each of {_LINK_TRIES} tries")
+
+    def _generations(self) -> tuple[int, ...]:
+        return tuple(w.generation for w in self._lanes)
 
     async def _fetch_and_load(self, address: str, engine_id: str, tp_size: int,
                               rank: int) -> Peer:
@@ -263,13 +288,37 @@ class PeerLinks:
         check_peer(info, engine_id, tp_size, self._layout, address=address,
                    readable=self._readable)
         agent, generation = await self._worker.add_remote_at(info.agent_metadata)
+        gens = [generation]
+        try:
+            for lane in self._lanes[1:]:
+                name, gen = await lane.add_remote_at(info.agent_metadata)
+                if name != agent:  # one metadata, one name: NIXL would have to change
+                    raise HandshakeFailed(address, f"remote agent loaded as {agent!r} and "
+                                                   f"{name!r} in two lanes")
+                gens.append(gen)
+        except Exception:
+            # Unload it from the lanes it reached before this link tries again (a
+            # retry's loads queue behind these removals); NIXL refuses while a read
+            # of an older link to the same agent is in flight: it stays loaded then.
+            for lane in self._lanes[:len(gens)]:
+                with contextlib.suppress(Exception):
+                    await lane.remove_remote_soon(agent)
+            raise
         return Peer((address, engine_id, rank), info, agent,
-                    np.asarray(info.bases, dtype=np.int64), time.monotonic(), generation)
+                    np.asarray(info.bases, dtype=np.int64), time.monotonic(), generation,
+                    tuple(gens))
 
     def reset(self) -> list[Key]:
-        """Drop every link: the local agent was destroyed and created again, so no
-        remote agent is loaded any more. Returns the keys dropped."""
+        """Drop every link: a local agent (a lane) was destroyed and created again,
+        so a remote agent is loaded in no lane any more, or not in every lane.
+        Returns the keys dropped. With several lanes the dropped links' agents
+        are unloaded from the lanes that still have them (as a forgotten link's
+        are), unless a new link to the same rank uses the agent again."""
         keys = list(self._links)
+        if len(self._lanes) > 1:
+            for key, task in self._links.items():
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    self._spawn_unload(task.result().agent, key)
         self._links.clear()
         return keys
 
@@ -301,18 +350,31 @@ class PeerLinks:
         return not task.cancelled() and task.exception() is None and task.result().agent == agent
 
     async def _unload(self, agent: str, key: Key) -> None:
-        """Remove the remote agent once no read uses it (NIXL refuses while one does)."""
+        """Remove the remote agent from every lane once no read uses it there (NIXL
+        refuses while one does)."""
         last: Exception | None = None
+        left = list(self._lanes)
         for _ in range(_UNLOAD_TRIES):
-            if not self._worker.running:
-                return  # the remote agent goes with the local one
-            if self._relinked(agent, key):
+            left = [w for w in left if w.running]  # a stopped lane's remotes went with it
+            if not left or self._relinked(agent, key):
                 return
-            try:
-                await self._worker.remove_remote(agent)
+            # Queued on every lane in this step, right after the check above: a
+            # new link loading the same agent queues its loads after these.
+            queued: list[tuple[NixlWorker, asyncio.Future[None]]] = []
+            for w in left:
+                try:
+                    queued.append((w, w.remove_remote_soon(agent)))
+                except Exception as e:  # stopped meanwhile: its remotes went with it
+                    last = e
+            left = []
+            for w, removed in queued:
+                try:
+                    await removed
+                except Exception as e:
+                    last = e
+                    left.append(w)
+            if not left:
                 return
-            except Exception as e:
-                last = e
             await asyncio.sleep(_UNLOAD_RETRY_S)
         log.warning("remote agent %r could not be unloaded: %s", agent, last)
         if self._on_unload_failed is not None:

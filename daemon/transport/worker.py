@@ -14,6 +14,13 @@ finished). :meth:`NixlWorker.post_soon` puts the reads and notifications of
 one loop iteration (a batch of reads) on the queue as one entry: one put and
 one wake-up of the thread instead of one per read.
 
+*Several workers per engine rank ("lanes", ``--post-lanes``).* One thread
+owns one agent, so parallel posting means more agents: a D engine rank may
+have N workers, its memory registered in each. On host memory
+``transfer()`` is the CMA copy, so posts of different P ranks on different
+lanes copy on different cores. Each lane resets alone (the rule below holds
+per lane); the owner treats any lane's reset like lane 0's for its links.
+
 *Why not on the loop.* On host memory UCX reads through CMA
 (``process_vm_readv``) and ``transfer()`` performs the whole copy inline: a
 256 MiB read blocks its caller for about 50 ms. ``register_memory``,
@@ -550,7 +557,14 @@ class NixlWorker:
         return got
 
     async def remove_remote(self, agent: str) -> None:
-        await self._submit(
+        await self.remove_remote_soon(agent)
+
+    def remove_remote_soon(self, agent: str) -> _Fut:
+        """:meth:`remove_remote`, queued before this returns (raises NixlError if
+        the worker stopped): an owner unloading one agent from several workers
+        queues every removal in one step, so nothing it checked just before (no
+        new link loads that agent) can change in between."""
+        return self._submit(
             f"remove remote agent {agent!r}",
             functools.partial(self._do_remove_remote, agent),
             remote=agent,

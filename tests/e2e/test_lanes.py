@@ -1,0 +1,272 @@
+"""Posting lanes end to end (issue #12, parallel posting per P rank): real sidecar
+processes with ``--post-lanes 2`` (two NIXL agents, each on its own worker
+thread, per D engine rank), real NIXL, every byte checked with the LAYOUT.md
+oracle; P sees each read's notification once, from the agent D declared; a read
+that fails on a lane never writes D's blocks after it is reported; deregistration
+and shutdown stop every lane."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsidecar.ipc.layout import Layout, attention_layout
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
+from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+LANES = ["--post-lanes", "2", "--metrics-port", "0"]
+
+Sidecars = dict[str, list[SidecarProcess]]
+
+
+@pytest.fixture(scope="module")
+def lanes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecars]:
+    """Two P sidecars; two D sidecars with two lanes, scattered and staged each."""
+    work = tmp_path_factory.mktemp("lanes")
+    out: Sidecars = {
+        "p": [SidecarProcess(work, f"lp{i}", args=["--hold-timeout", "60", "--metrics-port",
+                                                   "0"]) for i in range(2)],
+        "off": [SidecarProcess(work, f"ld{i}", args=LANES) for i in range(2)],
+        "always": [SidecarProcess(work, f"lsd{i}", args=[*LANES, "--staging", "always"])
+                   for i in range(2)],
+    }
+    every = [s for group in out.values() for s in group]
+    try:
+        for s in every:
+            s.start()
+        yield out
+    finally:
+        codes = {s.name: s.stop() for s in every}
+        assert not {k: v for k, v in codes.items() if v != 0}, codes
+
+
+_ids = itertools.count()
+
+
+def _p_notes(ps: list[SidecarProcess]) -> tuple[float, float]:
+    """(reads named by the notifications P received, notifications refused as not
+    from the declared agent), summed over P's sidecars."""
+    return (sum(p.metric("kvsidecar_notification_reads_sum") for p in ps),
+            sum(p.metric("kvsidecar_notifications_received_total", outcome="wrong_sender")
+                for p in ps))
+
+
+@pytest.mark.parametrize("staging", ["off", "always"])
+@pytest.mark.parametrize(("family", "p_tp", "d_tp"), [
+    ("hybrid", 2, 1), ("hybrid", 1, 2), ("attn-K2", 2, 1), ("attn-K2", 1, 2)])
+def test_reads_on_two_lanes_are_oracle_exact(lanes: Sidecars, family: str, p_tp: int,
+                                             d_tp: int, staging: str) -> None:
+    """2→1 spreads each read's two P ranks over the two lanes (P rank 1's transfer
+    on lane 1, without a notification); 1→2 has one P rank per D rank and stays
+    on lane 0. Either way D's blocks hold the oracle's bytes, and P ends every
+    hold ``sent`` once, told by exactly one notification per read and P rank that
+    reads it, all from the agent D's handshake declared."""
+    ps, ds = lanes["p"], lanes[staging]
+    make = {"hybrid": hybrid, "attn-K2": attn(2)}[family]
+    reads0, wrong0 = _p_notes(ps[:p_tp])
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", make, p_tp, d_tp) as (P, (D,)):
+        rids = []
+        for i, tokens in enumerate((5, 77, 200)):
+            rid = f"ln-{family}-{p_tp}{d_tp}-{staging}-{i}"
+            D.start_read(P.prefill(rid, Request(seed=5 * p_tp + 3 * d_tp + i,
+                                                prompt_tokens=tokens)))
+            rids.append(rid)
+        got = D.wait_for(rids)
+        for rid in rids:
+            assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
+            problems = D.verify(rid)
+            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        held = P.wait_for(rids)
+        for rid in rids:
+            assert sorted(held[rid]) == list(range(p_tp)), held[rid]
+            assert {c.kind for c in held[rid].values()} == {"sent"}, held[rid]
+        time.sleep(0.5)  # nothing more may arrive: a second notification would count
+        reads1, wrong1 = _p_notes(ps[:p_tp])
+        # each P rank is read by max(1, d_tp // p_tp) D ranks, each notifying once
+        assert reads1 - reads0 == len(rids) * p_tp * max(1, d_tp // p_tp)
+        assert wrong1 == wrong0
+        engine = D.engine_id
+    spread = [sum(d.metric("kvsidecar_lane_transfers_total", engine=engine, lane=str(k))
+                  for d in ds[:d_tp]) for k in range(2)]
+    assert spread == ([3, 3] if p_tp == 2 else [0, 0]), spread
+
+
+@pytest.mark.parametrize("family", ["hybrid", "attn-K2"])
+def test_a_batch_of_reads_on_two_lanes_is_oracle_exact(lanes: Sidecars, family: str) -> None:
+    """The reads of one read_many over links already made run as one batch task;
+    on two lanes each read's P ranks are spread over them too, and lane 0
+    notifies each read once all its transfers ended: every read oracle-exact, each
+    P rank's hold ``sent`` once, one notified read per read and rank."""
+    ps, ds = lanes["p"], lanes["off"]
+    make = {"hybrid": hybrid, "attn-K2": attn(2)}[family]
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", make, 2, 1) as (P, (D,)):
+        D.start_read(P.prefill(f"bw-{family}", Request(seed=1, prompt_tokens=30)))  # links
+        assert D.wait_for([f"bw-{family}"])[f"bw-{family}"][0].kind == "received"
+        batched0 = ds[0].metric("kvsidecar_reads_batched_total", engine=D.engine_id)
+        lane0 = ds[0].metric("kvsidecar_lane_transfers_total", engine=D.engine_id, lane="1")
+        reads0, wrong0 = _p_notes(ps)
+        sents = [P.prefill(f"bt-{family}-{i}", Request(seed=20 + i, prompt_tokens=40 + 9 * i))
+                 for i in range(6)]
+        rids = [x.request_id for x in sents]
+        D.start_reads(sents)
+        got = D.wait_for(rids)
+        for rid in rids:
+            assert got[rid][0].kind == "received", got[rid]
+            problems = D.verify(rid)
+            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        held = P.wait_for(rids)
+        assert {c.kind for per in held.values() for c in per.values()} == {"sent"}
+        time.sleep(0.5)
+        reads1, wrong1 = _p_notes(ps)
+        assert reads1 - reads0 == 2 * len(rids) and wrong1 == wrong0
+        assert ds[0].metric("kvsidecar_reads_batched_total", engine=D.engine_id) - batched0 \
+            == len(rids)
+        assert ds[0].metric("kvsidecar_lane_transfers_total", engine=D.engine_id,
+                            lane="1") - lane0 == len(rids)
+
+
+SENTINEL = 0x5A
+
+
+def _stall_layout(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block (over both P ranks): a 96-block read moves 384 MiB."""
+    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_read_failing_on_one_lane_never_writes_after_it_is_reported(tmp_path: Path,
+                                                                      stopped: int) -> None:
+    """The one-lane test of this (test_recovery.py,
+    test_no_byte_lands_after_a_read_is_reported_failed) on two lanes: D tp1 reads
+    384 MiB from P tp2 over TCP, P rank 0 on lane 0 and P rank 1 on lane 1; P rank
+    ``stopped``'s sidecar is stopped in the middle. The read fails after
+    --read-timeout, reported only once the lane that carried the stuck transfer
+    was reset; the engine writes a sentinel into the failed blocks, P resumes, and
+    seconds later not one byte of them changed. Nothing was notified (a read on
+    lanes notifies after all its transfers ended), so the other P rank's hold is
+    abandoned, not ``sent``. D keeps serving on both lanes: the next 2→1 read
+    (fresh links; from a P that was never stopped, as the stopped one may not
+    survive its reader's teardown) gets the oracle's bytes."""
+    env = {"UCX_TLS": "tcp,self"}
+    ps = [SidecarProcess(tmp_path, f"lst-p{i}", env=env).start() for i in range(2)]
+    d = SidecarProcess(tmp_path, "lst-d", env=env,
+                       args=["--read-timeout", "1", *LANES]).start()
+    qs = [SidecarProcess(tmp_path, f"lst-q{i}", env=env).start() for i in range(2)]
+    P = SimEngine("lst-P", _stall_layout, 2, 100, ps, timeout_s=60)
+    Q = SimEngine("lst-Q", _stall_layout, 2, 100, qs, timeout_s=60)
+    D = SimEngine("lst-D", _stall_layout, 1, 100, [d], timeout_s=60)
+    stop = ps[stopped]
+    try:
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        assert not D.verify("warm")
+        D.finish("warm")
+        big = Request(seed=2, prompt_tokens=64 * 96)
+        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
+        for c in P.clients:
+            c.hold(P.engine_id, "stuck", sent.block_ids, readers=1)
+        assert stop.proc is not None
+        D.start_read(sent)
+        stop_once_posted(d, stop, "lst-D", 2)  # warm + this
+        try:
+            got = D.wait_for(["stuck"], timeout_s=60)["stuck"][0]
+            assert got.kind == "failed", got
+            assert "timed out" in got.reason, got.reason
+            assert got.invalid_block_ids == D.receiving["stuck"].block_ids
+            page = D.layout.page_bytes
+            pages = [buf[b * page:(b + 1) * page] for buf in D.buffers[0]
+                     for group in got.invalid_block_ids for b in group]
+            for pg in pages:  # the engine reuses the blocks at once
+                pg[:] = SENTINEL
+        finally:
+            os.kill(stop.proc.pid, signal.SIGCONT)
+        time.sleep(8)  # P's stalled sends go out now, to an agent that no longer exists
+        landed = sum(int(np.count_nonzero(pg != SENTINEL)) for pg in pages)
+        assert landed == 0, f"{landed} bytes landed in blocks reported failed"
+        assert d.alive()
+        # the stuck transfer's lane was reset (and only then the read reported)
+        assert d.metric("kvsidecar_agent_resets_total", engine="lst-D") == 1
+        assert d.metric("kvsidecar_lane_transfers_total", engine="lst-D", lane="1") == 2
+        # The P rank that was never stopped was not told the read succeeded: D
+        # abandoned its hold. (The stopped one may have died on resuming.)
+        live, deadline = 1 - stopped, time.monotonic() + 60
+        while not (ends := [c for c in P.clients[live].poll(P.engine_id)
+                            if c.request_id == "stuck"]):
+            assert time.monotonic() < deadline, "the live P rank's hold never ended"
+            time.sleep(0.05)
+        assert [c.kind for c in ends] == ["aborted"], ends
+        D.finish("stuck")
+        D.start_read(Q.prefill("after", Request(seed=3, prompt_tokens=64 * 2)))
+        assert D.wait_for(["after"])["after"][0].kind == "received"
+        assert not D.verify("after")
+        assert d.metric("kvsidecar_lane_transfers_total", engine="lst-D", lane="1") == 3
+    finally:
+        D.close()
+        Q.close()
+        if all(p.alive() for p in ps):
+            P.close()
+        assert d.stop() == 0
+        for s in qs + ps:
+            s.stop()
+
+
+def _nixl_threads(pid: int) -> int:
+    """Threads of ``pid`` named as NIXL worker threads (one per lane per engine rank)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                n += f.read().strip() == "kvs-nixl"
+        except OSError:
+            continue
+    return n
+
+
+def test_deregistration_and_shutdown_stop_every_lane(tmp_path: Path) -> None:
+    """Each D engine rank runs one worker thread per lane; deregistering it stops
+    them all, and a sidecar stopped with engines registered leaves no thread
+    running (clean exit) and no shared memory behind."""
+    p = SidecarProcess(tmp_path, "lx-p").start()
+    d = SidecarProcess(tmp_path, "lx-d", args=["--post-lanes", "3"]).start()
+    assert d.proc is not None and p.proc is not None
+    try:
+        base, p_base = _nixl_threads(d.proc.pid), _nixl_threads(p.proc.pid)
+        with engines([p], [d], lambda x: f"lx{x}{next(_ids)}", attn(2), 1, 1) as (P, (D,)):
+            # one lane (P's sidecar) starts t threads (the worker and what NIXL/UCX
+            # start from it, named after it); three lanes start 3 t
+            per_lane = _nixl_threads(p.proc.pid) - p_base
+            assert per_lane >= 1
+            assert _nixl_threads(d.proc.pid) == base + 3 * per_lane
+            D.start_read(P.prefill("one", Request(seed=9, prompt_tokens=40)))
+            assert D.wait_for(["one"])["one"][0].kind == "received"
+            assert not D.verify("one")
+        deadline = time.monotonic() + 30
+        while _nixl_threads(d.proc.pid) != base:
+            assert time.monotonic() < deadline, "a lane's worker thread outlived its engine"
+            time.sleep(0.05)
+        # Registered again and left registered: shutdown stops every lane.
+        P2 = SimEngine("lx-keep", attn(2), 1, 32, [d], timeout_s=2, memory="shm")
+        assert _nixl_threads(d.proc.pid) == base + 3 * per_lane
+        shm = [n for n in os.listdir("/dev/shm") if "lx-keep" in n]
+        assert shm, "the engine's segments were not where this test looks"
+        assert d.stop() == 0
+        with contextlib.suppress(Exception):  # its sidecar is gone
+            P2.close()
+        assert not [n for n in os.listdir("/dev/shm") if "lx-keep" in n]
+        assert "engine 'lx-keep' released (daemon shutting down)" in d.read_log()
+    finally:
+        d.stop()
+        p.stop()

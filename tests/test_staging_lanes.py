@@ -1,0 +1,49 @@
+"""The staging pool with several lanes (``--post-lanes``): registered in every
+lane's agent, and an area whose transfer's outcome is unknown comes back only
+once the lane that carried it was reset (another lane's reset proves nothing
+about a transfer it never carried)."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+from typing import Any, cast
+
+from kvsidecar.daemon.staging import StagingPool
+from kvsidecar.daemon.transport.worker import NixlWorker
+
+
+class FakeLane:
+    """Named fake of a NixlWorker: what the pool uses (registration, generation)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.registered: list[list[tuple[int, int]]] = []
+
+    async def register(self, regions: list[tuple[int, int]], mem_type: str, dev_id: int) -> int:
+        self.registered.append(regions)
+        return len(self.registered)
+
+
+def test_pool_registers_in_every_lane_and_quarantine_follows_its_lane() -> None:
+    async def main() -> None:
+        lanes = [FakeLane(), FakeLane()]
+        workers = cast(list[NixlWorker], lanes)
+        pool = StagingPool(mmap.PAGESIZE, workers[0], lanes=workers)
+        try:
+            assert await pool.ensure()
+            assert [len(x.registered) for x in lanes] == [1, 1]
+            assert lanes[0].registered == lanes[1].registered
+            area = pool.acquire(mmap.PAGESIZE)
+            assert area is not None
+            pool.quarantine(area, lanes[1].generation, 1)
+            lanes[0].generation += 1  # lane 0 reset: lane 1's transfer may still write
+            assert pool.acquire(mmap.PAGESIZE) is None
+            assert pool.quarantined == mmap.PAGESIZE
+            lanes[1].generation += 1  # its own lane reset: that transfer is dead
+            again: Any = pool.acquire(mmap.PAGESIZE)
+            assert again is not None and pool.quarantined == 0
+        finally:
+            pool.close()
+
+    asyncio.run(main())
