@@ -212,7 +212,9 @@ def ms(x: float) -> str:
 
 
 #: sidecars whose name starts with a key get these flags (A/B runs in one fleet)
-_NAMED_ARGS = {"off-": ["--staging", "off"], "stg-": ["--staging", "auto"]}
+_NAMED_ARGS = {"off-": ["--staging", "off"], "stg-": ["--staging", "auto"],
+               "off2-": ["--staging", "off", "--post-lanes", "2"],
+               "stg2-": ["--staging", "auto", "--post-lanes", "2"]}
 
 
 class Fleet:
@@ -368,13 +370,15 @@ def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
 
 # -- hetero-TP -----------------------------------------------------------------------------------
 
-def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[Figure]:
-    """One hetero-TP run; ``staging`` is the D sidecars' --staging (off or auto)."""
+def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str,
+            lanes: int = 1) -> list[Figure]:
+    """One hetero-TP run; ``staging`` is the D sidecars' --staging (off or auto),
+    ``lanes`` their --post-lanes (1 or 2)."""
     make = nemotron_like(s.hetero_layers)
     rng = np.random.default_rng(p_tp * 10 + d_tp)
     prompts = [int(x) for x in rng.integers(256, 8192, s.hetero_requests)]
     nb = 3 * (len(prompts) + 1) + 4
-    pre = {"off": "off-", "auto": "stg-"}[staging]
+    pre = {"off": "off", "auto": "stg"}[staging] + ("2-" if lanes == 2 else "-")
     names = [f"p{i}" for i in range(p_tp)] + [f"{pre}d{i}" for i in range(d_tp)]
     with sidecars_of(fleet, names) as procs:
         ps, ds = procs[:p_tp], procs[p_tp:]
@@ -433,9 +437,11 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
     # floor for the wall time of that run (its copies, scatter, planning, loops).
     cores = os.cpu_count() or 1
     cpu_floor = cpu_ran / cores
+    lane_note = ", --post-lanes 2" if lanes == 2 else ""
     label = (f"hetero-TP {p_tp}→{d_tp}, hybrid attention+Mamba2, demo shapes, staging "
-             f"{staging} ({s.hetero_requests} requests, {nbytes / 1e6:.0f} MB, {posted:,.0f} "
-             f"descriptors posted of {planned:,.0f} planned, {staged:,.0f} transfers staged)")
+             f"{staging}{lane_note} ({s.hetero_requests} requests, {nbytes / 1e6:.0f} MB, "
+             f"{posted:,.0f} descriptors posted of {planned:,.0f} planned, {staged:,.0f} "
+             "transfers staged)")
     return [
         Figure(label + " vs one READ", f"{gbs:.2f} GB/s ({ms(elapsed)})",
                f"raw NIXL one READ: {nbytes / raw_one / 1e9:.2f} GB/s ({ms(raw_one)})",
@@ -458,10 +464,34 @@ def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str) -> list[
     ]
 
 
+#: descriptors per P rank of the raw lanes baseline (about the 2→1 cells' own per scale)
+_RAW_LANE_DESCS = {"full": 16_384, "quick": 4096, "smoke": 256}
+
+
 def bench_hetero(fleet: Fleet, s: Scale) -> list[Figure]:
-    """Each shape with staging off and auto, back to back (same run, same minute)."""
-    return [f for p_tp, d_tp in ((1, 2), (2, 1)) for staging in ("off", "auto")
-            for f in _hetero(fleet, s, p_tp, d_tp, staging)]
+    """Each shape with staging off and auto, back to back (same run, same minute);
+    2→1 also with --post-lanes 2 right after each (1→2 reads one P rank per D
+    rank: lanes change nothing there), and raw NIXL posting two P ranks' scattered
+    descriptors from one agent vs from two agents on two threads."""
+    out = [f for p_tp, d_tp in ((1, 2), (2, 1)) for staging in ("off", "auto")
+           for lanes in ((1,) if p_tp < d_tp else (1, 2))
+           for f in _hetero(fleet, s, p_tp, d_tp, staging, lanes)]
+    import raw_lanes
+
+    descs = _RAW_LANE_DESCS.get(s.name, 4096)
+    res = raw_lanes.measure(3, descs, bulk=s.bulk_mib << 20)
+    one, two = statistics.median(res["h1"]), statistics.median(res["h2"])
+    b1, b2 = statistics.median(res["b1"]), statistics.median(res["b2"])
+    return [*out, Figure(
+        f"raw NIXL, 2→1 shape: two P processes' transfers of {descs:,} scattered 4 KiB "
+        "descriptors each (what --post-lanes parallelises)",
+        f"two agents, one thread each, in parallel: {ms(two)}",
+        f"one agent posting both, one after the other: {ms(one)}", f"{one / two:.2f}x",
+        "table (>1: lanes can gain)", None,
+        [f"rounds (alternating, ms): one agent {', '.join(ms(x) for x in res['h1'])}; two "
+         f"{', '.join(ms(x) for x in res['h2'])}",
+         f"one READ of {s.bulk_mib} MiB: one agent {ms(b1)}, its halves on two agents and "
+         f"threads {ms(b2)} ({b1 / b2:.2f}x; not used: a post is never split)"])]
 
 
 # -- small reads: latency, throughput, engine CPU ------------------------------------------------
