@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from kvsidecar.daemon import host_memory
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.memfd import MemfdRegion
 from kvsidecar.ipc.memory import (
@@ -25,6 +26,7 @@ from kvsidecar.ipc.memory import (
 )
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
+    UNAVAILABLE,
     CudaIpcRef,
     CudaVmmRef,
     MemfdRef,
@@ -105,6 +107,11 @@ def _all_or_none(count: int, make: Callable[[int], Region], *, created: bool) ->
 
 def _allocate_host(create: Callable[[str, int], Region]) -> Allocator:
     def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
+        room = host_memory.available_bytes()
+        if room is not None:
+            why = host_memory.room_error(count * nbytes, *room)
+            if why:  # before anything is reserved (see daemon/host_memory.py)
+                raise RequestError(UNAVAILABLE, why)
         return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
                             created=True)
     return alloc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -204,6 +205,39 @@ async def test_engines_past_max_engines_are_refused_and_counted(pool, tmp_path) 
             await extra.deregister(f"res-{i}")
     finally:
         await extra.close()
+        D.close()
+        P.close()
+        rc = d.stop(timeout_s=60)
+    assert rc == 0, d.read_log()
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+async def test_host_memory_past_the_machine_is_refused_not_oom(pool, tmp_path) -> None:
+    """An engine asks a real sidecar for more host memory than the machine has
+    (a 4 TiB memfd reservation, a 16 TiB memfd engine): each is refused with
+    'unavailable' naming the OOM killer before anything is reserved, and the
+    sidecar then serves a D engine's oracle-exact read. Before: the sidecar
+    reserved the memfd's pages until memory ran out, and the kernel's OOM
+    killer killed five processes on the host, the sidecar among them. The
+    sidecar runs under a file size limit of 1 GiB, so that should the guard
+    ever fail the allocation fails (EFBIG) instead of taking the host's memory."""
+    d = SidecarProcess(tmp_path, "d-host-memory",
+                       launcher=["prlimit", f"--fsize={1 << 30}", "--"]).start()
+    P = SimEngine(pool.uid("P"), hybrid, 1, 96, pool.p[:1])
+    D = SimEngine(pool.uid("D"), hybrid, 1, 96, [d])
+    client = AsyncSidecarClient(d.socket, timeout_s=60)
+    huge = attention_layout(model="huge", num_layers=64, total_kv_heads=64, head_dim=256,
+                            block_tokens=64, tp_size=1, num_blocks=1 << 16)
+    try:
+        with pytest.raises(Unavailable, match="OOM killer"):
+            await client.reserve("too-big-reserve", 1 << 42, "memfd")
+        with pytest.raises(Unavailable, match="OOM killer"):
+            await client.register("too-big-engine", 0, huge, allocate=True, memory="memfd")
+        D.start_read(P.prefill("after-huge", Request(seed=9, prompt_tokens=60)))
+        assert {c.kind for c in _completion(D, "after-huge").values()} == {"received"}
+        assert not D.verify("after-huge")
+    finally:
+        await client.close()
         D.close()
         P.close()
         rc = d.stop(timeout_s=60)
