@@ -8,6 +8,7 @@ import contextlib
 import resource
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,56 @@ def test_a_host_allocation_past_the_machine_is_refused_before_reserving(kind: st
     with _file_size_limit(GiB), pytest.raises(RequestError) as e:
         memory_kinds.allocate(kind, 1, 1 << 44, ctx)  # 16 TiB
     assert e.value.code == UNAVAILABLE and "OOM killer" in e.value.message, e.value.message
+
+
+def _fake_kernel(tmp_path: Path, version: int, limit: int, usage: int,
+                 inactive_file: int) -> tuple[Path, Path, Path]:
+    """FAKE /proc and /sys/fs/cgroup files: a 1 TiB host (900 GiB available) and a
+    container with a memory limit, which CI cannot set up for real (no cgroup
+    may be made or limited from a test). The file formats are the kernel's."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {(1 << 40) >> 10} kB\n"
+                       f"MemFree:        {(800 * GiB) >> 10} kB\n"
+                       f"MemAvailable:   {(900 * GiB) >> 10} kB\n")
+    root = tmp_path / "sys-fs-cgroup"
+    if version == 2:
+        cgroup_text = "0::/kubepods/pod1/sidecar\n"
+        base = root / "kubepods/pod1/sidecar"
+        names = ("memory.max", "memory.current", "inactive_file")
+    else:
+        cgroup_text = "5:pids:/x\n4:memory:/kubepods/pod1/sidecar\n1:cpu:/x\n"
+        base = root / "memory/kubepods/pod1/sidecar"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    base.mkdir(parents=True)
+    (base / names[0]).write_text(f"{limit}\n")
+    (base / names[1]).write_text(f"{usage}\n")
+    (base / "memory.stat").write_text(f"active_file 4096\n{names[2]} {inactive_file}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text(cgroup_text)
+    return meminfo, cgroup, root
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_container_on_a_large_host_may_allocate_within_its_limit(
+        tmp_path: Path, version: int) -> None:
+    """The headroom is a share of the container's limit, not of the host: 1/16 of
+    a 1 TiB host is 64 GiB, more than the whole 32 GiB limit, and every
+    allocation was refused. Page cache the kernel would drop (inactive file
+    pages, counted in the cgroup's usage) is room too."""
+    room = host_memory.available_bytes(*_fake_kernel(
+        tmp_path, version, limit=32 * GiB, usage=20 * GiB, inactive_file=10 * GiB))
+    assert room == (22 * GiB, 32 * GiB)
+    assert host_memory.room_error(16 * GiB, *room) == ""
+    assert host_memory.room_error(21 * GiB, *room) != ""  # 2 GiB kept free of 32
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_container_without_a_limit_has_the_host(tmp_path: Path, version: int) -> None:
+    limit = 9223372036854771712 if version == 1 else "max"
+    meminfo, cgroup, root = _fake_kernel(tmp_path, version, limit=0, usage=GiB,
+                                         inactive_file=0)
+    for f in root.rglob("memory.max"):
+        f.write_text(f"{limit}\n")
+    for f in root.rglob("memory.limit_in_bytes"):
+        f.write_text(f"{limit}\n")
+    assert host_memory.available_bytes(meminfo, cgroup, root) == (900 * GiB, 1 << 40)
