@@ -319,7 +319,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env("POST_LANES", "1"),
                    help="D side: NIXL agents per engine rank, each owned by its own worker "
                         "thread, the engine's memory registered in each; a read from several "
-                        "P ranks posts P rank i on lane i mod N, so their copies run in "
+                        "P ranks posts P rank i on lane i mod N, a read of 16 MiB or more from "
+                        "one P rank is cut into a part per lane, so their copies run in "
                         "parallel (1..8, default 1; env KVSIDECAR_POST_LANES)")
     p.add_argument("--notif-batch-reads", type=_number(int, "NOTIF_BATCH_READS"),
                    default=_env("NOTIF_BATCH_READS", "64"),

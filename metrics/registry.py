@@ -118,8 +118,9 @@ class Metrics:
             buckets=XFER_BUCKETS)
         self.lane_transfers = lc(
             "kvsidecar_lane_transfers_total", "Transfers of reads spread over several P "
-            "ranks, by the lane (NIXL agent and worker thread, --post-lanes) that posted "
-            "them; their notifications go from lane 0 once all ended", (*ENGINE, "lane"))
+            "ranks or cut in parts, by the lane (NIXL agent and worker thread, --post-lanes) "
+            "that posted them; their notifications go from lane 0 once all ended",
+            (*ENGINE, "lane"))
         self.posted_during_claim = lc(
             "kvsidecar_reads_posted_during_claim_total", "Reads posted while their lease "
             "claim was still on its way to P (links P confirmed within the last "

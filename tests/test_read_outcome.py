@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from kvsidecar.daemon.planner import plan_many_addressed, plan_read
-from kvsidecar.daemon.reads import PostList, build_posts, lane_of, outcome_of, posts_of
+from kvsidecar.daemon.reads import (
+    PostList,
+    build_posts,
+    joined,
+    lane_of,
+    outcome_of,
+    posts_of,
+    split_post,
+)
 from kvsidecar.daemon.transport.worker import TransferStats
 from kvsidecar.sim.models import attn, hybrid
 
@@ -57,3 +65,43 @@ def test_lanes_spread_p_ranks_with_bytes_and_keep_single_rank_reads_on_lane_0() 
     assert lane_of(2, [_post(0, 4)]) is None
     assert lane_of(2, [_post(0, 0), _post(1, 4)]) is None  # one rank has bytes
     assert lane_of(2, [_post(0, 0), _post(1, 4), _post(2, 4)]) == [0, 0, 1]
+
+
+def test_a_large_single_post_is_split_over_the_lanes_byte_for_byte() -> None:
+    """A read with bytes from one P rank (homogeneous) of at least the split size
+    is cut into one part per lane of about equal bytes, page-aligned cuts, each
+    local byte still paired with its remote byte; the parts' outcomes join back
+    into the post's (a failure of any part is the post's)."""
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 64, 40).astype(np.int64) * 4096 + 512
+    local = np.cumsum(np.append(0, lens[:-1] + 8192)).astype(np.int64) + (1 << 32)
+    remote = local + (5 << 36)
+    post = PostList(0, local, remote, lens, 40, int(lens.sum()))
+    bare = PostList(1, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    assert split_post(2, [post], min_bytes=int(lens.sum()) + 1) is None
+    assert split_post(1, [post], min_bytes=1) is None
+    assert split_post(2, [post, post], min_bytes=1) is None  # two ranks: lane_of spreads them
+    for n in (2, 3):
+        got = split_post(n, [bare, post], min_bytes=1)
+        assert got is not None
+        parts, owner = got
+        assert owner == [0] + [1] * n and parts[0] is bare
+        cut = parts[1:]
+        sizes = [int(p.length.sum()) for p in cut]
+        assert sum(sizes) == int(lens.sum()) and max(sizes) - min(sizes) <= n * 4096
+        assert all(s % 4096 == 0 for s in np.cumsum(sizes)[:-1])
+
+        def bytes_of(ps: list[PostList]) -> set[tuple[int, int]]:
+            # every (local, remote) byte pair, by 512-byte steps (all lengths are multiples)
+            out = set()
+            for p in ps:
+                for a, b, n_ in zip(p.local, p.remote, p.length):
+                    out.update((int(a) + k, int(b) + k) for k in range(0, int(n_), 512))
+            return out
+
+        assert bytes_of(cut) == bytes_of([post])
+    stats = [TransferStats(10, 2, 1.0, 5.0), TransferStats(20, 3, 4.0, 2.0)]
+    assert joined([None, *stats], [0, 1, 1], 2) == [None, TransferStats(30, 5, 4.0, 5.0)]
+    boom = RuntimeError("lane 1 failed")
+    assert joined([None, stats[0], boom], [0, 1, 1], 2)[1] is boom
+    assert joined([None, boom, stats[0]], [0, 1, 1], 2)[1] is boom

@@ -140,9 +140,35 @@ SENTINEL = 0x5A
 
 
 def _stall_layout(tp: int, nb: int) -> Layout:
-    """16 layers x 256 KiB per block (over both P ranks): a 96-block read moves 384 MiB."""
+    """16 layers x 256 KiB per block (4 MiB, over both P ranks): a 96-block read moves
+    384 MiB."""
     return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
                             block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
+def test_a_large_homogeneous_read_is_split_over_the_lanes(lanes: Sidecars) -> None:
+    """A tp1→tp1 read of at least SPLIT_MIN_BYTES (20 MiB here) is one post to
+    one P rank: cut in halves, one per lane, both without a notification, and
+    lane 0 notifies P once both ended. Oracle-exact; P's hold ends ``sent``
+    once, by one notified read; each lane posted one part."""
+    ps, ds = lanes["p"], lanes["off"]
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", _stall_layout, 1, 1,
+                 blocks=16) as (P, (D,)):
+        reads0, wrong0 = _p_notes(ps[:1])
+        rid = "split-1"
+        D.start_read(P.prefill(rid, Request(seed=11, prompt_tokens=64 * 5)))
+        got = D.wait_for([rid], timeout_s=120)[rid][0]
+        assert got.kind == "received", got
+        assert got.nbytes == 5 * (4 << 20)  # 16 layers x 256 KiB per block
+        problems = D.verify(rid)
+        assert not problems, "; ".join(problems[:3])
+        assert [c.kind for c in P.wait_for([rid])[rid].values()] == ["sent"]
+        time.sleep(0.5)
+        reads1, wrong1 = _p_notes(ps[:1])
+        assert (reads1 - reads0, wrong1 - wrong0) == (1, 0)
+        engine = D.engine_id
+    assert [ds[0].metric("kvsidecar_lane_transfers_total", engine=engine, lane=str(k))
+            for k in range(2)] == [1, 1]
 
 
 @pytest.mark.timeout(300)
