@@ -214,7 +214,8 @@ def ms(x: float) -> str:
 #: sidecars whose name starts with a key get these flags (A/B runs in one fleet)
 _NAMED_ARGS = {"off-": ["--staging", "off"], "stg-": ["--staging", "auto"],
                "off2-": ["--staging", "off", "--post-lanes", "2"],
-               "stg2-": ["--staging", "auto", "--post-lanes", "2"]}
+               "stg2-": ["--staging", "auto", "--post-lanes", "2"],
+               "ln2-": ["--post-lanes", "2"]}
 
 
 class Fleet:
@@ -309,6 +310,12 @@ def check(engine: SimEngine, got: dict[str, dict[int, Completion]]) -> None:
 # -- bulk ----------------------------------------------------------------------------------------
 
 def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
+    """The bulk figure with D's default --post-lanes 1, then with 2 (the read cut
+    in halves, one per lane: reads.split_post), same run."""
+    return [*_bulk(fleet, s, 1), *_bulk(fleet, s, 2)]
+
+
+def _bulk(fleet: Fleet, s: Scale, lanes: int) -> list[Figure]:
     """256 MiB homogeneous tp1 -> tp1, consecutive blocks: engine ``read`` to ``received``,
     each read followed by one raw NIXL READ of the same size between two bare agents
     (alive through the whole loop), so every pair of figures shares its minute of a
@@ -319,10 +326,11 @@ def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
     times: list[float] = []
     raws: list[float] = []
     moved = 0
-    with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0), RawPair(nbytes) as raw_pair:
+    d_name = "d0" if lanes == 1 else "ln2-d0"
+    with sidecars_of(fleet, ["p0", d_name]) as (p0, d0), RawPair(nbytes) as raw_pair:
         raw = RawReader(raw_pair, nbytes)
         raw.once()  # wires the bare agents up
-        pair = Pair(p0, d0, make, blocks, "bulk")
+        pair = Pair(p0, d0, make, blocks, "bulk" if lanes == 1 else "bulk-lanes")
         P, D = pair.P, pair.D
         inside = _InsideD(d0.metrics_port)
         try:
@@ -359,7 +367,8 @@ def bench_bulk(fleet: Fleet, s: Scale) -> list[Figure]:
     ours, base = statistics.median(times), statistics.median(raws)
     return [Figure(
         f"bulk {s.bulk_mib} MiB, homogeneous tp1→tp1, consecutive blocks, engine `read` to "
-        f"`received` ({s.bulk_repeats} reads, each paired with a raw READ right after it)",
+        f"`received`{', D --post-lanes 2 (cut in halves)' if lanes == 2 else ''} "
+        f"({s.bulk_repeats} reads, each paired with a raw READ right after it)",
         f"{moved / ours / 1e9:.2f} GB/s (median {ms(ours)}; best {ms(min(times))})",
         f"raw NIXL one READ: {nbytes / base / 1e9:.2f} GB/s (median {ms(base)}; best "
         f"{ms(min(raws))})", f"{ratio:.2f}x (median of the pairs' ratios)",
@@ -491,7 +500,8 @@ def bench_hetero(fleet: Fleet, s: Scale) -> list[Figure]:
         [f"rounds (alternating, ms): one agent {', '.join(ms(x) for x in res['h1'])}; two "
          f"{', '.join(ms(x) for x in res['h2'])}",
          f"one READ of {s.bulk_mib} MiB: one agent {ms(b1)}, its halves on two agents and "
-         f"threads {ms(b2)} ({b1 / b2:.2f}x; not used: a post is never split)"])]
+         f"threads {ms(b2)} ({b1 / b2:.2f}x; --post-lanes cuts a read of 16 MiB or more from "
+         "one P rank so)"])]
 
 
 # -- small reads: latency, throughput, engine CPU ------------------------------------------------
