@@ -735,17 +735,13 @@ class Sidecar:
         eng = self._engines.get(engine_id)
         if eng is None:
             return
-        self.metrics.agent_resets.labels(engine_id).inc()
-        self.metrics.agent_reset_seconds.labels(engine_id).observe(reset.teardown_s)
-        self.metrics.late_completions.labels(engine_id).inc(reset.reads_failed)
         eng.info = make_handshake_info(
             engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
             agent_metadata=reset.metadata, layout=eng.layout, bases=[int(b) for b in eng.bases],
             daemon_id=self.daemon_id, notif_batch_reads=self.settings.notif_batch_reads,
         )
         self._hs_server.invalidate(engine_id)
-        for address, remote_engine, _ in eng.peers.reset():
-            self._hs_client.forget(address, remote_engine)
+        self._unlink_after_reset(eng, reset)
 
     def _on_lane_reset(self, engine_id: str, reset: AgentReset) -> None:
         """A lane other than 0 was reset (a read it carried failed): every link of the
@@ -753,11 +749,15 @@ class Sidecar:
         links again and loads its peers into the new agent. Peers never knew this
         agent (the handshake declares lane 0's), so nothing is published."""
         eng = self._engines.get(engine_id)
-        if eng is None:
-            return
-        self.metrics.agent_resets.labels(engine_id).inc()
-        self.metrics.agent_reset_seconds.labels(engine_id).observe(reset.teardown_s)
-        self.metrics.late_completions.labels(engine_id).inc(reset.reads_failed)
+        if eng is not None:
+            self._unlink_after_reset(eng, reset)
+
+    def _unlink_after_reset(self, eng: EngineRank, reset: AgentReset) -> None:
+        """Count a reset of one of ``eng``'s agents and drop every link of the rank."""
+        e = eng.engine_id
+        self.metrics.agent_resets.labels(e).inc()
+        self.metrics.agent_reset_seconds.labels(e).observe(reset.teardown_s)
+        self.metrics.late_completions.labels(e).inc(reset.reads_failed)
         for address, remote_engine, _ in eng.peers.reset():
             self._hs_client.forget(address, remote_engine)
 
