@@ -96,7 +96,7 @@ class ReadJob:
     notified: bool = False
     peers: list[Peer] = field(default_factory=list)
     #: links this read holds (PeerLinks.get(user=...)); released when it ends
-    links: list[tuple[str, str, int]] = field(default_factory=list)
+    links: list[Peer] = field(default_factory=list)
     leases: ReaderLeases | None = None
     task: asyncio.Task[None] | None = None
     #: the request's kvsidecar.read span and its tracer (None when tracing is off)

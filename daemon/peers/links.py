@@ -13,7 +13,9 @@ handshake then describes an agent that no longer exists, and loading it
 fails. Any failure to link therefore evicts the cached handshake and fetches
 once more; if the peer now answers with another daemon id, agent name or
 metadata, that fresh answer is linked. Links that are dropped unload their
-remote agent, retried while reads over it are still in flight.
+remote agent once no read holds a link to it (a read may still notify its P
+rank through lane 0 after its transfers ended), retried while NIXL still has
+transfers over it in flight.
 
 Lanes (``--post-lanes``): an engine rank may post on several NIXL agents, one
 per worker thread. A link loads the remote agent into every lane and records
@@ -43,6 +45,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -116,6 +119,9 @@ class PeerLinks:
         self._on_refused = on_refused
         #: reads holding each link (see get(user=...) and release())
         self._users: dict[Key, int] = {}
+        #: reads holding a link to each remote agent: its agent is not unloaded
+        #: under them (a read may still notify through it, see _unload)
+        self._agent_users: dict[str, int] = {}
         #: when P last granted a lease claimed over each link (this clock); a Peer
         #: that is forgotten or replaced drops out with its last reference
         self._confirmed: weakref.WeakKeyDictionary[Peer, float] = weakref.WeakKeyDictionary()
@@ -137,7 +143,7 @@ class PeerLinks:
         return len(self._links)
 
     async def get(self, address: str, engine_id: str, tp_size: int, rank: int,
-                  user: list[Key] | None = None) -> Peer:
+                  user: list[Peer] | None = None) -> Peer:
         """The link to ``rank`` of ``engine_id`` at ``address``, made if needed.
 
         With ``user`` (a read's list of held links) the link is held for that
@@ -167,8 +173,7 @@ class PeerLinks:
             check_peer(peer.info, engine_id, tp_size, self._layout, address=address,
                        readable=self._readable)
         if user is not None:
-            self._users[key] = self._users.get(key, 0) + 1
-            user.append(key)
+            self.hold([peer], user)
         return peer
 
     def cached(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer | None:
@@ -183,13 +188,14 @@ class PeerLinks:
         peer = task.result()
         return peer if peer.info.tp_size == tp_size else None
 
-    def hold(self, peers: list[Peer], user: list[Key]) -> None:
+    def hold(self, peers: list[Peer], user: list[Peer]) -> None:
         """Hold links found by :meth:`cached` for a read, as :meth:`get` does."""
         for peer in peers:
             if peer.key in self._links:
                 self._links.move_to_end(peer.key)
             self._users[peer.key] = self._users.get(peer.key, 0) + 1
-            user.append(peer.key)
+            self._agent_users[peer.agent] = self._agent_users.get(peer.agent, 0) + 1
+            user.append(peer)
 
     def confirm(self, peers: list[Peer], now: float) -> None:
         """P granted a lease over these links at ``now``: their agents were current then."""
@@ -201,15 +207,12 @@ class PeerLinks:
         ``window_s`` seconds (a read may then post before its own claim returns)."""
         return all(now - self._confirmed.get(peer, -math.inf) <= window_s for peer in peers)
 
-    def release(self, keys: list[Key]) -> None:
+    def release(self, peers: list[Peer]) -> None:
         """A read is done with these links (each once per get(user=...))."""
-        for key in keys:
-            left = self._users.get(key, 0) - 1
-            if left > 0:
-                self._users[key] = left
-            else:
-                self._users.pop(key, None)
-        keys.clear()
+        for peer in peers:
+            _drop_one(self._users, peer.key)
+            _drop_one(self._agent_users, peer.agent)
+        peers.clear()
 
     def _make_room(self) -> None:
         """Evict least recently used links no read holds until one more fits, or
@@ -358,6 +361,15 @@ class PeerLinks:
             left = [w for w in left if w.running]  # a stopped lane's remotes went with it
             if not left or self._relinked(agent, key):
                 return
+            if self._agent_users.get(agent):
+                # A read over it is not done: it may still notify its P rank
+                # through lane 0 (a read on lanes or posted during its claim
+                # notifies after its transfers ended), and lane 0 is idle for
+                # that agent meanwhile, so NIXL would let it go. Seen: a reset
+                # of lane 2 unloaded lane 0's agents under a read whose lane-1
+                # transfer was still running; its notifications then failed.
+                await asyncio.sleep(_UNLOAD_RETRY_S)
+                continue
             # Queued on every lane in this step, right after the check above: a
             # new link loading the same agent queues its loads after these.
             queued: list[tuple[NixlWorker, asyncio.Future[None]]] = []
@@ -379,3 +391,11 @@ class PeerLinks:
         log.warning("remote agent %r could not be unloaded: %s", agent, last)
         if self._on_unload_failed is not None:
             self._on_unload_failed()
+
+
+def _drop_one(counts: dict[Any, int], key: Any) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -305,3 +305,70 @@ def test_deregistration_and_shutdown_stop_every_lane(tmp_path: Path) -> None:
     finally:
         d.stop()
         p.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_reset_of_another_lane_keeps_the_notifications_of_reads_in_flight(
+        tmp_path: Path) -> None:
+    """A read on lanes notifies its P ranks from lane 0 once all its transfers
+    ended, so lane 0 must still know their agents then. D (three lanes) reads R
+    from P tp2 (lanes 0 and 1), P rank 1 stopped mid-transfer; meanwhile a read
+    from Q tp4 (lanes 0, 1, 2, 0) loses Q rank 2, its lane-2 transfer fails and
+    lane 2 is reset, which drops every link of D's rank. R's agents, idle on lane
+    0 since its lane-0 transfer ended, were then unloaded from lane 0 under R, so
+    R's notifications failed once P rank 1 resumed ('unknown remote agent') and
+    P's holds lapsed instead of ending ``sent``. The links' agents now stay loaded
+    until the reads holding them are done."""
+    env = {"UCX_TLS": "tcp,self"}
+    # P's leases outlast P rank 1's stop (the failing read's retry waits 5 s for a
+    # handshake with the killed Q rank first)
+    ps = [SidecarProcess(tmp_path, f"lr-p{i}", env=env, args=["--hold-lease", "60"]).start()
+          for i in range(2)]
+    qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(4)]
+    d = SidecarProcess(tmp_path, "lr-d", env=env,
+                       args=["--post-lanes", "3", "--metrics-port", "0"]).start()
+    P = SimEngine("lr-P", _stall_layout, 2, 100, ps, timeout_s=60)
+    Q = SimEngine("lr-Q", _stall_layout, 4, 100, qs, timeout_s=10)  # one rank is killed
+    D = SimEngine("lr-D", _stall_layout, 1, 200, [d], timeout_s=60)
+    killed, stopped = qs[2], ps[1]
+    assert killed.proc is not None and stopped.proc is not None
+    try:
+        for name, src in (("wp", P), ("wq", Q)):
+            D.start_read(src.prefill(name, Request(seed=4, prompt_tokens=8)))
+            assert D.wait_for([name])[name][0].kind == "received"
+            assert not D.verify(name)
+            D.finish(name)
+        big = Request(seed=5, prompt_tokens=64 * 96)
+        D.start_read(P.prefill("r", big))
+        stop_once_posted(d, stopped, "lr-D", 3)  # P rank 1's transfer (lane 1) stalls
+        try:
+            D.start_read(Q.prefill("r2", Request(seed=6, prompt_tokens=64 * 96)))
+            stop_once_posted(d, killed, "lr-D", 4, after_s=0.0)
+            os.kill(killed.proc.pid, signal.SIGKILL)  # Q rank 2's transfer (lane 2) fails
+            got2 = D.wait_for(["r2"], timeout_s=60)["r2"][0]
+            assert got2.kind == "failed", got2
+            assert d.metric("kvsidecar_agent_resets_total", engine="lr-D") == 1
+            # The unloading of the dropped links' agents retries each second while
+            # NIXL refuses (a transfer in flight): time for R's lane-0 transfer to
+            # end and for a retry to unload its agents from lane 0.
+            time.sleep(3)
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        got = D.wait_for(["r"], timeout_s=60)["r"][0]
+        assert got.kind == "received", got
+        assert not D.verify("r")
+        # Told by D's notifications at once (P's lease would end them in 60 s,
+        # and its engine, idle meanwhile, would be taken for gone)
+        held = P.wait_for(["r"], timeout_s=20)
+        assert sorted(held["r"]) == [0, 1], held
+        assert {c.kind for c in held["r"].values()} == {"sent"}, held
+        assert d.metric("kvsidecar_notifications_sent_total", engine="lr-D",
+                        result="failed") == 0
+    finally:
+        D.close()
+        P.close()
+        with contextlib.suppress(Exception):  # one of its sidecars was killed
+            Q.close()
+        assert d.stop() == 0
+        for s in ps + qs:
+            s.stop()
