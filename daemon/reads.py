@@ -822,13 +822,44 @@ def notify_ended(eng: EngineRank, job: ReadJob, posts: list[PostList], agents: d
     if any(isinstance(r, BaseException) for r in results):
         return
     job.notified = True
+    # Lane 0 reset since a link was made (another read failed on it meanwhile,
+    # while this one's transfers ran on other lanes): its new agent knows no
+    # remote agent and P knows it not, so that rank is notified over a fresh link
+    # (whose handshake declares the new agent). Seen: both notifications of such
+    # a read failed with 'unknown remote agent' and P's holds lapsed.
+    stale = {peer.key[2]: peer for peer in job.peers
+             if peer.generation != eng.worker.generation}
     for post in posts:
+        if post.rank in stale:
+            _relinking.add(task := asyncio.ensure_future(_notify_relinked(
+                eng, stale[post.rank], note, merge[post.rank], metrics)))
+            task.add_done_callback(_relinking.discard)
+            continue
         sent = eng.worker.post_soon(NotifyOp(agents[post.rank], note, merge[post.rank]))
         sent.add_done_callback(functools.partial(_notified, eng.engine_id, post.rank, metrics))
 
 
+#: notifications waiting for a fresh link (referenced until done)
+_relinking: set[asyncio.Future[None]] = set()
+
+
+async def _notify_relinked(eng: EngineRank, old: Peer, note: bytes, merge: int,
+                           metrics: Metrics | None) -> None:
+    """Notify ``old``'s P rank over a link made into lane 0's current agent."""
+    address, engine_id, rank = old.key
+    sent: asyncio.Future[Any]
+    try:
+        peer = await eng.peers.get(address, engine_id, old.info.tp_size, rank)
+        sent = eng.worker.post_soon(NotifyOp(peer.agent, note, merge))
+        await sent
+    except Exception as e:
+        sent = asyncio.get_running_loop().create_future()
+        sent.set_exception(e)
+    _notified(eng.engine_id, rank, metrics, sent)
+
+
 def _notified(engine_id: str, rank: int, metrics: Metrics | None,
-              sent: asyncio.Future[None]) -> None:
+              sent: asyncio.Future[Any]) -> None:
     """A deferred notification left, or failed (counted; P's lease ends the hold)."""
     if sent.cancelled() or sent.exception() is None:
         return

@@ -258,6 +258,11 @@ def test_a_read_failing_on_one_lane_never_writes_after_it_is_reported(tmp_path: 
             s.stop()
 
 
+#: P's leases and engine lease outlast a P rank's stop in the reset tests below (the
+#: failing read's retry first waits 5 s for a handshake with the killed Q rank)
+P_LONG = ["--hold-lease", "60", "--engine-lease", "120"]
+
+
 def _nixl_threads(pid: int) -> int:
     """Threads of ``pid`` named as NIXL worker threads (one per lane per engine rank)."""
     n = 0
@@ -320,9 +325,7 @@ def test_a_reset_of_another_lane_keeps_the_notifications_of_reads_in_flight(
     P's holds lapsed instead of ending ``sent``. The links' agents now stay loaded
     until the reads holding them are done."""
     env = {"UCX_TLS": "tcp,self"}
-    # P's leases outlast P rank 1's stop (the failing read's retry waits 5 s for a
-    # handshake with the killed Q rank first)
-    ps = [SidecarProcess(tmp_path, f"lr-p{i}", env=env, args=["--hold-lease", "60"]).start()
+    ps = [SidecarProcess(tmp_path, f"lr-p{i}", env=env, args=P_LONG).start()
           for i in range(2)]
     qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(4)]
     d = SidecarProcess(tmp_path, "lr-d", env=env,
@@ -363,6 +366,63 @@ def test_a_reset_of_another_lane_keeps_the_notifications_of_reads_in_flight(
         assert sorted(held["r"]) == [0, 1], held
         assert {c.kind for c in held["r"].values()} == {"sent"}, held
         assert d.metric("kvsidecar_notifications_sent_total", engine="lr-D",
+                        result="failed") == 0
+    finally:
+        D.close()
+        P.close()
+        with contextlib.suppress(Exception):  # one of its sidecars was killed
+            Q.close()
+        assert d.stop() == 0
+        for s in ps + qs:
+            s.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_reset_of_lane_0_keeps_the_notifications_of_reads_in_flight(tmp_path: Path) -> None:
+    """As above, but the reset is lane 0's, the agent that notifies P: D (two
+    lanes) reads R from P tp2, P rank 1 stopped mid-transfer (lane 1) after R's
+    lane-0 transfer ended; a read from Q tp2 then loses Q rank 0 (killed), so
+    lane 0's agent is destroyed and made again. When R's last transfer ends, the
+    new agent knows none of R's P agents (and P knows it not): R's notifications
+    failed ('unknown remote agent') and P's holds lapsed. Now each goes over a
+    fresh link, whose handshake declares the new agent to P."""
+    env = {"UCX_TLS": "tcp,self"}
+    ps = [SidecarProcess(tmp_path, f"l0-p{i}", env=env, args=P_LONG).start()
+          for i in range(2)]
+    qs = [SidecarProcess(tmp_path, f"l0-q{i}", env=env).start() for i in range(2)]
+    d = SidecarProcess(tmp_path, "l0-d", env=env, args=LANES).start()
+    P = SimEngine("l0-P", _stall_layout, 2, 100, ps, timeout_s=60)
+    Q = SimEngine("l0-Q", _stall_layout, 2, 100, qs, timeout_s=10)  # one rank is killed
+    D = SimEngine("l0-D", _stall_layout, 1, 200, [d], timeout_s=60)
+    killed, stopped = qs[0], ps[1]
+    assert killed.proc is not None and stopped.proc is not None
+    try:
+        for name, src in (("wp", P), ("wq", Q)):
+            D.start_read(src.prefill(name, Request(seed=4, prompt_tokens=8)))
+            assert D.wait_for([name])[name][0].kind == "received"
+            assert not D.verify(name)
+            D.finish(name)
+        D.start_read(P.prefill("r", Request(seed=5, prompt_tokens=64 * 96)))
+        stop_once_posted(d, stopped, "l0-D", 3)  # P rank 1's transfer (lane 1) stalls
+        try:
+            time.sleep(3)  # P rank 0's 192 MiB (lane 0) arrive meanwhile
+            D.start_read(Q.prefill("r2", Request(seed=6, prompt_tokens=64 * 96)))
+            stop_once_posted(d, killed, "l0-D", 4, after_s=0.0)
+            os.kill(killed.proc.pid, signal.SIGKILL)  # Q rank 0's transfer (lane 0) fails
+            got2 = D.wait_for(["r2"], timeout_s=60)["r2"][0]
+            assert got2.kind == "failed", got2
+            assert d.metric("kvsidecar_agent_resets_total", engine="l0-D") == 1
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        got = D.wait_for(["r"], timeout_s=60)["r"][0]
+        assert got.kind == "received", got
+        assert not D.verify("r")
+        # Told by D's notifications at once (P's lease would end them in 60 s,
+        # and its engine, idle meanwhile, would be taken for gone)
+        held = P.wait_for(["r"], timeout_s=20)
+        assert sorted(held["r"]) == [0, 1], held
+        assert {c.kind for c in held["r"].values()} == {"sent"}, held
+        assert d.metric("kvsidecar_notifications_sent_total", engine="l0-D",
                         result="failed") == 0
     finally:
         D.close()
