@@ -32,6 +32,7 @@ GPU (VRAM) engines never stage: this module is for host DRAM only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import mmap
@@ -158,6 +159,7 @@ class StagingPool:
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_future()
             ok = False
+            done: list[tuple[NixlWorker, int]] = []  # lanes registered in so far
             try:
                 # Faulted in up front, off the loop: a READ into fresh pages pays a page
                 # fault per 4 KiB inside the transfer (touching 256 MiB: 0.7 s here).
@@ -167,7 +169,8 @@ class StagingPool:
                 base = int(view.ctypes.data)
                 for lane in self._lanes:
                     if not self._closed:
-                        await lane.register([(base, self.capacity)], "DRAM", 0)
+                        done.append((lane, await lane.register([(base, self.capacity)],
+                                                               "DRAM", 0)))
                 if self._closed:  # the engine left meanwhile: its worker is gone
                     del view
                     mm.close()
@@ -176,6 +179,12 @@ class StagingPool:
                     if self._on_mapped is not None:
                         self._on_mapped(self.capacity)
             except Exception as e:
+                # Registered in some lanes, not all: those registrations go now,
+                # while the memory is still mapped. Left there, they outlived the
+                # mapping, and a lane's reset registered the unmapped range again.
+                for lane, reg_id in done:
+                    with contextlib.suppress(Exception):
+                        await lane.deregister(reg_id)
                 log.warning("staging pool of %d bytes unavailable (%s); reads post scattered "
                             "descriptors", self.capacity, e)
             self._ready.set_result(ok)
