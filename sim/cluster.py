@@ -393,6 +393,24 @@ class SimEngine:
         self.receiving[rid] = rec
         return rec
 
+    def read_exactly(self, src: SimEngine, prefix: str, seed: int,
+                     tokens: Sequence[int] = (5, 77, 200)) -> list[str]:
+        """Read a prefill of ``src`` per prompt length in ``tokens`` (request ids
+        ``{prefix}-{i}``, seeds ``seed + i``), wait for all of them and check each
+        was received with the oracle's bytes (AssertionError naming the first
+        problems otherwise); returns the request ids."""
+        rids = []
+        for i, n in enumerate(tokens):
+            rid = f"{prefix}-{i}"
+            self.start_read(src.prefill(rid, Request(seed=seed + i, prompt_tokens=n)))
+            rids.append(rid)
+        got = self.wait_for(rids)
+        for rid in rids:
+            assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
+            problems = self.verify(rid)
+            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        return rids
+
     def verify(self, rid: str) -> list[str]:
         """The oracle's verdict on every rank's pages for one received request."""
         rec = self.receiving[rid]

@@ -76,17 +76,7 @@ def test_reads_on_two_lanes_are_oracle_exact(lanes: Sidecars, family: str, p_tp:
     make = {"hybrid": hybrid, "attn-K2": attn(2)}[family]
     reads0, wrong0 = _p_notes(ps[:p_tp])
     with engines(ps, ds, lambda p: f"{p}{next(_ids)}", make, p_tp, d_tp) as (P, (D,)):
-        rids = []
-        for i, tokens in enumerate((5, 77, 200)):
-            rid = f"ln-{family}-{p_tp}{d_tp}-{staging}-{i}"
-            D.start_read(P.prefill(rid, Request(seed=5 * p_tp + 3 * d_tp + i,
-                                                prompt_tokens=tokens)))
-            rids.append(rid)
-        got = D.wait_for(rids)
-        for rid in rids:
-            assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
-            problems = D.verify(rid)
-            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        rids = D.read_exactly(P, f"ln-{family}-{p_tp}{d_tp}-{staging}", 5 * p_tp + 3 * d_tp)
         held = P.wait_for(rids)
         for rid in rids:
             assert sorted(held[rid]) == list(range(p_tp)), held[rid]
@@ -313,88 +303,33 @@ def test_deregistration_and_shutdown_stop_every_lane(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_reset_of_another_lane_keeps_the_notifications_of_reads_in_flight(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("lanes", "q_tp", "lost"), [(3, 4, 2), (2, 2, 0)],
+                         ids=["another-lane", "lane-0"])
+def test_a_lane_reset_keeps_the_notifications_of_reads_in_flight(
+        tmp_path: Path, lanes: int, q_tp: int, lost: int) -> None:
     """A read on lanes notifies its P ranks from lane 0 once all its transfers
-    ended, so lane 0 must still know their agents then. D (three lanes) reads R
-    from P tp2 (lanes 0 and 1), P rank 1 stopped mid-transfer; meanwhile a read
-    from Q tp4 (lanes 0, 1, 2, 0) loses Q rank 2, its lane-2 transfer fails and
-    lane 2 is reset, which drops every link of D's rank. R's agents, idle on lane
-    0 since its lane-0 transfer ended, were then unloaded from lane 0 under R, so
-    R's notifications failed once P rank 1 resumed ('unknown remote agent') and
-    P's holds lapsed instead of ending ``sent``. The links' agents now stay loaded
-    until the reads holding them are done."""
+    ended. D reads R from P tp2 (lanes 0 and 1), P rank 1 stopped mid-transfer
+    after R's lane-0 transfer ended; a read from Q (its rank k on lane k mod
+    lanes) then loses Q rank ``lost`` (killed): its transfer fails and lane
+    ``lost`` is reset, which drops every link of D's rank. R's notifications
+    failed ('unknown remote agent') once P rank 1 resumed, and P's holds lapsed
+    instead of ending ``sent``:
+
+    - another lane (2 of 3): R's agents, idle on lane 0, were unloaded from lane
+      0 under R; they now stay loaded until no read over them runs;
+    - lane 0 itself: its new agent knows none of R's P agents (and P knows it
+      not); each notification now goes over a fresh link, whose handshake
+      declares the new agent."""
     env = {"UCX_TLS": "tcp,self"}
     ps = [SidecarProcess(tmp_path, f"lr-p{i}", env=env, args=P_LONG).start()
           for i in range(2)]
-    qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(4)]
+    qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(q_tp)]
     d = SidecarProcess(tmp_path, "lr-d", env=env,
-                       args=["--post-lanes", "3", "--metrics-port", "0"]).start()
+                       args=["--post-lanes", str(lanes), "--metrics-port", "0"]).start()
     P = SimEngine("lr-P", _stall_layout, 2, 100, ps, timeout_s=60)
-    Q = SimEngine("lr-Q", _stall_layout, 4, 100, qs, timeout_s=10)  # one rank is killed
+    Q = SimEngine("lr-Q", _stall_layout, q_tp, 100, qs, timeout_s=10)  # one rank is killed
     D = SimEngine("lr-D", _stall_layout, 1, 200, [d], timeout_s=60)
-    killed, stopped = qs[2], ps[1]
-    assert killed.proc is not None and stopped.proc is not None
-    try:
-        for name, src in (("wp", P), ("wq", Q)):
-            D.start_read(src.prefill(name, Request(seed=4, prompt_tokens=8)))
-            assert D.wait_for([name])[name][0].kind == "received"
-            assert not D.verify(name)
-            D.finish(name)
-        big = Request(seed=5, prompt_tokens=64 * 96)
-        D.start_read(P.prefill("r", big))
-        stop_once_posted(d, stopped, "lr-D", 3)  # P rank 1's transfer (lane 1) stalls
-        try:
-            D.start_read(Q.prefill("r2", Request(seed=6, prompt_tokens=64 * 96)))
-            stop_once_posted(d, killed, "lr-D", 4, after_s=0.0)
-            os.kill(killed.proc.pid, signal.SIGKILL)  # Q rank 2's transfer (lane 2) fails
-            got2 = D.wait_for(["r2"], timeout_s=60)["r2"][0]
-            assert got2.kind == "failed", got2
-            assert d.metric("kvsidecar_agent_resets_total", engine="lr-D") == 1
-            # The unloading of the dropped links' agents retries each second while
-            # NIXL refuses (a transfer in flight): time for R's lane-0 transfer to
-            # end and for a retry to unload its agents from lane 0.
-            time.sleep(3)
-        finally:
-            os.kill(stopped.proc.pid, signal.SIGCONT)
-        got = D.wait_for(["r"], timeout_s=60)["r"][0]
-        assert got.kind == "received", got
-        assert not D.verify("r")
-        # Told by D's notifications at once (P's lease would end them in 60 s,
-        # and its engine, idle meanwhile, would be taken for gone)
-        held = P.wait_for(["r"], timeout_s=20)
-        assert sorted(held["r"]) == [0, 1], held
-        assert {c.kind for c in held["r"].values()} == {"sent"}, held
-        assert d.metric("kvsidecar_notifications_sent_total", engine="lr-D",
-                        result="failed") == 0
-    finally:
-        D.close()
-        P.close()
-        with contextlib.suppress(Exception):  # one of its sidecars was killed
-            Q.close()
-        assert d.stop() == 0
-        for s in ps + qs:
-            s.stop()
-
-
-@pytest.mark.timeout(300)
-def test_a_reset_of_lane_0_keeps_the_notifications_of_reads_in_flight(tmp_path: Path) -> None:
-    """As above, but the reset is lane 0's, the agent that notifies P: D (two
-    lanes) reads R from P tp2, P rank 1 stopped mid-transfer (lane 1) after R's
-    lane-0 transfer ended; a read from Q tp2 then loses Q rank 0 (killed), so
-    lane 0's agent is destroyed and made again. When R's last transfer ends, the
-    new agent knows none of R's P agents (and P knows it not): R's notifications
-    failed ('unknown remote agent') and P's holds lapsed. Now each goes over a
-    fresh link, whose handshake declares the new agent to P."""
-    env = {"UCX_TLS": "tcp,self"}
-    ps = [SidecarProcess(tmp_path, f"l0-p{i}", env=env, args=P_LONG).start()
-          for i in range(2)]
-    qs = [SidecarProcess(tmp_path, f"l0-q{i}", env=env).start() for i in range(2)]
-    d = SidecarProcess(tmp_path, "l0-d", env=env, args=LANES).start()
-    P = SimEngine("l0-P", _stall_layout, 2, 100, ps, timeout_s=60)
-    Q = SimEngine("l0-Q", _stall_layout, 2, 100, qs, timeout_s=10)  # one rank is killed
-    D = SimEngine("l0-D", _stall_layout, 1, 200, [d], timeout_s=60)
-    killed, stopped = qs[0], ps[1]
+    killed, stopped = qs[lost], ps[1]
     assert killed.proc is not None and stopped.proc is not None
     try:
         for name, src in (("wp", P), ("wq", Q)):
@@ -403,26 +338,28 @@ def test_a_reset_of_lane_0_keeps_the_notifications_of_reads_in_flight(tmp_path: 
             assert not D.verify(name)
             D.finish(name)
         D.start_read(P.prefill("r", Request(seed=5, prompt_tokens=64 * 96)))
-        stop_once_posted(d, stopped, "l0-D", 3)  # P rank 1's transfer (lane 1) stalls
+        stop_once_posted(d, stopped, "lr-D", 3)  # P rank 1's transfer (lane 1) stalls
         try:
             time.sleep(3)  # P rank 0's 192 MiB (lane 0) arrive meanwhile
             D.start_read(Q.prefill("r2", Request(seed=6, prompt_tokens=64 * 96)))
-            stop_once_posted(d, killed, "l0-D", 4, after_s=0.0)
-            os.kill(killed.proc.pid, signal.SIGKILL)  # Q rank 0's transfer (lane 0) fails
+            stop_once_posted(d, killed, "lr-D", 4, after_s=0.0)
+            os.kill(killed.proc.pid, signal.SIGKILL)  # its transfer fails
             got2 = D.wait_for(["r2"], timeout_s=60)["r2"][0]
             assert got2.kind == "failed", got2
-            assert d.metric("kvsidecar_agent_resets_total", engine="l0-D") == 1
+            assert d.metric("kvsidecar_agent_resets_total", engine="lr-D") == 1
+            # Unloading the dropped links' agents retries each second while NIXL
+            # refuses (a transfer in flight): time for a retry to run.
+            time.sleep(3)
         finally:
             os.kill(stopped.proc.pid, signal.SIGCONT)
         got = D.wait_for(["r"], timeout_s=60)["r"][0]
         assert got.kind == "received", got
         assert not D.verify("r")
-        # Told by D's notifications at once (P's lease would end them in 60 s,
-        # and its engine, idle meanwhile, would be taken for gone)
+        # Told by D's notifications at once (P's lease would end them in 60 s)
         held = P.wait_for(["r"], timeout_s=20)
         assert sorted(held["r"]) == [0, 1], held
         assert {c.kind for c in held["r"].values()} == {"sent"}, held
-        assert d.metric("kvsidecar_notifications_sent_total", engine="l0-D",
+        assert d.metric("kvsidecar_notifications_sent_total", engine="lr-D",
                         result="failed") == 0
     finally:
         D.close()

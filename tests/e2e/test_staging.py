@@ -50,17 +50,7 @@ def test_staged_hetero_reads_are_oracle_exact(staged, family: str, p_tp: int,
     make = {"hybrid": hybrid, "attn-K2": attn(2)}[family]
     before = sum(d.metric("kvsidecar_staged_transfers_total") for d in ds[:d_tp])
     with engines(ps, ds, lambda p: f"{p}{next(_ids)}", make, p_tp, d_tp) as (P, (D,)):
-        rids = []
-        for i, tokens in enumerate((5, 77, 200)):
-            rid = f"st-{family}-{p_tp}{d_tp}-{i}"
-            D.start_read(P.prefill(rid, Request(seed=7 * p_tp + 3 * d_tp + i,
-                                                prompt_tokens=tokens)))
-            rids.append(rid)
-        got = D.wait_for(rids)
-        for rid in rids:
-            assert {c.kind for c in got[rid].values()} == {"received"}, got[rid]
-            problems = D.verify(rid)
-            assert not problems, f"{rid}: " + "; ".join(problems[:3])
+        rids = D.read_exactly(P, f"st-{family}-{p_tp}{d_tp}", 7 * p_tp + 3 * d_tp)
         assert {c.kind for per in P.wait_for(rids).values() for c in per.values()} == {"sent"}
     staged_now = sum(d.metric("kvsidecar_staged_transfers_total") for d in ds[:d_tp])
     # every transfer of these reads went through staging (3 reads x P ranks per D rank)
