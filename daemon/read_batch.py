@@ -26,6 +26,8 @@ With several lanes (``--post-lanes``) a read from several P ranks is spread
 over them as on its own (:func:`~kvsidecar.daemon.reads.lane_of`): posted
 without notifications, and notified from lane 0 once all its transfers ended
 (:func:`~kvsidecar.daemon.reads.notify_ended`), so a failure is never partial.
+A large read from one P rank is not cut into parts here, unlike on its own
+(:func:`~kvsidecar.daemon.reads.split_post`): it is posted whole on lane 0.
 """
 
 from __future__ import annotations
