@@ -25,10 +25,10 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -115,6 +115,7 @@ from kvsidecar.ipc.protocol import (
 from kvsidecar.ipc.regions import FdExport, Region, uniform
 from kvsidecar.metrics.registry import Metrics
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 #: Reader agents remembered from handshakes (one per reading engine rank and target
@@ -522,10 +523,10 @@ class Sidecar:
         mem_type, device = uniform(regions)
         try:
             # Each lane on its own thread: started and registered side by side.
-            await asyncio.gather(*(lane.start() for lane in lanes))
-            reg_id, *_ = await asyncio.gather(*(
+            await _every(lane.start() for lane in lanes)
+            reg_id, *_ = await _every(
                 lane.register([(r.address, layout.region_bytes) for r in regions], mem_type,
-                              device.index) for lane in lanes))
+                              device.index) for lane in lanes)
             meta = await worker.metadata()
         except BaseException as e:
             for lane in lanes:
@@ -1216,6 +1217,18 @@ class Sidecar:
         if failures:
             log.warning("%d region(s) could not be released", failures)
             self.metrics.cleanup_failures.labels(what="memory").inc(failures)
+
+
+async def _every(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all side by side; raise the first failure once every one ended.
+    (``gather`` raises at the first and leaves the others' failures unread:
+    asyncio then logs "Task exception was never retrieved" for each lane that
+    failed too, and a lane may still be starting while the caller stops it.)"""
+    got = await asyncio.gather(*aws, return_exceptions=True)
+    for g in got:
+        if isinstance(g, BaseException):
+            raise g
+    return got  # type: ignore[return-value]
 
 
 def _worker_thread_init(gpu: CudaDevice | None) -> None:
