@@ -29,6 +29,14 @@ def hybrid(tp: int, nb: int) -> Layout:
     )
 
 
+def stall(tp: int, nb: int) -> Layout:
+    """16 layers x 256 KiB per block (over the P ranks): a 96-block read moves
+    384 MiB, seconds over UCX/TCP, long enough to stop or cut a peer in the
+    middle of it (the fault tests of staging, lanes, recovery, second host)."""
+    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
+                            block_tokens=64, tp_size=tp, num_blocks=nb)
+
+
 def mla(tp: int, nb: int) -> Layout:
     return mla_layout(model="e2e-mla", num_layers=3, latent_dim=36, block_tokens=8,
                       tp_size=tp, num_blocks=nb)

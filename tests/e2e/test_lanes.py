@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import Request
 
 pytestmark = pytest.mark.e2e
@@ -129,20 +129,13 @@ def test_a_batch_of_reads_on_two_lanes_is_oracle_exact(lanes: Sidecars, family: 
 SENTINEL = 0x5A
 
 
-def _stall_layout(tp: int, nb: int) -> Layout:
-    """16 layers x 256 KiB per block (4 MiB, over both P ranks): a 96-block read moves
-    384 MiB."""
-    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
-                            block_tokens=64, tp_size=tp, num_blocks=nb)
-
-
 def test_a_large_homogeneous_read_is_split_over_the_lanes(lanes: Sidecars) -> None:
     """A tp1→tp1 read of at least SPLIT_MIN_BYTES (20 MiB here) is one post to
     one P rank: cut in halves, one per lane, both without a notification, and
     lane 0 notifies P once both ended. Oracle-exact; P's hold ends ``sent``
     once, by one notified read; each lane posted one part."""
     ps, ds = lanes["p"], lanes["off"]
-    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", _stall_layout, 1, 1,
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", stall_layout, 1, 1,
                  blocks=16) as (P, (D,)):
         reads0, wrong0 = _p_notes(ps[:1])
         rid = "split-1"
@@ -183,9 +176,9 @@ def test_a_read_failing_on_one_lane_never_writes_after_it_is_reported(tmp_path: 
     d = SidecarProcess(tmp_path, "lst-d", env=env,
                        args=["--read-timeout", "1", *LANES]).start()
     qs = [SidecarProcess(tmp_path, f"lst-q{i}", env=env).start() for i in range(p_tp)]
-    P = SimEngine("lst-P", _stall_layout, p_tp, 100, ps, timeout_s=60)
-    Q = SimEngine("lst-Q", _stall_layout, p_tp, 100, qs, timeout_s=60)
-    D = SimEngine("lst-D", _stall_layout, 1, 100, [d], timeout_s=60)
+    P = SimEngine("lst-P", stall_layout, p_tp, 100, ps, timeout_s=60)
+    Q = SimEngine("lst-Q", stall_layout, p_tp, 100, qs, timeout_s=60)
+    D = SimEngine("lst-D", stall_layout, 1, 100, [d], timeout_s=60)
     stop = ps[stopped]
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
@@ -326,9 +319,9 @@ def test_a_lane_reset_keeps_the_notifications_of_reads_in_flight(
     qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(q_tp)]
     d = SidecarProcess(tmp_path, "lr-d", env=env,
                        args=["--post-lanes", str(lanes), "--metrics-port", "0"]).start()
-    P = SimEngine("lr-P", _stall_layout, 2, 100, ps, timeout_s=60)
-    Q = SimEngine("lr-Q", _stall_layout, q_tp, 100, qs, timeout_s=10)  # one rank is killed
-    D = SimEngine("lr-D", _stall_layout, 1, 200, [d], timeout_s=60)
+    P = SimEngine("lr-P", stall_layout, 2, 100, ps, timeout_s=60)
+    Q = SimEngine("lr-Q", stall_layout, q_tp, 100, qs, timeout_s=10)  # one rank is killed
+    D = SimEngine("lr-D", stall_layout, 1, 200, [d], timeout_s=60)
     killed, stopped = qs[lost], ps[1]
     assert killed.proc is not None and stopped.proc is not None
     try:

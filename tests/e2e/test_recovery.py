@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvsidecar.ipc.client import BadRequest, SidecarClient
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import (
     Completion,
     Error,
@@ -24,6 +23,7 @@ from kvsidecar.ipc.protocol import (
 from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import Request
 
 pytestmark = pytest.mark.e2e
@@ -193,12 +193,6 @@ def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_pos
 SENTINEL = 0x5A
 
 
-def _stall_layout(tp: int, nb: int) -> Layout:
-    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB."""
-    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
-                            block_tokens=64, tp_size=tp, num_blocks=nb)
-
-
 def _failed_pages(D: SimEngine, got: Completion) -> list[np.ndarray]:
     """Views of every page of every block the completion listed as invalid."""
     page = D.layout.page_bytes
@@ -218,9 +212,9 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
     d = SidecarProcess(tmp_path, "stall-d", env=env,
                        args=["--read-timeout", "1", "--metrics-port", "0"]).start()
     q = SidecarProcess(tmp_path, "stall-q", env=env).start()
-    P = SimEngine("stall-P", _stall_layout, 1, 100, [p], timeout_s=60)
-    Q = SimEngine("stall-Q", _stall_layout, 1, 100, [q], timeout_s=60)
-    D = SimEngine("stall-D", _stall_layout, 1, 100, [d], timeout_s=60)
+    P = SimEngine("stall-P", stall_layout, 1, 100, [p], timeout_s=60)
+    Q = SimEngine("stall-Q", stall_layout, 1, 100, [q], timeout_s=60)
+    D = SimEngine("stall-D", stall_layout, 1, 100, [d], timeout_s=60)
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"

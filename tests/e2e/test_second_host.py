@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines
 from kvsidecar.sim.models import hybrid
+from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import POISON, Request
 
 pytestmark = pytest.mark.e2e
@@ -154,12 +154,6 @@ HOLD_LEASE_S = 10  # the default
 BIG_HOLD_TIMEOUT_S = 5  # shorter than the lease: what keeps P's hold is D's claim
 
 
-def _stall_layout(tp: int, nb: int) -> Layout:
-    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB."""
-    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
-                            block_tokens=64, tp_size=tp, num_blocks=nb)
-
-
 # Run inside D's namespace (its HTTP server listens on D's loopback).
 # _WAIT_SAMPLE returns once one engine's sample on D's real /metrics reaches a value.
 _WAIT_SAMPLE = """
@@ -220,8 +214,8 @@ def test_a_cut_mid_transfer_fails_that_read_and_nothing_lands_after(link: Link,
     p.start(timeout_s=240)
     d.start(timeout_s=240)
     tag = secrets.token_hex(2)
-    P = SimEngine(f"cutP{tag}", _stall_layout, 1, 100, [p], timeout_s=60)
-    D = SimEngine(f"cutD{tag}", _stall_layout, 1, 100, [d], timeout_s=60)
+    P = SimEngine(f"cutP{tag}", stall_layout, 1, 100, [p], timeout_s=60)
+    D = SimEngine(f"cutD{tag}", stall_layout, 1, 100, [d], timeout_s=60)
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=64 * 2)))
         assert D.wait_for(["warm"], timeout_s=180)["warm"][0].kind == "received"

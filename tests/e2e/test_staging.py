@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import POISON, Request
 
 pytestmark = pytest.mark.e2e
@@ -96,12 +96,6 @@ def test_auto_pool_is_mapped_at_registration_and_first_reads_stage(staged,
 SENTINEL = 0x5A
 
 
-def _stall_layout(tp: int, nb: int) -> Layout:
-    """16 layers x 256 KiB per block: a 96-block read moves 384 MiB."""
-    return attention_layout(model="stall", num_layers=16, total_kv_heads=8, head_dim=128,
-                            block_tokens=64, tp_size=tp, num_blocks=nb)
-
-
 @pytest.mark.timeout(300)
 def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
     """With staging, a READ lands only in staging memory and the engine's blocks are
@@ -115,8 +109,8 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
     d = SidecarProcess(tmp_path, "sst-d", env=env,
                        args=["--read-timeout", "2", "--staging", "always",
                              "--staging-bytes", str(512 << 20), "--metrics-port", "0"]).start()
-    P = SimEngine("sst-P", _stall_layout, 1, 100, [p], timeout_s=60)
-    D = SimEngine("sst-D", _stall_layout, 1, 100, [d], timeout_s=60)
+    P = SimEngine("sst-P", stall_layout, 1, 100, [p], timeout_s=60)
+    D = SimEngine("sst-D", stall_layout, 1, 100, [d], timeout_s=60)
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
@@ -153,7 +147,7 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
         # D still serves, staged, from its new agent (a fresh P: the stopped one may
         # not survive its reader's teardown; README, Failure handling).
         q = SidecarProcess(tmp_path, "sst-q", env=env).start()
-        Q = SimEngine("sst-Q", _stall_layout, 1, 100, [q], timeout_s=60)
+        Q = SimEngine("sst-Q", stall_layout, 1, 100, [q], timeout_s=60)
         try:
             D.start_read(Q.prefill("after", Request(seed=3, prompt_tokens=64 * 2)))
             assert D.wait_for(["after"])["after"][0].kind == "received"
