@@ -328,11 +328,17 @@ class SimEngine:
     # ------------------------------------------------------------ P role
 
     def prefill(self, request_id: str, req: Request, *, readers: int = 1,
-                timeout_s: float | None = None, hold: bool = True) -> Sent:
+                timeout_s: float | None = None, hold: bool = True,
+                fill: bool = True) -> Sent:
+        """Fill the request's blocks with the oracle's bytes on every rank and hold
+        them. ``fill=False`` holds the blocks as they are (POISON): for the
+        mid-transfer fault tests, where hashing 384 MiB would take minutes on two
+        cores and only what lands after a failure matters."""
         ids = self.blocks_for(req.prompt_tokens)
         for rank in range(self.tp):
-            fill_shard(self.buffers[rank], self.layout, rank, ids, req)
-            self._push(rank)
+            if fill:
+                fill_shard(self.buffers[rank], self.layout, rank, ids, req)
+                self._push(rank)
             if hold:
                 self.clients[rank].hold(self.engine_id, request_id, ids, readers=readers,
                                         timeout_s=timeout_s)

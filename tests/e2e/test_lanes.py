@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import Request
@@ -185,10 +185,7 @@ def test_a_read_failing_on_one_lane_never_writes_after_it_is_reported(tmp_path: 
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
         assert not D.verify("warm")
         D.finish("warm")
-        big = Request(seed=2, prompt_tokens=64 * 96)
-        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
-        for c in P.clients:
-            c.hold(P.engine_id, "stuck", sent.block_ids, readers=1)
+        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 96), fill=False)
         assert stop.proc is not None
         D.start_read(sent)
         stop_once_posted(d, stop, "lst-D", 2)  # warm + this

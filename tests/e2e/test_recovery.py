@@ -21,7 +21,7 @@ from kvsidecar.ipc.protocol import (
     encode_request,
 )
 from kvsidecar.ipc.seqpacket import BlockingChannel
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_once_posted
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import Request
@@ -221,9 +221,7 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         D.finish("warm")
         # Held without the oracle's fill (384 MiB of hashing is minutes on 2 cores):
         # P's bytes are POISON, anything but the sentinel.
-        big = Request(seed=2, prompt_tokens=64 * 96)
-        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
-        P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
+        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 96), fill=False)
         assert p.proc is not None
         D.start_read(sent)
         # Stop P only once D posted the read: 384 MiB over TCP takes seconds.

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engines, stop_once_posted
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, stop_once_posted
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import POISON, Request
@@ -116,9 +116,7 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
         assert not D.verify("warm")
         D.finish("warm")
-        big = Request(seed=2, prompt_tokens=64 * 96)
-        sent = Sent("stuck", P.remote, P.blocks_for(big.prompt_tokens), big)
-        P.clients[0].hold(P.engine_id, "stuck", sent.block_ids, readers=1)
+        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 96), fill=False)
         assert p.proc is not None
         for buf in D.buffers[0]:  # every block of D's engine, before the read starts
             buf[:] = SENTINEL
