@@ -603,13 +603,13 @@ def joined(results: list[Any], owner: list[int], n: int) -> list[Any]:
     for r, i in zip(results, owner):
         have = out[i]
         if isinstance(have, BaseException):
-            continue
-        if isinstance(r, BaseException) or have is None or not isinstance(r, TransferStats):
-            out[i] = r if have is None or isinstance(r, BaseException) else have
-            continue
-        out[i] = TransferStats(have.bytes + r.bytes, have.descriptors + r.descriptors,
-                               max(have.post_us, r.post_us), max(have.xfer_us, r.xfer_us),
-                               have.telemetry and r.telemetry)
+            continue  # its first failure stands
+        if have is None or isinstance(r, BaseException):
+            out[i] = r
+        elif isinstance(r, TransferStats):
+            out[i] = TransferStats(have.bytes + r.bytes, have.descriptors + r.descriptors,
+                                   max(have.post_us, r.post_us), max(have.xfer_us, r.xfer_us),
+                                   have.telemetry and r.telemetry)
     return out
 
 
