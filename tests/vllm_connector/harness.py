@@ -28,6 +28,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -239,12 +240,19 @@ class Engine:
 def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str],
                 num_blocks: int, hybrid: bool, *, mamba_prefix_caching: bool = False,
                 memory: str | None = None, failure_policy: str = "recompute",
-                batched_tokens: int = 4096, extra: dict[str, Any] | None = None) -> Engine:
-    """``extra``: more kv_connector_extra_config keys (``memory`` has its own argument)."""
+                batched_tokens: int = 4096, extra: dict[str, Any] | None = None,
+                draft_tokens: int = 0) -> Engine:
+    """``extra``: more kv_connector_extra_config keys (``memory`` has its own argument).
+    ``draft_tokens``: speculative decoding with a draft model (the same config;
+    nothing runs it), so the scheduler reserves that many lookahead slots."""
     extra = dict(extra or {}) | ({} if memory is None else {"memory": memory})
     cfg = vllm_config(model, role, name, tp, sockets, hybrid,
                       mamba_prefix_caching=mamba_prefix_caching, failure_policy=failure_policy,
                       batched_tokens=batched_tokens, **extra)
+    if draft_tokens:
+        cfg.speculative_config = SpeculativeConfig(
+            method="draft_model", model=model, num_speculative_tokens=draft_tokens,
+            target_model_config=cfg.model_config, target_parallel_config=cfg.parallel_config)
     mode = "align" if hybrid and mamba_prefix_caching else "none"
     workers, caches = [], []
     for rank in range(tp):

@@ -121,6 +121,26 @@ def test_p_prefix_hit_still_hands_every_block(sidecars: Sidecars,
         assert_drained(P)
 
 
+def test_p_hands_only_computed_blocks_not_draft_lookahead(sidecars: Sidecars,
+                                                         models: dict[bool, str]) -> None:
+    """With speculative decoding vLLM reserves lookahead slots past the
+    computed tokens (a fifth block for a 64-token prompt and two draft
+    tokens): P hands only the four blocks that hold the prompt's KV, as
+    NixlConnector must, and D reads them oracle-exact."""
+    P, D = engines(sidecars, models[False], seed=SEED, p={"draft_tokens": 2})
+    with closing(P, D):
+        assert P.sched.num_lookahead_tokens == 2
+        P.sched.add_request(request(P, "h", 4 * BLOCK, {"do_remote_decode": True},
+                                    max_tokens=1, seed=SEED))
+        P.step()
+        assert len(P.block_ids("h")[0]) == 5  # four of prompt, one of lookahead
+        params = dict(P.outputs["h"][-1].kv_transfer_params or {})
+        assert params["remote_block_ids"] == [P.block_ids("h")[0][:4]]
+        read_all(D, "h", 4 * BLOCK, params)
+        step_until(P, lambda: not P.sched.requests)
+        assert_drained(P)
+
+
 def test_p_abort_after_the_handoff_keeps_blocks_for_the_reader(
         sidecars: Sidecars, models: dict[bool, str]) -> None:
     """An abort of a request that already ended (the client went away after

@@ -13,6 +13,7 @@ block is back in the pool and nothing is left in the scheduler.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -78,8 +79,39 @@ def test_read_lifecycle(sidecars: Sidecars, models: dict[bool, str]) -> None:
         assert sum(len(o.new_token_ids) for o in D.outputs["r"]) == 4
         D.step()
         assert_drained(D)
+        # One successful transfer, reported once: the workers' stats reset
+        # when vLLM takes them (every later step has none).
+        assert [s.num_successful_transfers for s in D.stats] == [1]
         step_until(P, lambda: "r" not in P.sched.requests)
         assert_drained(P)
+
+
+def test_start_load_kv_does_not_wait_for_a_silent_p(sidecars: Sidecars,
+                                                    models: dict[bool, str]) -> None:
+    """P's sidecar is stopped (SIGSTOP) while D starts the read: D's steps go
+    on (start_load_kv hands the read to D's sidecar and returns; the poll
+    reports nothing), the request keeps waiting, and once P's sidecar runs
+    again the read ends oracle-exact."""
+    P, D = engines(sidecars, models[False], seed=SEED)
+    tokens = int(BLOCK * 2.5)
+    proc = sidecars.p[0].proc
+    assert proc is not None
+    with closing(P, D):
+        params = finish_prefill(P, "q", tokens, SEED)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            D.sched.add_request(request(D, "q", tokens, params, seed=SEED))
+            outs = [D.step()[1].kv_connector_output for _ in range(5)]
+            assert waiting_for_kv(D, "q") and not D.sched.finished_recving_kv_req_ids
+            assert not any(o and (o.finished_recving or o.failed_recving) for o in outs)
+            blocks = D.block_ids("q")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        step_until(D, lambda: finished(D, "q"))
+        verify(D, "q", blocks, tokens, SEED)
+        D.step()
+        assert_drained(D)
+        step_until(P, lambda: not P.sched.requests)
 
 
 def test_read_interleaves_with_local_requests(sidecars: Sidecars,
