@@ -58,12 +58,17 @@ def unknown_to_p(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "remote_engine_id": params["remote_engine_id"] + "-gone"}
 
 
-def failed_step(D: Engine, rid: str) -> Any:
-    """Step D until a worker reports ``rid`` failed; that step's output."""
-    outs = step_until(D, lambda: rid not in D.sched.requests or not waiting_for_kv(D, rid)
-                      or rid in D.sched.finished_recving_kv_req_ids)
+def failed_step(D: Engine, rid: str) -> tuple[Any, Any]:
+    """From the step that schedules ``rid``'s read (it may fail within that
+    step), step D until a worker reports it failed: the scheduling step's
+    connector metadata and the output of the step that reported the failure."""
+    so, agg = D.step()
+    outs = [agg.kv_connector_output]
+    if rid not in ((outs[0] and outs[0].failed_recving) or ()):
+        outs += step_until(D, lambda: rid not in D.sched.requests or not waiting_for_kv(D, rid)
+                           or rid in D.sched.finished_recving_kv_req_ids)
     (out,) = [o for o in outs if o is not None and rid in (o.failed_recving or ())]
-    return out
+    return so.kv_connector_metadata, out
 
 
 def test_failed_handshake_is_a_failed_read_and_d_recomputes(
@@ -76,9 +81,8 @@ def test_failed_handshake_is_a_failed_read_and_d_recomputes(
     with closing(P, D):
         params = unknown_to_p(finish_prefill(P, "f", TOKENS, SEED))
         D.sched.add_request(request(D, "f", TOKENS, params, seed=SEED))
-        so, _ = D.step()
-        (job,) = so.kv_connector_metadata.reads
-        out = failed_step(D, "f")
+        meta, out = failed_step(D, "f")
+        (job,) = meta.reads
         assert out.finished_recving == {"f"} and out.failed_recving == {"f"}
         assert out.invalid_block_ids == set(job.local_block_ids[0])
         so, _ = D.step()
@@ -102,7 +106,6 @@ def test_fail_policy_ends_the_request_with_an_error(sidecars: Sidecars,
     with closing(P, D):
         params = unknown_to_p(finish_prefill(P, "f", TOKENS, SEED))
         D.sched.add_request(request(D, "f", TOKENS, params, seed=SEED))
-        D.step()
         failed_step(D, "f")
         assert finished(D, "f")
         assert D.outputs["f"][-1].finish_reason == FinishReason.ERROR
@@ -120,7 +123,6 @@ def test_a_failed_read_is_logged_at_error_with_its_request_id(
     with closing(P, D), caplog.at_level(logging.WARNING, logger="kvsidecar"):
         params = unknown_to_p(finish_prefill(P, "logged", TOKENS, SEED))
         D.sched.add_request(request(D, "logged", TOKENS, params, seed=SEED))
-        D.step()
         failed_step(D, "logged")
         errors = [r for r in caplog.records if r.name.startswith("kvsidecar")
                   and r.levelno >= logging.ERROR and "logged" in r.getMessage()]
@@ -162,10 +164,11 @@ def test_a_failed_poll_fails_the_reads_in_flight(sidecars: Sidecars,
         p_proc.send_signal(signal.SIGSTOP)
         try:
             D.sched.add_request(request(D, "r", TOKENS, params, seed=SEED))
-            D.step()
+            D.step()  # the read waits on P
             with SidecarClient(sidecars.d[0].socket) as c:
                 c.deregister(D.name)
-            out = failed_step(D, "r")
+            outs = step_until(D, lambda: "r" in D.sched.finished_recving_kv_req_ids)
+            (out,) = [o for o in outs if o is not None and "r" in (o.failed_recving or ())]
             assert out.finished_recving == {"r"}
         finally:
             p_proc.send_signal(signal.SIGCONT)
