@@ -43,12 +43,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 SEED = 4
 
 
-def read_all(D: Engine, rid: str, tokens: int, params: dict[str, Any]) -> None:
-    """D reads ``rid`` and runs it to its end; the bytes are the oracle's."""
+def read_all(D: Engine, rid: str, tokens: int, params: dict[str, Any],
+             computed: int | None = None) -> None:
+    """D reads ``rid`` (``computed`` of its ``tokens`` P computed: all unless
+    told) and runs it to its end; the bytes are the oracle's."""
     D.sched.add_request(request(D, rid, tokens, params, seed=SEED))
     blocks = schedule_reads(D, rid)[rid]
     step_until(D, lambda: finished(D, rid))
-    verify(D, rid, blocks, tokens, SEED)
+    verify(D, rid, blocks, tokens if computed is None else computed, SEED)
     D.step()
     assert_drained(D)
 
@@ -121,22 +123,30 @@ def test_p_prefix_hit_still_hands_every_block(sidecars: Sidecars,
         assert_drained(P)
 
 
-def test_p_hands_only_computed_blocks_not_draft_lookahead(sidecars: Sidecars,
-                                                         models: dict[bool, str]) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["attn", "hybrid"])
+def test_p_hands_only_computed_blocks_not_draft_lookahead(
+        sidecars: Sidecars, models: dict[bool, str], hybrid: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """With speculative decoding vLLM reserves lookahead slots past the
-    computed tokens (a fifth block for a 64-token prompt and two draft
-    tokens): P hands only the four blocks that hold the prompt's KV, as
-    NixlConnector must, and D reads them oracle-exact."""
-    P, D = engines(sidecars, models[False], seed=SEED, p={"draft_tokens": 2})
+    computed tokens, which take a block of their own here: P hands only the
+    blocks that hold the prompt's KV (per group: the Mamba group's state block
+    is kept), as NixlConnector must, and D reads them oracle-exact."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    P, D = engines(sidecars, models[hybrid], hybrid=hybrid, seed=SEED, p={"draft_tokens": 2})
+    page = 2 * BLOCK if hybrid else BLOCK  # the hybrid attention page holds 32 tokens
+    tokens = 2 * page + (1 if hybrid else 0)  # P computes two whole pages
     with closing(P, D):
         assert P.sched.num_lookahead_tokens == 2
-        P.sched.add_request(request(P, "h", 4 * BLOCK, {"do_remote_decode": True},
+        P.sched.add_request(request(P, "h", tokens, {"do_remote_decode": True},
                                     max_tokens=1, seed=SEED))
         P.step()
-        assert len(P.block_ids("h")[0]) == 5  # four of prompt, one of lookahead
+        attn = P.block_ids("h")[0]
+        assert len(attn) == 3  # two of prompt, one of lookahead
         params = dict(P.outputs["h"][-1].kv_transfer_params or {})
-        assert params["remote_block_ids"] == [P.block_ids("h")[0][:4]]
-        read_all(D, "h", 4 * BLOCK, params)
+        assert params["remote_block_ids"][0] == attn[:2]
+        if hybrid:
+            assert len(params["remote_block_ids"][1]) == 1
+        read_all(D, "h", tokens, params, computed=2 * page)
         step_until(P, lambda: not P.sched.requests)
         assert_drained(P)
 
