@@ -1,7 +1,6 @@
-"""Sidecars and model configs shared by the scenario modules of this package
-(two P and two D sidecars, started once): each scenario builds its own engines,
-so requests of one test never meet another's. ``test_connector.py`` keeps its
-own module-scoped fixtures of the same names."""
+"""Sidecars and model configs shared by every module of this package (two P
+and two D sidecars, started once): each test builds its own engines under
+names of its own, so requests of one test never meet another's."""
 
 from __future__ import annotations
 

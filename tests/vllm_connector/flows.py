@@ -154,5 +154,40 @@ def reads_end_in_their_step(eng: Engine) -> None:
         w.get_transfer_results = polling  # type: ignore[method-assign]
 
 
+def record_holds(P: Engine) -> list[str]:
+    """Every request rank 0's worker asks its sidecar to hold, single or in a
+    batch (pass-through wrappers around the real client)."""
+    w = P.workers[0].worker
+    assert w is not None
+    held: list[str] = []
+    hold, hold_many = w.client.hold, w.client.hold_many
+
+    def one(engine_id: str, rid: str, *a: Any, **k: Any) -> Any:
+        held.append(rid)
+        return hold(engine_id, rid, *a, **k)
+
+    def many(engine_id: str, specs: Any) -> Any:
+        held.extend(s.request_id for s in specs)
+        return hold_many(engine_id, specs)
+
+    w.client.hold = one  # type: ignore[method-assign]
+    w.client.hold_many = many  # type: ignore[method-assign]
+    return held
+
+
+def record_metadata(eng: Engine) -> list[Any]:
+    """The connector metadata of every step ``eng`` runs from now on."""
+    metas: list[Any] = []
+    step = eng.step
+
+    def recording() -> Any:
+        so, agg = step()
+        metas.append(so.kv_connector_metadata)
+        return so, agg
+
+    eng.step = recording  # type: ignore[method-assign]
+    return metas
+
+
 def waiting_for_kv(eng: Engine, rid: str) -> bool:
     return bool(eng.sched.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS)

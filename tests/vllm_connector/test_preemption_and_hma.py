@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     SlidingWindowSpec,
 )
 from vllm.v1.request import RequestStatus
@@ -42,10 +43,11 @@ from .flows import (
     fill_when_finished,
     finished,
     reads_end_in_their_step,
+    record_holds,
     step_until,
 )
 from .harness import BLOCK, request, vllm_config
-from .test_connector import Sidecars, count_batches, verify
+from .test_connector import Sidecars, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -68,17 +70,7 @@ def test_p_preempted_mid_prefill_hands_over_once(sidecars: Sidecars, models: dic
     P, D = engines(sidecars, models[hybrid], hybrid=hybrid, seed=SEED,
                    p={"batched_tokens": 32})
     fill_when_finished(P, SEED)
-    holds = count_batches(P, "hold_many")
-    single: list[str] = []
-    w = P.workers[0].worker
-    assert w is not None
-    hold = w.client.hold
-
-    def counting(engine_id: str, rid: str, *a: Any, **k: Any) -> Any:
-        single.append(rid)
-        return hold(engine_id, rid, *a, **k)
-
-    w.client.hold = counting  # type: ignore[method-assign]
+    held = record_holds(P)
     computed = tokens - 1 if hybrid else tokens
     with closing(P, D):
         P.sched.add_request(request(P, "p", tokens, {"do_remote_decode": True}, max_tokens=1,
@@ -99,7 +91,7 @@ def test_p_preempted_mid_prefill_hands_over_once(sidecars: Sidecars, models: dic
         step_until(D, lambda: finished(D, "p"))
         verify(D, "p", blocks, computed, SEED)
         step_until(P, lambda: not P.sched.requests)
-        assert single + [f"batch of {n}" for n in holds] == ["p"]
+        assert held == ["p"]
         D.step()
         assert_drained(D)
         assert_drained(P)
@@ -154,10 +146,15 @@ def test_sliding_window_group_hands_only_its_window(models: dict[bool, str]) -> 
     ``blocks_per_sw``), never the out-of-window ones vLLM has not freed yet nor
     its null blocks."""
     spec = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.bfloat16}
-    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**spec)),
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
-                         SlidingWindowSpec(**spec, sliding_window=32))])
+    full, window = FullAttentionSpec(**spec), SlidingWindowSpec(**spec, sliding_window=32)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    page = full.page_size_bytes  # a layer per tensor, as the harness lays them out
+    kcc = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[KVCacheTensor(size=64 * page, layers=[name], layer_stride=64 * page,
+                                        block_stride=page) for name in layers],
+        kv_cache_groups=[KVCacheGroupSpec(layers[:1], full),
+                         KVCacheGroupSpec(layers[1:], window)])
     cfg = vllm_config(models[False], "kv_producer", "swP", 1, ["/nonexistent.sock"], False)
     conn = KvSidecarConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
     conn.set_xfer_handshake_metadata({0: KvSidecarHandshake("swP", 0, "tcp://127.0.0.1:1")})

@@ -32,11 +32,12 @@ from .flows import (
     finish_prefill,
     finished,
     free_blocks,
+    record_holds,
     reported,
     step_until,
 )
 from .harness import BLOCK, Engine, request
-from .test_connector import Sidecars, count_batches, schedule_reads, verify
+from .test_connector import Sidecars, schedule_reads, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -174,17 +175,7 @@ def test_p_abort_mid_prefill_hands_nothing(sidecars: Sidecars, models: dict[bool
     """Aborted between two chunks of its prefill, the request hands nothing
     over: no hold is sent, its blocks are free at once, P is empty."""
     P, D = engines(sidecars, models[False], seed=SEED, p={"batched_tokens": 32})
-    holds = count_batches(P, "hold_many")
-    single: list[str] = []
-    w = P.workers[0].worker
-    assert w is not None
-    hold = w.client.hold
-
-    def counting(engine_id: str, rid: str, *a: Any, **k: Any) -> Any:
-        single.append(rid)
-        return hold(engine_id, rid, *a, **k)
-
-    w.client.hold = counting  # type: ignore[method-assign]
+    held = record_holds(P)
     with closing(P, D):
         P.sched.add_request(request(P, "h", 70, {"do_remote_decode": True}, max_tokens=1,
                                     seed=SEED))
@@ -194,7 +185,7 @@ def test_p_abort_mid_prefill_hands_nothing(sidecars: Sidecars, models: dict[bool
         assert "h" not in P.sched.requests
         for _ in range(3):
             P.step()
-        assert not holds and not single
+        assert held == []
         assert P.outputs.get("h") is None or P.outputs["h"][-1].kv_transfer_params is None
         assert_drained(P)
 

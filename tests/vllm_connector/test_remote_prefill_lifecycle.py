@@ -31,6 +31,7 @@ from .flows import (
     finish_prefill,
     finished,
     reads_end_in_their_step,
+    record_metadata,
     step_until,
     waiting_for_kv,
 )
@@ -241,15 +242,7 @@ def test_read_done_but_no_room_to_run(sidecars: Sidecars, models: dict[bool, str
     none: vLLM preempts it. It resumes from the blocks it read (a prefix hit of
     32 tokens), never reads again, and ends; D is empty."""
     P, D = engines(sidecars, models[False], seed=SEED, d_blocks=6)
-    metas: list[object] = []
-    step = D.step
-
-    def recording() -> object:
-        so, agg = step()
-        metas.append(so.kv_connector_metadata)
-        return so, agg
-
-    D.step = recording  # type: ignore[method-assign]
+    metas = record_metadata(D)
     with closing(P, D):
         params = finish_prefill(P, "remote", 2 * BLOCK, SEED)
         reads_end_in_their_step(D)
@@ -269,7 +262,7 @@ def test_read_done_but_no_room_to_run(sidecars: Sidecars, models: dict[bool, str
         assert D.sched.requests["remote"].num_computed_tokens == 2 * BLOCK + 1
         step_until(D, lambda: finished(D, "remote"))
         assert sum(len(o.new_token_ids) for o in D.outputs["remote"]) == 4
-        assert sum(len(m.reads) for m in metas) == 1  # type: ignore[attr-defined]
+        assert sum(len(m.reads) for m in metas) == 1
         D.step()
         assert_drained(D)
         step_until(P, lambda: not P.sched.requests)
