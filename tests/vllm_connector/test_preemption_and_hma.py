@@ -44,6 +44,7 @@ from .flows import (
     finished,
     reads_end_in_their_step,
     record_holds,
+    record_metadata,
     step_until,
 )
 from .harness import BLOCK, request, vllm_config
@@ -131,6 +132,42 @@ def test_mamba_reads_n_minus_1_and_recomputes_the_last_token(
         assert new.num_computed_tokens == tokens - 1 and so.num_scheduled_tokens == {"m": 1}
         verify(D, "m", blocks, read, SEED)
         step_until(D, lambda: finished(D, "m"))
+        D.step()
+        assert_drained(D)
+        step_until(P, lambda: not P.sched.requests)
+        assert_drained(P)
+
+
+def test_hybrid_d_preempted_after_its_read_recomputes_without_reading_again(
+        sidecars: Sidecars, models: dict[bool, str], ds_layout: None) -> None:
+    """A hybrid D request preempted once its read is done and it ran a step (an
+    operator's cache reset): the connector is told (``preempted``), starts no
+    second read, nothing more is written into D's pages, and vLLM recomputes
+    the whole request locally (no Mamba prefix caching here); D ends empty."""
+    tokens = 70
+    P, D = engines(sidecars, models[True], hybrid=True, seed=SEED)
+    metas = record_metadata(D)
+    with closing(P, D):
+        P.sched.add_request(request(P, "x", tokens, {"do_remote_decode": True}, max_tokens=1,
+                                    seed=SEED))
+        step_until(P, lambda: finished(P, "x"))
+        params = dict(P.outputs["x"][-1].kv_transfer_params or {})
+        reads_end_in_their_step(D)
+        D.sched.add_request(request(D, "x", tokens, params, seed=SEED))
+        D.step()
+        blocks = D.block_ids("x")
+        so, _ = D.step()
+        assert so.num_scheduled_tokens == {"x": 1}
+        verify(D, "x", blocks, tokens - 1, SEED)
+        snapshot = [b.copy() for b in D.buffers(0)]
+        assert D.sched.reset_prefix_cache(reset_running_requests=True)
+        assert D.sched.requests["x"].status == RequestStatus.PREEMPTED
+        so, _ = D.step()
+        assert so.kv_connector_metadata.preempted == ["x"]
+        assert so.num_scheduled_tokens == {"x": tokens + 1}  # prompt and its first token
+        step_until(D, lambda: finished(D, "x"))
+        assert [len(m.reads) for m in metas] == [1] + [0] * (len(metas) - 1)
+        assert all((a == b).all() for a, b in zip(snapshot, D.buffers(0))), "late write"
         D.step()
         assert_drained(D)
         step_until(P, lambda: not P.sched.requests)
