@@ -28,6 +28,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -89,10 +90,12 @@ def write_model(d: Path, hybrid: bool) -> str:
 
 def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequence[str],
                 hybrid: bool, *, mamba_prefix_caching: bool = False,
+                failure_policy: str = "recompute", batched_tokens: int = 4096,
                 **extra: Any) -> VllmConfig:
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=MAX_LEN,
-                         is_encoder_decoder=False, enable_chunked_prefill=True)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=batched_tokens,
+                         max_model_len=MAX_LEN, is_encoder_decoder=False,
+                         enable_chunked_prefill=True)
     # Mamba has prefix caching only in cache mode "align" (states kept at block
     # boundaries).
     if hybrid and mamba_prefix_caching:
@@ -101,7 +104,7 @@ def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequenc
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=not hybrid)
     kt = KVTransferConfig(
         kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.ipc.vllm",
-        kv_role=role, engine_id=engine_id, kv_load_failure_policy="recompute",
+        kv_role=role, engine_id=engine_id, kv_load_failure_policy=failure_policy,
         kv_connector_extra_config={"sidecar_sockets": list(sockets), **extra},
     )
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
@@ -236,10 +239,20 @@ class Engine:
 
 def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str],
                 num_blocks: int, hybrid: bool, *, mamba_prefix_caching: bool = False,
-                memory: str | None = None) -> Engine:
-    extra = {} if memory is None else {"memory": memory}
+                memory: str | None = None, failure_policy: str = "recompute",
+                batched_tokens: int = 4096, extra: dict[str, Any] | None = None,
+                draft_tokens: int = 0) -> Engine:
+    """``extra``: more kv_connector_extra_config keys (``memory`` has its own argument).
+    ``draft_tokens``: speculative decoding with a draft model (the same config;
+    nothing runs it), so the scheduler reserves that many lookahead slots."""
+    extra = dict(extra or {}) | ({} if memory is None else {"memory": memory})
     cfg = vllm_config(model, role, name, tp, sockets, hybrid,
-                      mamba_prefix_caching=mamba_prefix_caching, **extra)
+                      mamba_prefix_caching=mamba_prefix_caching, failure_policy=failure_policy,
+                      batched_tokens=batched_tokens, **extra)
+    if draft_tokens:
+        cfg.speculative_config = SpeculativeConfig(
+            method="draft_model", model=model, num_speculative_tokens=draft_tokens,
+            target_model_config=cfg.model_config, target_parallel_config=cfg.parallel_config)
     mode = "align" if hybrid and mamba_prefix_caching else "none"
     workers, caches = [], []
     for rank in range(tp):

@@ -12,7 +12,6 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from kvsidecar.sim.cluster import SidecarProcess
 from kvsidecar.sim.oracle import POISON, check_received
 from kvsidecar.sim.oracle import Request as OracleRequest
 
-from .harness import Engine, make_engine, oracle_fill, request, write_model
+from .harness import Engine, make_engine, oracle_fill, request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -67,21 +66,7 @@ class Sidecars:
         return self.p + self.d
 
 
-@pytest.fixture(scope="module")
-def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecars]:
-    s = Sidecars(tmp_path_factory.mktemp("vllm-sidecars"))
-    try:
-        start_all(s.all)
-        yield s
-    finally:
-        for sc in s.all:
-            sc.stop()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, str]:
-    d = tmp_path_factory.mktemp("models")
-    return {False: write_model(d / "llama", False), True: write_model(d / "hybrid", True)}
+# The ``sidecars`` and ``models`` fixtures: conftest.py (one set for the package).
 
 
 def pair(sidecars: Sidecars, models: dict[bool, str], p_tp: int, d_tp: int, hybrid: bool,
