@@ -28,6 +28,9 @@
 # results.jsonl (what the steps measured), log.txt (every step's output) and
 # summary.md (rendered after every step, to paste into benchmarks/RESULTS-gpu.md).
 # A step that overruns is killed and recorded as timed out; the next one runs.
+# Each step's temporary files go to a folder of its own (TMPDIR): after a step
+# that failed or was killed, the end of every *.log left there (its sidecars'
+# logs) is appended to log.txt.
 #
 # --dry-run: everything but CUDA, for a machine without a GPU (the test suite):
 # the transport step checks host memory, the benchmarks only parse their
@@ -108,9 +111,12 @@ run_step() {
     fi
     printf '%s\t%s\t-\t-\tstarted, did not finish\n' "$name" "$limit" >> "$OUT/steps.tsv"
     printf '\n===== %s (limit %s s) %s =====\n' "$name" "$limit" "$(date -u +%H:%M:%S)" >> "$LOG"
-    local t0 t1 rc secs outcome
+    local t0 t1 rc secs outcome tmp="$WORK/tmp/$name"
+    mkdir -p "$tmp"
     t0=$(date +%s%N)
-    timeout -k 10 "$limit" "$@" >> "$LOG" 2>&1
+    # The step's temporary files (sidecar logs) in a folder of its own: what a
+    # killed step leaves there is shown below.
+    TMPDIR="$tmp" timeout -k 10 "$limit" "$@" >> "$LOG" 2>&1
     rc=$?
     t1=$(date +%s%N)
     secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.1f", (b - a) / 1e9}')
@@ -122,9 +128,16 @@ run_step() {
     else
         outcome="failed (status $rc)"
     fi
-    [ "$rc" -eq 0 ] || FAILED=1
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$limit" "$rc" "$secs" "$outcome" >> "$OUT/steps.tsv"
     echo "gpu-check: $name: $outcome ($secs s)" | tee -a "$LOG"
+    if [ "$rc" -ne 0 ]; then
+        FAILED=1
+        find "$tmp" -name '*.log' -type f -size +0 2>/dev/null | sort | while read -r f; do
+            printf -- '--- %s (its last 4000 bytes) ---\n' "${f#"$tmp"/}" >> "$LOG"
+            tail -c 4000 "$f" >> "$LOG"
+            echo >> "$LOG"
+        done
+    fi
     # log.txt must stay under the device tool's 16 MiB per file: keep its end.
     if [ "$(stat -c %s "$LOG")" -gt $((12 << 20)) ]; then
         tail -c $((8 << 20)) "$LOG" > "$WORK/log.tail" && mv "$WORK/log.tail" "$LOG"

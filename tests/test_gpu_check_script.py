@@ -68,7 +68,8 @@ def test_dry_run_kills_a_hung_step_records_it_and_runs_the_rest(tmp_path: Path) 
     _wheel(tmp_path / "wheels")
     fake = tmp_path / "bin" / "nvidia-smi"  # a hung nvidia-smi, as on a broken GPU node
     fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'smi.pid'}\nexec sleep 120\n")
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'smi.pid'}\n"
+                    'echo "fake nvidia-smi: hanging" > "$TMPDIR/smi.log"\nexec sleep 120\n')
     fake.chmod(0o755)
     out, site = tmp_path / "out", tmp_path / "site"
     proc = subprocess.run(
@@ -116,6 +117,10 @@ def test_dry_run_kills_a_hung_step_records_it_and_runs_the_rest(tmp_path: Path) 
     assert "## Figures" not in summary and "## Sidecars end to end" not in summary
     log = (out / "log.txt").read_text()
     assert "===== figures" in log and "gpu-check: nvidia-smi: timed out" in log
+    # what the killed step left in its temporary folder, shown after it
+    assert ("gpu-check: nvidia-smi: timed out after 3 s (killed) (" in log
+            and " s)\n--- smi.log (its last 4000 bytes) ---\nfake nvidia-smi: hanging\n"
+            "\n\n===== env (limit" in log)
 
 
 @pytest.mark.parametrize(("args", "says"), [
