@@ -428,15 +428,15 @@ def render(steps: Sequence[dict[str, str]], records: Sequence[dict[str, Any]],
     figures = [r for r in records if r.get("what") in ("bandwidth", "latency")]
     if figures:
         out += ["", "## Figures, each with its baselines from the same run", "",
-                "| memory | figure | through the sidecars | raw NIXL READ | plain copy | "
-                "sidecars vs raw | oracle |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                "| memory | UCX | figure | through the sidecars | raw NIXL READ | plain copy | "
+                "sidecars vs raw | oracle |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in figures:
+            where = f"| {r.get('memory')} | {r.get('ucx', '?')} |"
             if "error" in r:
-                out.append(f"| {r.get('memory')} | {r.get('what')} | FAILED: {r['error']} | "
-                           "- | - | - | - |")
+                out.append(f"{where} {r.get('what')} | FAILED: {r['error']} | - | - | - | - |")
             elif r["what"] == "bandwidth":
                 out.append(
-                    f"| {r.get('memory')} | one read of {int(r.get('bytes', 0)) >> 20} MiB, "
+                    f"{where} one read of {int(r.get('bytes', 0)) >> 20} MiB, "
                     f"tp1 -> tp1 (median of {r.get('reads')}) | {_gb(r.get('sidecar_gbps'))} "
                     f"GB/s (best {_gb(r.get('sidecar_best_gbps'))}) | "
                     f"{_gb(r.get('raw_gbps'))} GB/s (best {_gb(r.get('raw_best_gbps'))}) | "
@@ -445,7 +445,7 @@ def render(steps: Sequence[dict[str, str]], records: Sequence[dict[str, Any]],
             else:
                 gap = (r.get("sidecar_p50_us", 0) or 0) - (r.get("raw_p50_us", 0) or 0)
                 out.append(
-                    f"| {r.get('memory')} | 1-block (16 KiB) read latency p50 / p99 "
+                    f"{where} 1-block (16 KiB) read latency p50 / p99 "
                     f"({r.get('reads')} reads) | {_us(r.get('sidecar_p50_us'))} / "
                     f"{_us(r.get('sidecar_p99_us'))} | {_us(r.get('raw_p50_us'))} / "
                     f"{_us(r.get('raw_p99_us'))} (post + completion + notification) | - | "

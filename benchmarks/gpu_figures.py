@@ -20,6 +20,10 @@ allocated by the sidecars (``--memory``), engines played by
   waiting polls, every one oracle-checked, against raw NIXL post +
   completion + notification of 16 KiB with both sides spinning (VRAM).
 
+Each record names the ``UCX_*`` variables of the run (``scripts/gpu-check.sh``
+runs the figures with UCX's defaults, then with
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``, which UCX leaves off without NVLink).
+
 ``--memory shm`` runs the same on host memory without a GPU (sidecars
 without ``--device``, DRAM descriptors, a numpy copy): the CPU rehearsal the
 test suite runs. Each figure is printed and, with ``--json``, appended to
@@ -30,6 +34,7 @@ Without a GPU, a CUDA memory kind exits 2 with one line.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -45,6 +50,12 @@ import gpu_e2e
 from gpu_check import append
 
 HOST = "shm"
+
+
+def ucx_setting() -> str:
+    """The UCX variables this run was given (the figures depend on them)."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                     if k.startswith("UCX_")) or "UCX defaults"
 
 
 def bulk(p0: Any, d0: Any, memory: str, device: int | None, mib: int,
@@ -93,7 +104,8 @@ def bulk(p0: Any, d0: Any, memory: str, device: int | None, mib: int,
         P.close()
     copy, copy_kind = gpu_e2e.copy_gbps(nbytes, device, device)
     ours, base = statistics.median(times), statistics.median(raws)
-    return {"what": "bandwidth", "memory": memory, "bytes": moved, "reads": repeats,
+    return {"what": "bandwidth", "memory": memory, "ucx": ucx_setting(), "bytes": moved,
+            "reads": repeats,
             "sidecar_gbps": moved / ours / 1e9, "sidecar_best_gbps": moved / min(times) / 1e9,
             "raw_gbps": nbytes / base / 1e9, "raw_best_gbps": nbytes / min(raws) / 1e9,
             "copy_gbps": copy, "copy": copy_kind,
@@ -129,7 +141,8 @@ def latency(p0: Any, d0: Any, memory: str, device: int | None, reads: int) -> di
         D.close()
         P.close()
     raw = raw_latencies(16384, reads, device)
-    return {"what": "latency", "memory": memory, "reads": reads, "bytes": 16384,
+    return {"what": "latency", "memory": memory, "ucx": ucx_setting(), "reads": reads,
+            "bytes": 16384,
             "sidecar_p50_us": suite.pct(lat, 50) * 1e6, "sidecar_p99_us": suite.pct(lat, 99) * 1e6,
             "raw_p50_us": suite.pct(raw, 50) * 1e6, "raw_p99_us": suite.pct(raw, 99) * 1e6,
             "oracle": "every read: every byte ok"}
@@ -183,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 append(args.json, run())
             except Exception as e:  # one figure failing does not cost the other
                 ok = False
-                append(args.json, {"what": name, "memory": args.memory,
+                append(args.json, {"what": name, "memory": args.memory, "ucx": ucx_setting(),
                                    "error": f"{type(e).__name__}: {e}",
                                    "logs": {s.name: s.read_log()[-3000:] for s in sidecars}})
     finally:

@@ -22,6 +22,8 @@
 #   e2e-cuda_vmm     P tp2 -> D tp1, every byte checked against the oracle
 #   figures          benchmarks/gpu_figures.py: GB/s through the sidecars vs a raw NIXL VRAM
 #                    READ vs a torch device copy, and 1-block latency, same run
+#   figures-get-zcopy  the same with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (UCX leaves cuda_ipc
+#                    READs off without NVLink); last, so the budget cuts it first
 #
 # Results go into OUTDIR as each step ends (few files: the device tool returns
 # at most 8): steps.tsv (each step's limit, status, seconds, outcome),
@@ -41,9 +43,11 @@ set -uo pipefail  # no -e: a failed step is recorded and the next one runs
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-STEPS=(install nvidia-smi env tests transport e2e-cuda_malloc e2e-cuda_vmm figures)
+STEPS=(install nvidia-smi env tests transport e2e-cuda_malloc e2e-cuda_vmm figures
+       figures-get-zcopy)
 declare -A LIMIT=([install]=60 [nvidia-smi]=20 [env]=60 [tests]=60 [transport]=60
-                  [e2e-cuda_malloc]=90 [e2e-cuda_vmm]=90 [figures]=120)
+                  [e2e-cuda_malloc]=90 [e2e-cuda_vmm]=90 [figures]=120
+                  [figures-get-zcopy]=120)
 BUDGET=330
 DRY=0
 WHEELS="$ROOT/.whl"
@@ -183,5 +187,7 @@ run_step transport "$PY" "$B/gpu_check.py" transport --json "$RESULTS" --mib "$c
 run_step e2e-cuda_malloc "$PY" "$B/gpu_e2e.py" --memory cuda_malloc --no-transport --json "$RESULTS" "${dry[@]}"
 run_step e2e-cuda_vmm "$PY" "$B/gpu_e2e.py" --memory cuda_vmm --no-transport --json "$RESULTS" "${dry[@]}"
 run_step figures "$PY" "$B/gpu_figures.py" --memory cuda_malloc --json "$RESULTS" "${dry[@]}"
+run_step figures-get-zcopy env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y \
+    "$PY" "$B/gpu_figures.py" --memory cuda_malloc --json "$RESULTS" "${dry[@]}"
 echo "gpu-check: done in $(($(date +%s) - START)) s; summary in $OUT/summary.md" | tee -a "$LOG"
 exit $FAILED

@@ -100,15 +100,20 @@ if [ ! -d "$WHEELS" ]; then
 fi
 
 # What travels: tracked and untracked-not-ignored files of the checkout (not
-# those under the wheel folder, counted below), and the wheel folder (carried).
+# those under the wheel folder, counted below), a shared/ folder in it whole
+# (the device tool sends it, ignored or not), and the wheel folder (carried).
 wheels_abs=$(cd "$WHEELS" && pwd)
 rel=""
 case "$wheels_abs/" in "$ROOT"/*) rel=${wheels_abs#"$ROOT"/}/ ;; esac
 tree_bytes=$(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
     | while IFS= read -r -d '' f; do
           if [ -n "$rel" ] && [ "${f#"$rel"}" != "$f" ]; then continue; fi
+          if [ -d shared ] && [ "${f#shared/}" != "$f" ]; then continue; fi
           [ -f "$f" ] && [ ! -L "$f" ] && stat -c %s -- "$f"
       done | awk '{s += $1} END {print s + 0}')
+if [ -d "$ROOT/shared" ]; then
+    tree_bytes=$((tree_bytes + $(find "$ROOT/shared" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')))
+fi
 wheel_bytes=$(find "$wheels_abs" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
 total=$((tree_bytes + wheel_bytes))
 mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
 STEPS = ["install", "nvidia-smi", "env", "tests", "transport", "e2e-cuda_malloc",
-         "e2e-cuda_vmm", "figures"]
+         "e2e-cuda_vmm", "figures", "figures-get-zcopy"]
 
 
 def _wheel(folder: Path) -> Path:
@@ -97,7 +97,7 @@ def test_dry_run_kills_a_hung_step_records_it_and_runs_the_rest(tmp_path: Path) 
     assert (site / "kvsgpuprobe.py").read_text() == "VALUE = 42\n"
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["what"] for r in records] == ["facts", "tests", "transport", "transport",
-                                            "dry-run", "dry-run", "dry-run"]
+                                            "dry-run", "dry-run", "dry-run", "dry-run"]
     facts, tests, *transport = records[:4]
     assert facts["versions"]["nixl"] == md.version("nixl")
     assert facts["nixl"]["ucx_version"] and "cma" in facts["nixl"]["ucx_modules"]
@@ -105,7 +105,8 @@ def test_dry_run_kills_a_hung_step_records_it_and_runs_the_rest(tmp_path: Path) 
     assert [(t["device"], t["variant"], t["passed"]) for t in transport] == [
         ("host", "default", True), ("host", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y", True)]
     assert [(r["script"], r["args"].get("memory")) for r in records[4:]] == [
-        ("gpu_e2e", "cuda_malloc"), ("gpu_e2e", "cuda_vmm"), ("gpu_figures", "cuda_malloc")]
+        ("gpu_e2e", "cuda_malloc"), ("gpu_e2e", "cuda_vmm"), ("gpu_figures", "cuda_malloc"),
+        ("gpu_figures", "cuda_malloc")]
 
     # What comes back: few files, names the device tool accepts; a summary saying dry run.
     names = sorted(p.name for p in out.iterdir())
@@ -229,11 +230,13 @@ def _gpu_like_records() -> list[dict[str, object]]:
          "oracle": "every byte ok"},
         {"what": "case", "memory": "cuda_vmm", "case": "1 GPU, hybrid P tp2 -> D tp1",
          "error": "CudaError: cuMemImportFromShareableHandle failed", "logs": {}},
-        {"what": "bandwidth", "memory": "cuda_malloc", "bytes": 256 << 20, "reads": 5,
+        {"what": "bandwidth", "memory": "cuda_malloc", "ucx": "UCX defaults",
+         "bytes": 256 << 20, "reads": 5,
          "sidecar_gbps": 500.0, "sidecar_best_gbps": 520.0, "raw_gbps": 1000.0,
          "raw_best_gbps": 1100.0, "copy_gbps": 1500.0, "copy": "torch device-to-device copy",
          "ratio": 0.5, "oracle": "first read: every byte ok; the others received"},
-        {"what": "latency", "memory": "cuda_malloc", "reads": 200, "bytes": 16384,
+        {"what": "latency", "memory": "cuda_malloc", "ucx": "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y",
+         "reads": 200, "bytes": 16384,
          "sidecar_p50_us": 300.0, "sidecar_p99_us": 900.0, "raw_p50_us": 40.0,
          "raw_p99_us": 60.0, "oracle": "every read: every byte ok"},
         {"what": "tests", "passed": 2, "failed": 0, "error": 0, "skipped": 0,
@@ -265,11 +268,13 @@ def test_summary_renders_what_was_recorded(tmp_path: Path) -> None:
             "900.0 (torch device-to-device copy) | every byte ok |") in text
     assert ("| cuda_vmm | 1 GPU, hybrid P tp2 -> D tp1 | - | - | - | - | - | FAILED: "
             "CudaError: cuMemImportFromShareableHandle failed |") in text
-    assert ("| cuda_malloc | one read of 256 MiB, tp1 -> tp1 (median of 5) | 500.0 GB/s (best "
+    assert ("| cuda_malloc | UCX defaults | one read of 256 MiB, tp1 -> tp1 (median of 5) | "
+            "500.0 GB/s (best "
             "520.0) | 1,000.0 GB/s (best 1,100.0) | 1,500.0 GB/s (torch device-to-device "
             "copy) | 0.50x |") in text
-    assert ("| 300 µs / 900 µs | 40 µs / 60 µs (post + completion + notification) | - | "
-            "p50 raw + 260 µs |") in text
+    assert ("| cuda_malloc | UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y | 1-block (16 KiB) read latency "
+            "p50 / p99 (200 reads) | 300 µs / 900 µs | 40 µs / 60 µs (post + completion + "
+            "notification) | - | p50 raw + 260 µs |") in text
     assert "2 passed, 0 failed, 0 errors, 0 skipped." in text
     assert "- CUDA driver API calls of our code this cuda-bindings would refuse: none" in text
 
@@ -326,6 +331,8 @@ def test_the_gpu_benchmarks_run_on_host_memory_and_the_summary_shows_them(
     case, bulk, lat = records
     assert case["requests"] == 2 and case["bytes"] > 0 and not case["failed"]
     assert bulk["bytes"] == 4 << 20 and bulk["copy"] == "numpy host copy"
+    ucx = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
+    assert bulk["ucx"] == lat["ucx"] == (ucx or "UCX defaults")
     assert min(bulk["sidecar_gbps"], bulk["raw_gbps"], bulk["copy_gbps"]) > 0
     assert min(lat["sidecar_p50_us"], lat["raw_p50_us"]) > 0
     text = gpu_check.render([], records, "now")
