@@ -253,11 +253,25 @@ class SimEngine:
         return out
 
     def free(self, ids: list[list[int]]) -> None:
+        """Poison the blocks and give them back; in GPU regions too, not only in
+        their host mirrors: verify pulls whole regions and wants poison in every
+        block a request does not name (other blocks' bytes are left alone)."""
+        pb = self.layout.page_bytes
         for group in ids:
             for b in group:
                 for bufs in self.buffers:
                     for buf in bufs:
-                        buf[b * self.layout.page_bytes:(b + 1) * self.layout.page_bytes] = POISON
+                        buf[b * pb:(b + 1) * pb] = POISON
+        gpu = [r for reg in self.registrations for r in reg.regions if r.mem_type == "VRAM"]
+        if gpu:
+            import torch
+
+            for r in gpu:
+                t = r.torch()  # type: ignore[attr-defined]
+                for group in ids:
+                    for b in group:
+                        t[b * pb:(b + 1) * pb].fill_(POISON)
+            torch.cuda.synchronize()
         self.release_blocks(ids)
 
     def blocks_for(self, tokens: int, mamba_pages: int = 1) -> list[list[int]]:

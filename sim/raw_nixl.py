@@ -5,7 +5,9 @@ progress thread off) over shared memory: the initiator here, the target in a
 child process that keeps progressing its UCX worker (wire-up needs it) until
 the initiator's notification says it is done. The demo compares the
 sidecar's reads with one READ of the same bytes through it, and with the same
-bytes in as many scattered descriptors; benchmarks reuse it.
+bytes in as many scattered descriptors; benchmarks reuse it. With ``device``
+set, both sides' memory is ``cuMemAlloc`` memory of that GPU (VRAM
+descriptors), the baseline of ``benchmarks/gpu_figures.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,62 @@ def bare_agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
+class _GpuBuffer:
+    """``span`` bytes of ``cuMemAlloc`` memory on GPU ``device`` (its primary
+    context made current on the calling thread), with what a pair needs of a
+    region: its address, a fill, its first byte, and close."""
+
+    def __init__(self, span: int, device: int) -> None:
+        from kvsidecar.ipc import cuda
+
+        cuda.make_current(device)
+        self._cuda, self._drv, self.span = cuda, cuda.driver(), span
+        self.address = int(cuda.check(self._drv.cuMemAlloc(span), "cuMemAlloc"))
+        self.fill(0)
+
+    def fill(self, value: int) -> None:
+        self._cuda.check(self._drv.cuMemsetD8(self.address, value, self.span), "cuMemsetD8")
+
+    def first_byte(self) -> int:
+        out = np.zeros(1, np.uint8)
+        self._cuda.check(self._drv.cuMemcpyDtoH(out.ctypes.data, self.address, 1), "DtoH")
+        return int(out[0])
+
+    def close(self) -> None:
+        if self.address:
+            self._drv.cuMemFree(self.address)
+            self.address = 0
+
+    def unlink(self) -> None:
+        """GPU memory has no name to remove."""
+
+    def __enter__(self) -> _GpuBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _memory(span: int, device: int | None) -> ShmRegion | _GpuBuffer:
+    """One side's memory: shared memory (:func:`_region`), or GPU memory."""
+    return _region(span) if device is None else _GpuBuffer(span, device)
+
+
+def _fill(region: ShmRegion | _GpuBuffer, value: int) -> None:
+    if isinstance(region, _GpuBuffer):
+        region.fill(value)
+    else:
+        region.numpy()[:] = value
+
+
+def _first_byte(region: ShmRegion | _GpuBuffer) -> int:
+    return region.first_byte() if isinstance(region, _GpuBuffer) else int(region.numpy()[0])
+
+
+def _mem_type(device: int | None) -> str:
+    return "DRAM" if device is None else "VRAM"
+
+
 def _region(span: int) -> ShmRegion:
     """Shared memory for one side of a pair, its name removed at once: only its
     own process maps it (the peer reads it by address), so a side that is
@@ -44,12 +102,13 @@ def _region(span: int) -> ShmRegion:
 _PARENT_CHECK_ROUNDS = 256
 
 
-def _target(span: int, conn: Connection, spin: bool = False) -> None:
-    agent = bare_agent("raw-target")
+def _target(span: int, conn: Connection, spin: bool = False, device: int | None = None) -> None:
     seen: dict[bytes, float] = {}  # message -> perf_counter when it arrived (spin mode)
-    with _region(span) as region:
-        region.numpy()[:] = 7
-        descs = agent.get_reg_descs([(region.address, span, 0, "")], "DRAM")
+    with _memory(span, device) as region:
+        agent = bare_agent("raw-target")  # after the GPU's context is current (VRAM)
+        _fill(region, 7)
+        descs = agent.get_reg_descs([(region.address, span, device or 0, "")],
+                                    _mem_type(device))
         agent.register_memory(descs)
         conn.send((agent.get_agent_metadata(), region.address))
         if spin:  # acknowledgements need the initiator's metadata
@@ -75,28 +134,32 @@ def _target(span: int, conn: Connection, spin: bool = False) -> None:
 
 class RawPair:
     """An initiator agent here and a target agent in a child process, each with
-    ``span`` bytes of registered shared memory (the target's filled with 7s)."""
+    ``span`` bytes of registered shared memory (the target's filled with 7s),
+    or of GPU memory on ``device``."""
 
-    def __init__(self, span: int, *, spin: bool = False) -> None:
+    def __init__(self, span: int, *, spin: bool = False, device: int | None = None) -> None:
         """``spin``: the target polls notifications without sleeping and records
         when each arrived (CLOCK_MONOTONIC, shared by both processes), which
-        :attr:`arrivals` returns after the pair closes."""
+        :attr:`arrivals` returns after the pair closes. ``device``: both sides'
+        memory on that GPU (``VRAM`` descriptors) instead of shared memory."""
         self.span = span
         self.spin = spin
+        self.device = device
+        self.mem = _mem_type(device)
         self.arrivals: dict[bytes, float] = {}
 
     def __enter__(self) -> RawPair:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target, args=(self.span, child, self.spin),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_target,
+                                 args=(self.span, child, self.spin, self.device), daemon=True)
         self._conn = parent
         self._proc.start()
-        self.region = _region(self.span)
+        self.region = _memory(self.span, self.device)
         try:
             self.agent = bare_agent("raw-initiator")
-            self._reg = self.agent.get_reg_descs([(self.region.address, self.span, 0, "")],
-                                                 "DRAM")
+            self._reg = self.agent.get_reg_descs(
+                [(self.region.address, self.span, self.device or 0, "")], self.mem)
             self.agent.register_memory(self._reg)
             if not parent.poll(60):
                 raise RuntimeError("raw NIXL target did not start")
@@ -115,7 +178,7 @@ class RawPair:
     def table(self, base: int, slots: np.ndarray, size: int) -> np.ndarray:
         """Nx3 (addr, len, dev) descriptors of ``size`` bytes at slot indices."""
         return np.stack([base + slots * size, np.full(slots.size, size),
-                         np.zeros(slots.size, np.int64)], 1).astype(np.int64)
+                         np.full(slots.size, self.device or 0)], 1).astype(np.int64)
 
     def finish(self, handle: Any) -> None:
         """Post and poll one transfer to completion."""
@@ -155,9 +218,9 @@ class RawReader:
         slots = np.arange(descriptors, dtype=np.int64) * (1 if descriptors == 1 else 2)
         self.pair = pair
         self.local = pair.agent.get_xfer_descs(pair.table(pair.region.address, slots, size),
-                                               "DRAM")
+                                               pair.mem)
         self.remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, slots, size),
-                                                "DRAM")
+                                                pair.mem)
 
     @staticmethod
     def span(nbytes: int, descriptors: int = 1) -> int:
@@ -170,7 +233,7 @@ class RawReader:
         t0 = time.perf_counter()
         pair.finish(pair.agent.initialize_xfer("READ", self.local, self.remote, pair.peer, b""))
         dt = time.perf_counter() - t0
-        if int(pair.region.numpy()[0]) != 7:
+        if _first_byte(pair.region) != 7:
             raise RuntimeError("raw NIXL read moved no data")
         return dt
 
@@ -184,16 +247,18 @@ def raw_read_seconds(nbytes: int, repeats: int = 3, descriptors: int = 1) -> flo
         return min(reader.once() for _ in range(repeats))
 
 
-def raw_latencies(nbytes: int, count: int) -> list[float]:
+def raw_latencies(nbytes: int, count: int, device: int | None = None) -> list[float]:
     """Seconds from posting a one-descriptor READ of ``nbytes`` (with a
     notification) until both the initiator saw it DONE and the target received
     the notification, ``count`` times after a warm-up: the round trip a
-    sidecar's small read stands in for. Both sides poll without sleeping."""
+    sidecar's small read stands in for. Both sides poll without sleeping.
+    ``device``: GPU memory on both sides (VRAM)."""
     out: list[float] = []
-    with RawPair(2 * nbytes, spin=True) as pair:
+    with RawPair(2 * nbytes, spin=True, device=device) as pair:
         one = np.zeros(1, np.int64)
-        local = pair.agent.get_xfer_descs(pair.table(pair.region.address, one, nbytes), "DRAM")
-        remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, one, nbytes), "DRAM")
+        local = pair.agent.get_xfer_descs(pair.table(pair.region.address, one, nbytes),
+                                          pair.mem)
+        remote = pair.agent.get_xfer_descs(pair.table(pair.remote_addr, one, nbytes), pair.mem)
         starts, dones = [], []
         for i in range(count + 1):
             t0 = time.perf_counter()
