@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 
 
@@ -22,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="kvsidecar", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser(
         "serve", help="run one sidecar (one per GPU)",
