@@ -53,11 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "serve":
         from kvsidecar.daemon.main import serve
+        from kvsidecar.daemon.preflight import Refusal, preflight
 
         try:
             s = settings_mod.from_args(args)
         except settings_mod.ConfigError as e:
             p_serve.error(str(e))
+        try:
+            preflight(s)  # before any thread, server or NIXL: a refusal exits at once
+        except Refusal as e:
+            print(f"kvsidecar: {e}", file=sys.stderr, flush=True)
+            return 2
         return serve(s)
     from kvsidecar.sim.demo import run_demo
 

@@ -1,5 +1,6 @@
 """``kvsidecar serve``: run one sidecar until SIGTERM/SIGINT (the command line
-itself is :mod:`kvsidecar.cli`)."""
+itself is :mod:`kvsidecar.cli`, which runs :mod:`~kvsidecar.daemon.preflight`
+first: what is refused here is what changed between its checks and the start)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,13 @@ async def _serve(s: settings_mod.Settings) -> int:
               "/readyz": lambda: verdict(sidecar.readiness())}
     http = (MetricsServer(metrics, s.metrics_host, s.metrics_port, probes=probes)
             if s.metrics_port >= 0 else None)
-    metrics_port = http.start() if http is not None else -1
+    try:
+        metrics_port = http.start() if http is not None else -1
+    except OSError as e:  # taken since preflight checked it: refuse whole, nothing left running
+        print(f"kvsidecar: --metrics-port {s.metrics_port} on {s.metrics_host}: {e.strerror}; "
+              "pass another --metrics-port (0: any free port)", file=sys.stderr, flush=True)
+        await sidecar.stop()
+        return 2
     log.info("transport: %s", transport_note())
     # The start-up heap (NIXL, torch, numpy, the modules) is never garbage:
     # frozen, the collector stops walking it in every full collection (they
