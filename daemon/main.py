@@ -12,6 +12,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ async def _serve(s: settings_mod.Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     # One machine-readable line on stdout, for supervisors, tests and the demo.
     print("KVSIDECAR READY " + json.dumps({
-        "socket": s.socket, "handshake": sidecar.handshake_address,
+        "version": __version__, "socket": s.socket, "handshake": sidecar.handshake_address,
         "metrics_port": metrics_port, "daemon_id": sidecar.daemon_id,
         "peer_auth": sidecar.peer_auth,
     }), flush=True)
