@@ -1,5 +1,6 @@
-"""The built package, installed as a user installs it: the wheel and the sdist are
-built from a copy of this checkout, the wheel goes (not editable) into a fresh
+"""The built package, installed as a user installs it, and the image recipe that
+builds it (Containerfile). The wheel and the sdist are built from a copy of this
+checkout, the wheel goes (not editable) into a fresh
 venv under the temporary folder, and the ``kvsidecar`` command runs from a
 folder outside the checkout with nothing of the checkout on its path.
 
@@ -14,7 +15,9 @@ about 25 s for ``kvsidecar demo``.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,6 +42,8 @@ PACKAGE_DATA = {"py.typed"}
 #: Installed into the fresh venv before the wheel: nixl depends on torch, and
 #: the default index's torch is a multi-GB CUDA build (see the Makefile).
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+#: How the wheel is built, here and in the Containerfile's build stage.
+BUILD_WHEEL = ["pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir"]
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -89,8 +94,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     import setuptools  # the `test` extra pins it: the build runs offline, no isolation
 
     assert int(setuptools.__version__.split(".")[0]) >= 77, setuptools.__version__
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(dist), "."],
+    subprocess.run([sys.executable, "-m", *BUILD_WHEEL, str(dist), ".", "-q"],
                    cwd=src, check=True, timeout=600)
     subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
                     "build_meta.build_sdist(sys.argv[1])", str(dist)],
@@ -200,3 +204,73 @@ def test_the_wheels_vllm_adapter_imports_next_to_vllm(built: Built,
                        cwd=built.elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert Path(r.stdout.strip()).parent.parent == only / "kvsidecar"
+
+
+# ---- the image recipe: no container engine here (README "Container image"), so
+# the Containerfile is read, and its install steps are the ones run above.
+
+
+def _instructions(stage_of: str = "") -> list[tuple[str, str, str]]:
+    """(stage, INSTRUCTION, arguments) of the Containerfile, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Containerfile").read_text())
+    out, stage = [], ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        if word == "FROM":
+            stage = rest.split(" AS ")[-1] if " AS " in rest else ""
+        out.append((stage, word, rest.strip()))
+    return out
+
+
+def test_the_image_builds_the_wheel_then_installs_only_it() -> None:
+    ins = _instructions()
+    froms = [(st, a) for st, w, a in ins if w == "FROM"]
+    assert [st for st, _ in froms] == ["build", "runtime"]
+    assert all(a.startswith("docker.io/library/python:${PYTHON}-slim AS ") for _, a in froms)
+    runs = {st: [a for s2, w, a in ins if w == "RUN" and s2 == st] for st in ("build", "runtime")}
+    assert f"python -m {' '.join(BUILD_WHEEL)} /dist ." in runs["build"]
+    (install,) = runs["runtime"]
+    steps = [step.strip() for step in install.split("&&")]
+    assert steps[0] == "python -m pip install --no-cache-dir ${TORCH_SPEC}"
+    assert steps[1].startswith('python -m pip install --no-cache-dir "$(ls /dist/kvsidecar-')
+    assert "kvsidecar --version" in steps
+    copies = [a for st, w, a in ins if w == "COPY" and st == "runtime"]
+    assert copies == ["--from=build /dist /dist"]  # no source tree in the runtime stage
+
+
+def test_the_image_runs_serve_as_a_user_and_stops_on_sigterm() -> None:
+    final = [(w, a) for st, w, a in _instructions() if st == "runtime"]
+    (user,) = [a for w, a in final if w == "USER"]
+    assert user == "1000:1000"
+    assert [a for w, a in final if w == "ENTRYPOINT"] == ['["kvsidecar", "serve"]']
+    assert [a for w, a in final if w == "STOPSIGNAL"] == ["SIGTERM"]
+    (health,) = [a for w, a in final if w == "HEALTHCHECK"]
+    cmd = json.loads(health.split(" CMD ", 1)[1])
+    assert cmd[:2] == ["kvsidecar", "status"]
+    # the probe's flags are the CLI's: with no sidecar it answers 2, not a usage error
+    from kvsidecar.cli import main
+
+    assert main([*cmd[1:], "--socket", "/nonexistent/kvsidecar.sock"]) == 2
+
+
+def test_the_image_is_labelled_with_this_version_and_its_source() -> None:
+    final = [(w, a) for st, w, a in _instructions() if st == "runtime"]
+    args = dict(a.split("=", 1) for w, a in final if w == "ARG" and "=" in a)
+    assert args["VERSION"] == kvsidecar.__version__
+    labels = " ".join(a for w, a in final if w == "LABEL")
+    for key, value in (("version", "${VERSION}"), ("source", "${SOURCE}"),
+                       ("revision", "${REVISION}"), ("licenses", "Apache-2.0")):
+        assert f'org.opencontainers.image.{key}="{value}"' in labels
+
+
+def test_the_kubernetes_pod_runs_this_version_of_the_image() -> None:
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/kubernetes/pod.yaml").read_text()))
+    pod = next(d for d in docs if d and d.get("kind") == "Pod")
+    (sc,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvsidecar"]
+    assert sc["image"].endswith(f"/kvsidecar:{kvsidecar.__version__}")
+    assert "serve" not in sc.get("args", [])  # the image's ENTRYPOINT says it
