@@ -71,8 +71,8 @@ async def _serve(s: settings_mod.Settings) -> int:
     try:
         metrics_port = http.start() if http is not None else -1
     except OSError as e:  # taken since preflight checked it: refuse whole, nothing left running
-        print(f"kvsidecar: --metrics-port {s.metrics_port} on {s.metrics_host}: {e.strerror}; "
-              "pass another --metrics-port (0: any free port)", file=sys.stderr, flush=True)
+        print(f"kvsidecar: --metrics-host {s.metrics_host} --metrics-port {s.metrics_port}: "
+              f"{e.strerror or e}", file=sys.stderr, flush=True)
         await sidecar.stop()
         return 2
     log.info("transport: %s", transport_note())

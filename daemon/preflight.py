@@ -11,7 +11,7 @@ still handles each of them, for the rare race between the check and the start.
 Checks, in order: peer keys; the address peers dial; the transport the
 ``--transport-check`` mode demands (as far as ``UCX_TLS`` decides it; the
 measured loopback READ runs after start-up and gates ``/readyz``); the GPU of
-``--device cuda:N``; the handshake and metrics ports; the engine socket (its
+``--device cuda:N``; the handshake and metrics listeners (host and port); the engine socket (its
 path, its directory, which is created as the start-up would, and whether
 another sidecar holds it).
 """
@@ -116,13 +116,12 @@ def _socket(s: Settings) -> None:
 
 
 def _ports(s: Settings) -> None:
-    """A fixed handshake or metrics port that something else holds."""
-    wanted = [("--handshake-port", s.handshake_host, s.handshake_port)]
+    """The handshake and metrics listeners can bind: the host is one of this
+    machine's addresses (or a wildcard) and a fixed port is free."""
+    wanted = [("handshake", s.handshake_host, s.handshake_port)]
     if s.metrics_port >= 0:
-        wanted.append(("--metrics-port", s.metrics_host, s.metrics_port))
-    for flag, host, port in wanted:
-        if port == 0:
-            continue
+        wanted.append(("metrics", s.metrics_host, s.metrics_port))
+    for what, host, port in wanted:
         bind_host = "" if host in ("*", "") else host.strip("[]")
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -130,8 +129,13 @@ def _ports(s: Settings) -> None:
             try:
                 probe.bind((bind_host, port))
             except OSError as e:
-                raise Refusal(f"{flag} {port} on {host or '*'}: {e.strerror}; stop what holds "
-                              f"it or pass another {flag} (0: any free port)") from None
+                why = e.strerror or str(e)
+                if e.errno == errno.EADDRINUSE:
+                    raise Refusal(f"--{what}-port {port} on {host or '*'}: {why}; stop what "
+                                  f"holds it or pass another --{what}-port (0: any free "
+                                  "port)") from None
+                raise Refusal(f"--{what}-host {host}: {why}; pass an address of this host, "
+                              "or 0.0.0.0 for all") from None
 
 
 def _device(s: Settings) -> None:

@@ -107,6 +107,13 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
         "metrics port in use": (["--metrics-port", "TAKEN", *keys], {},
                                 "kvsidecar: --metrics-port TAKEN on 127.0.0.1: Address already "
                                 "in use; stop what holds it or pass another --metrics-port"),
+        "handshake host not here": (["--handshake-host", "192.0.2.1", *keys], {},
+                                    "kvsidecar: --handshake-host 192.0.2.1: Cannot assign "
+                                    "requested address; pass an address of this host, or "
+                                    "0.0.0.0 for all"),
+        "metrics host not here": (["--metrics-host", "192.0.2.1", *keys], {},
+                                  "kvsidecar: --metrics-host 192.0.2.1: Cannot assign "
+                                  "requested address; pass an address of this host"),
         "unusable device": (["--device", "cuda:99", *keys], {},
                             "kvsidecar: --device cuda:99: "),
         "transport check": (keys, {"UCX_TLS": "tcp"},
@@ -130,7 +137,10 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
 
 CASES = ["missing keys", "bad flag", "unknown flag", "bad env value", "bad env choice",
          "socket in use", "socket not a socket", "socket path too long",
-         "handshake port in use", "unusable device", "transport check"]
+         "handshake port in use", "handshake host not here", "unusable device",
+         "transport check"]
+#: Cases that exist only with metrics on (the "metrics off" run has no listener).
+METRICS_CASES = ["metrics port in use", "metrics host not here"]
 
 
 METRICS = ["metrics off", "metrics on (flag)", "metrics on (env)"]
@@ -138,21 +148,20 @@ METRICS = ["metrics off", "metrics on (flag)", "metrics on (env)"]
 
 @pytest.mark.parametrize(("name", "metrics"), [
     *((n, m) for n in CASES for m in METRICS),
-    *(("metrics port in use", m) for m in METRICS[1:]),  # a case only with metrics on
+    *((n, m) for n in METRICS_CASES for m in METRICS[1:]),
 ])
 def test_a_refusal_exits_2_at_once_with_one_line(name: str, metrics: str, startup_s: float,
                                                  request: pytest.FixtureRequest,
                                                  tmp_path: Path) -> None:
     argv, env, says = _case(name, request, tmp_path)
-    if metrics == "metrics on (flag)" and name != "metrics port in use":
-        argv = [*argv, "--metrics-port", "0"]
-    elif metrics == "metrics on (env)":
-        if name == "metrics port in use":  # the same port, given by the environment
-            i = argv.index("--metrics-port")
-            env = {**env, "KVSIDECAR_METRICS_PORT": argv[i + 1]}
-            argv = argv[:i] + argv[i + 2:]
-        else:
-            env = {**env, "KVSIDECAR_METRICS_PORT": "0"}
+    port = "0"
+    if "--metrics-port" in argv:  # the case's own port, given by the flag or the env below
+        i = argv.index("--metrics-port")
+        port, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    if metrics == "metrics on (flag)":
+        argv = [*argv, "--metrics-port", port]
+    elif metrics == "metrics on (env)":  # the same port, given by the environment
+        env = {**env, "KVSIDECAR_METRICS_PORT": port}
     proc, took = _run(["serve", *argv], env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
