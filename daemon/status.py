@@ -19,7 +19,7 @@ from kvsidecar.daemon.engine_access import PeerCred
 from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.health import Check
 from kvsidecar.daemon.transport.check import CheckResult
-from kvsidecar.ipc.protocol import EngineStatus, PeerStatus, StatusCheck
+from kvsidecar.ipc.protocol import MAX_STATUS_PEERS, EngineStatus, PeerStatus, StatusCheck
 
 __all__ = ["checks_of", "engine_status", "sees", "transport_of"]
 
@@ -31,15 +31,17 @@ def sees(asker: PeerCred | None, eng: EngineRank) -> bool:
 
 
 def engine_status(eng: EngineRank, reads: int, oldest_read_s: float, now: float) -> EngineStatus:
-    """One engine rank: its reads (counted by the read table), holds and linked peers."""
+    """One engine rank: its reads (counted by the read table), holds and linked
+    peers (the most recently used first, at most MAX_STATUS_PEERS of them)."""
+    links = eng.peers.linked()
     peers = [PeerStatus(address=p.key[0], engine_id=p.key[1], tp_rank=p.key[2],
                         version=p.info.sidecar_version, reads=users)
-             for p, users in eng.peers.linked()]
+             for p, users in reversed(links[-MAX_STATUS_PEERS:])]
     return EngineStatus(
         engine_id=eng.engine_id, tp_rank=eng.tp_rank, tp_size=eng.layout.tp_size, pid=eng.pid,
         lanes=len(eng.lanes), reads=reads, oldest_read_s=round(oldest_read_s, 3),
         holds=len(eng.holds), oldest_hold_s=round(eng.holds.oldest_age(now), 3),
-        queued=len(eng.completions), peers=peers)
+        queued=len(eng.completions), peers_linked=len(links), peers=peers)
 
 
 def transport_of(mode: str, host: CheckResult | None, vram: CheckResult | None,

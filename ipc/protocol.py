@@ -543,11 +543,16 @@ class PeerStatus(msgspec.Struct, frozen=True):
     reads: int = 0
 
 
+MAX_STATUS_PEERS: Final = 32
+"""Peer links a :class:`StatusReport` lists per engine rank (the most recently used)."""
+
+
 class EngineStatus(msgspec.Struct, frozen=True):
     """One registered engine rank. Ages are seconds since the oldest read in
     flight was accepted and the oldest open hold was placed (0 when none);
     ``queued``: completions the engine has not taken yet (not polled, or
-    polled and not acknowledged by its next poll)."""
+    polled and not acknowledged by its next poll); ``peers_linked``: its
+    links, of which ``peers`` lists the :data:`MAX_STATUS_PEERS` most recently used."""
 
     engine_id: str
     tp_rank: int
@@ -559,6 +564,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     holds: int = 0
     oldest_hold_s: float = 0.0
     queued: int = 0
+    peers_linked: int = 0
     peers: list[PeerStatus] = []
 
 

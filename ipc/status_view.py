@@ -37,7 +37,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _engine_row(e: EngineStatus) -> list[str]:
     return [e.engine_id, f"{e.tp_rank}/{e.tp_size}", str(e.pid), str(e.lanes), str(e.reads),
             _age(e.oldest_read_s, e.reads), str(e.holds), _age(e.oldest_hold_s, e.holds),
-            str(e.queued), str(len(e.peers))]
+            str(e.queued), str(e.peers_linked)]
 
 
 def render(r: StatusReport) -> str:
@@ -52,7 +52,7 @@ def render(r: StatusReport) -> str:
     holds = sum(e.holds for e in r.engines)
     oldest_read = max((e.oldest_read_s for e in r.engines), default=0.0)
     oldest_hold = max((e.oldest_hold_s for e in r.engines), default=0.0)
-    peers = sum(len(e.peers) for e in r.engines)
+    peers = sum(e.peers_linked for e in r.engines)
     lines.append(f"{len(r.engines)} engine rank(s); {reads} read(s) in flight (oldest "
                  f"{_age(oldest_read, reads)}); {holds} hold(s) open (oldest "
                  f"{_age(oldest_hold, holds)}); {peers} peer link(s)")

@@ -18,7 +18,7 @@ def _report(**kw: object) -> StatusReport:
         handshake_address="10.0.0.1:5600", ready=True, draining=False, transport="cma",
         checks=[StatusCheck("event_loop", True, "fine")],
         engines=[EngineStatus("dec", 1, 2, pid=42, lanes=2, reads=3, oldest_read_s=75.5,
-                              holds=0, queued=4,
+                              holds=0, queued=4, peers_linked=1,
                               peers=[PeerStatus("10.0.0.2:5600", "pre", 0, "9.8.6", 2)])])
     base.update(kw)
     return StatusReport(**base)  # type: ignore[arg-type]
@@ -85,3 +85,30 @@ def test_exit_status(monkeypatch: pytest.MonkeyPatch, tmp_path: object, ready: b
     monkeypatch.setattr(cli.os.path, "exists", lambda _p: True)
     assert cli.main(["status", "--socket", "/run/s.sock"]) == code
     assert capsys.readouterr().out.startswith("kvsidecar 9.8.7  daemon abc")
+
+
+def test_a_report_lists_the_most_recently_used_links_of_an_engine_only() -> None:
+    """daemon/status.engine_status on an engine rank's parts (plain stand-ins:
+    the function reads attributes only); 40 links, LRU first as PeerLinks
+    keeps them: the 32 most recent are listed, newest first, all 40 counted."""
+    from types import SimpleNamespace
+
+    from kvsidecar.daemon.holds import HoldBook
+    from kvsidecar.daemon.status import engine_status
+    from kvsidecar.ipc.protocol import MAX_STATUS_PEERS
+
+    links = [(SimpleNamespace(key=(f"10.0.0.{i}:5600", "pre", 0),
+                              info=SimpleNamespace(sidecar_version="1.2.3")), i % 2)
+             for i in range(40)]
+    holds = HoldBook(default_timeout_s=60, grace_s=1, on_done=lambda _o: None)
+    holds.add("dec", "h1", 1, 1, None, now=100.0)
+    holds.add("dec", "h2", 1, 1, None, now=103.0)
+    eng = SimpleNamespace(engine_id="dec", tp_rank=0, layout=SimpleNamespace(tp_size=1),
+                          pid=7, lanes=[None], holds=holds, completions=[1, 2],
+                          peers=SimpleNamespace(linked=lambda: links))
+    e = engine_status(eng, reads=3, oldest_read_s=1.23456, now=110.0)  # type: ignore[arg-type]
+    assert (e.reads, e.oldest_read_s, e.holds, e.oldest_hold_s, e.queued) == (
+        3, 1.235, 2, 10.0, 2)
+    assert MAX_STATUS_PEERS == 32 and e.peers_linked == 40
+    assert [p.address for p in e.peers] == [f"10.0.0.{i}:5600" for i in range(39, 7, -1)]
+    assert [p.reads for p in e.peers[:2]] == [1, 0]

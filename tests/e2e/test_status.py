@@ -96,7 +96,7 @@ def test_the_read_in_flight_and_the_link_on_d(scene: Scene) -> None:
     assert (r.ready, r.draining, r.transport) == (True, False, "off")
     (e,) = r.engines
     assert (e.engine_id, e.tp_rank, e.tp_size, e.pid) == ("status-D", 0, 1, os.getpid())
-    assert (e.reads, e.holds, e.queued) == (1, 0, 0)
+    assert (e.reads, e.holds, e.queued, e.peers_linked) == (1, 0, 0, 1)
     assert before - scene.read_at <= e.oldest_read_s + 0.01
     assert e.oldest_read_s <= after - scene.read_at + 0.01
     (link,) = e.peers  # the silent peer never linked; P did, and its handshake named its version
@@ -114,7 +114,7 @@ def test_the_open_hold_on_p_and_its_transport(scene: Scene) -> None:
     r = _status(scene.p)
     after = time.monotonic()
     (e,) = r.engines
-    assert (e.engine_id, e.reads, e.holds, e.peers) == ("status-P", 0, 1, [])
+    assert (e.engine_id, e.reads, e.holds, e.peers_linked, e.peers) == ("status-P", 0, 1, 0, [])
     assert before - scene.held_at <= e.oldest_hold_s + 0.01
     assert e.oldest_hold_s <= after - scene.held_at + 0.01
     # The path is whatever the self-check found here; /metrics must say the same.
