@@ -26,8 +26,9 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test,dev,vllm]'
 	touch $@
 
+# TORCH_SPEC: tests/test_wheel.py installs the same torch into its fresh venv.
 test: $(STAMP) $(VLLM_STAMP) system-deps
-	KVSIDECAR_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest
+	TORCH_SPEC='$(TORCH_SPEC)' KVSIDECAR_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest
 
 # Unit and in-process tests only: no sidecar processes, no slow cases.
 test-fast: $(STAMP) $(VLLM_STAMP)

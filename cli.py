@@ -1,4 +1,5 @@
-"""The ``kvsidecar`` command line: ``serve`` runs one sidecar, ``demo`` shows it working.
+"""The ``kvsidecar`` command line: ``serve`` runs one sidecar, ``demo`` shows it working,
+``keys`` makes the fleet's peer key, ``status`` shows a running sidecar's state.
 
 It lives above ``daemon`` and ``sim`` so that the daemon package never imports
 the simulated engines the demo needs.
@@ -7,9 +8,11 @@ the simulated engines the demo needs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
+from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 
 
@@ -22,6 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="kvsidecar", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser(
         "serve", help="run one sidecar (one per GPU)",
@@ -39,7 +43,21 @@ def main(argv: list[str] | None = None) -> int:
                                         "DIR/sidecar.key; give every sidecar of the fleet the "
                                         "same DIR (--peer-keys), e.g. as a Kubernetes Secret.")
     p_keys.add_argument("dir")
+    p_status = sub.add_parser(
+        "status", help="show a running sidecar's engines, reads, holds, peers and readiness",
+        description="Ask a running sidecar over its engine socket (as an allowed user). "
+                    "Exit status: 0 ready, 1 answered but not ready (or draining), 2 no "
+                    "answer.")
+    p_status.add_argument("--socket", default=os.environ.get("KVSIDECAR_SOCKET", ""),
+                          help="the sidecar's engine socket (env KVSIDECAR_SOCKET; default: "
+                               "serve's default for KVSIDECAR_DEVICE)")
+    p_status.add_argument("--json", action="store_true", help="one JSON object")
+    p_status.add_argument("--timeout", type=float, default=5.0,
+                          help="seconds to wait for the answer (default 5)")
     args = parser.parse_args(argv)
+    if args.cmd == "status":
+        return _status(args.socket or settings_mod.default_socket(
+            os.environ.get("KVSIDECAR_DEVICE", "cpu")), args.json, args.timeout)
     if args.cmd == "keys":
         from kvsidecar.daemon.peer_auth import generate_keys
 
@@ -51,16 +69,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "serve":
         from kvsidecar.daemon.main import serve
+        from kvsidecar.daemon.preflight import Refusal, preflight
 
         try:
             s = settings_mod.from_args(args)
         except settings_mod.ConfigError as e:
             p_serve.error(str(e))
+        try:
+            preflight(s)  # before any thread, server or NIXL: a refusal exits at once
+        except Refusal as e:
+            print(f"kvsidecar: {e}", file=sys.stderr, flush=True)
+            return 2
         return serve(s)
     from kvsidecar.sim.demo import run_demo
 
     return int(run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp,
                         d_tp=args.d_tp))
+
+
+def _status(socket: str, as_json: bool, timeout_s: float) -> int:
+    from kvsidecar.ipc.client import SidecarClient, SidecarError
+    from kvsidecar.ipc.status_view import as_json as to_json
+    from kvsidecar.ipc.status_view import render
+
+    if not os.path.exists(socket):  # the client would wait for it to appear
+        print(f"kvsidecar: no socket at {socket}: is `kvsidecar serve --socket {socket}` "
+              "running? (--socket, env KVSIDECAR_SOCKET)", file=sys.stderr)
+        return 2
+    try:
+        with SidecarClient(socket, timeout_s=timeout_s) as client:
+            report = client.status()
+    except (OSError, SidecarError) as e:
+        print(f"kvsidecar: no status from {socket}: {e} (is `kvsidecar serve --socket "
+              f"{socket}` running, and may this user use it?)", file=sys.stderr)
+        return 2
+    print(to_json(report) if as_json else render(report))
+    return 0 if report.ready and not report.draining else 1
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class _Hold:
     lease_until: float = 0.0  # the latest lease granted to any reader
     cap: float = math.inf  # no lease reaches past this (placed + max(timeout, max life))
     released: str = ""  # the engine released it while a lease still ran: ends at lease_until
+    placed: float = 0.0  # when the engine placed it (this clock)
 
 
 @dataclass
@@ -167,6 +168,10 @@ class HoldBook:
     def early(self) -> int:
         return len(self._early)
 
+    def oldest_age(self, now: float) -> float:
+        """Seconds since the oldest open hold was placed (0.0 when none is open)."""
+        return max((now - h.placed for h in self._holds.values()), default=0.0)
+
     def deadline(self, engine_id: str, request_id: str) -> float | None:
         h = self._holds.get((engine_id, request_id))
         return None if h is None else h.deadline
@@ -180,7 +185,7 @@ class HoldBook:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
         timeout = timeout_s if timeout_s is not None else self.default_timeout_s
         h = _Hold(engine_id, request_id, p_tp, readers, now + timeout,
-                  cap=now + max(timeout, self.max_life_s))
+                  cap=now + max(timeout, self.max_life_s), placed=now)
         self._ended.pop(key, None)  # the engine holds this id again: a new hold
         self._holds[key] = h
         early = self._early.pop(key, None)

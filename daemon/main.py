@@ -1,5 +1,6 @@
 """``kvsidecar serve``: run one sidecar until SIGTERM/SIGINT (the command line
-itself is :mod:`kvsidecar.cli`)."""
+itself is :mod:`kvsidecar.cli`, which runs :mod:`~kvsidecar.daemon.preflight`
+first: what is refused here is what changed between its checks and the start)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 
 if TYPE_CHECKING:
@@ -66,7 +68,13 @@ async def _serve(s: settings_mod.Settings) -> int:
               "/readyz": lambda: verdict(sidecar.readiness())}
     http = (MetricsServer(metrics, s.metrics_host, s.metrics_port, probes=probes)
             if s.metrics_port >= 0 else None)
-    metrics_port = http.start() if http is not None else -1
+    try:
+        metrics_port = http.start() if http is not None else -1
+    except OSError as e:  # taken since preflight checked it: refuse whole, nothing left running
+        print(f"kvsidecar: --metrics-host {s.metrics_host} --metrics-port {s.metrics_port}: "
+              f"{e.strerror or e}", file=sys.stderr, flush=True)
+        await sidecar.stop()
+        return 2
     log.info("transport: %s", transport_note())
     # The start-up heap (NIXL, torch, numpy, the modules) is never garbage:
     # frozen, the collector stops walking it in every full collection (they
@@ -78,7 +86,7 @@ async def _serve(s: settings_mod.Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     # One machine-readable line on stdout, for supervisors, tests and the demo.
     print("KVSIDECAR READY " + json.dumps({
-        "socket": s.socket, "handshake": sidecar.handshake_address,
+        "version": __version__, "socket": s.socket, "handshake": sidecar.handshake_address,
         "metrics_port": metrics_port, "daemon_id": sidecar.daemon_id,
         "peer_auth": sidecar.peer_auth,
     }), flush=True)

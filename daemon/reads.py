@@ -1064,6 +1064,11 @@ class ReadTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def oldest_age(self, engine_id: str, now: float) -> float:
+        """Seconds since ``engine_id``'s oldest read in flight was accepted (0.0: none)."""
+        return max((now - job.accepted_at for (e, _), job in self._jobs.items()
+                    if e == engine_id), default=0.0)
+
     def by_engine(self) -> dict[str, int]:
         """Reads in flight per engine id (for the in-flight gauge)."""
         out: dict[str, int] = {}

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
+from kvsidecar import __version__
 from kvsidecar.daemon import memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
@@ -76,6 +77,7 @@ from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.staging import StagingPool
+from kvsidecar.daemon.status import checks_of, engine_status, sees, transport_of
 from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
@@ -111,6 +113,8 @@ from kvsidecar.ipc.protocol import (
     RequestError,
     Reserve,
     Reserved,
+    Status,
+    StatusReport,
 )
 from kvsidecar.ipc.regions import FdExport, Region, uniform
 from kvsidecar.metrics.registry import Metrics
@@ -154,6 +158,7 @@ class Sidecar:
         self.tracing = tracing if tracing is not None else Tracing(settings.otlp_endpoint)
         self._hold_spans: dict[tuple[str, str], Any] = {}
         self.daemon_id = new_daemon_id()
+        self._created = time.monotonic()
         self._engines: dict[str, EngineRank] = {}
         #: (target engine, reader engine, reader rank) -> the agent that reader declared in
         #: its handshake; notifications are accepted only from it. Bounded, oldest out.
@@ -230,7 +235,7 @@ class Sidecar:
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
-            Reserve: self._reserve, Batch: self._batch,
+            Reserve: self._reserve, Batch: self._batch, Status: self._status,
         }
         #: the requests counter's series per (request type, error code): both closed
         #: sets, looked up once instead of labels() for every item of every batch
@@ -443,6 +448,22 @@ class Sidecar:
     async def _ping(self, req: Ping) -> Reply:
         return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
                     engines=sorted(e for e, eng in self._engines.items() if _mine(eng)))
+
+    async def _status(self, req: Status) -> Reply:
+        """``kvsidecar status``: one snapshot, built on the loop (daemon/status.py)."""
+        now = time.monotonic()
+        asker = current_peer.get()
+        checks = self.readiness()
+        path, detail = transport_of(self.settings.transport_check, self.transport_check,
+                                    self.vram_check, self._gpu is not None)
+        engines = [engine_status(eng, self._reads.count(e), self._reads.oldest_age(e, now), now)
+                   for e, eng in sorted(self._engines.items()) if sees(asker, eng)]
+        return StatusReport(
+            version=__version__, daemon_id=self.daemon_id,
+            uptime_s=round(now - self._created, 3), socket=self.settings.socket,
+            handshake_address=self.handshake_address, ready=all(c.ok for c in checks),
+            draining=self._stopping, transport=path, transport_detail=detail,
+            checks=checks_of(checks), engines=engines)
 
     def _engine(self, engine_id: str) -> EngineRank:
         """The engine a request names; any request renews its liveness lease."""

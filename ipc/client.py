@@ -76,6 +76,8 @@ from .protocol import (
     Request,
     Reserve,
     Reserved,
+    Status,
+    StatusReport,
     decode_reply,
     decode_reply_unchecked,
     encode_request,
@@ -513,6 +515,9 @@ class ClientCore:
     def ping(self) -> Ask[Pong]:
         return Ping(id=next(self._ids)), Pong
 
+    def status(self) -> Ask[StatusReport]:
+        return Status(id=next(self._ids)), StatusReport
+
     # ---- wire
 
     def decode(self, data: Buffer) -> tuple[int, Reply | SidecarError]:
@@ -718,6 +723,11 @@ class SidecarClient:
 
     def ping(self) -> Pong:
         req, kind = self._core.ping()
+        return _expect(self._exchange(req), kind)
+
+    def status(self) -> StatusReport:
+        """The sidecar's state for operators (``kvsidecar status``; protocol minor 6)."""
+        req, kind = self._core.status()
         return _expect(self._exchange(req), kind)
 
     def close(self) -> None:
@@ -1018,6 +1028,11 @@ class AsyncSidecarClient:
 
     async def ping(self) -> Pong:
         req, kind = self._core.ping()
+        return _expect(await self._exchange(req), kind)
+
+    async def status(self) -> StatusReport:
+        """The sidecar's state for operators (``kvsidecar status``; protocol minor 6)."""
+        req, kind = self._core.status()
         return _expect(await self._exchange(req), kind)
 
     async def close(self) -> None:

@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 5
+PROTOCOL_MINOR: Final = 6
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -53,6 +53,8 @@ PROTOCOL_MINOR: Final = 5
   the field and answers at once, so a client loses nothing but the wait).
 * 5: :class:`Batch`: several reads, holds and releases in one message,
   answered by :class:`Replies` (one reply per item, in order).
+* 6: :class:`Status`, answered by :class:`StatusReport` (``kvsidecar status``;
+  an older daemon answers ``bad_message`` "unknown op 'status'").
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -371,9 +373,16 @@ class Batch(_RequestBase, tag="batch", frozen=True):
     requests: Annotated[list[Read | Hold | Release], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
+class Status(_RequestBase, tag="status", frozen=True):
+    """An operator's snapshot of the sidecar (minor 6), answered with
+    :class:`StatusReport`; it changes nothing. Any user the engine socket
+    admits may ask (the socket's access policy is the only gate)."""
+
+
 Request: TypeAlias = (Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
-                      | Batch)
-REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch)
+                      | Batch | Status)
+REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch,
+                        Status)
 
 
 # --------------------------------------------------------------------------
@@ -513,8 +522,75 @@ class Replies(_ReplyBase, tag="replies"):
     items: list[Ok | Held | Error] = []
 
 
-Reply: TypeAlias = Ok | Registered | Held | Completions | Pong | Error | Reserved | Replies
-REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error, Reserved, Replies)
+class StatusCheck(msgspec.Struct, frozen=True):
+    """One readiness check, as ``/readyz`` reports it."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+class PeerStatus(msgspec.Struct, frozen=True):
+    """One remote rank an engine rank is linked to (a NIXL remote agent loaded).
+
+    ``version``: the peer sidecar's, from its handshake ('' from a sidecar
+    older than the field); ``reads``: reads of this engine holding the link."""
+
+    address: str
+    engine_id: str
+    tp_rank: int
+    version: str = ""
+    reads: int = 0
+
+
+MAX_STATUS_PEERS: Final = 32
+"""Peer links a :class:`StatusReport` lists per engine rank (the most recently used)."""
+
+
+class EngineStatus(msgspec.Struct, frozen=True):
+    """One registered engine rank. Ages are seconds since the oldest read in
+    flight was accepted and the oldest open hold was placed (0 when none);
+    ``queued``: completions the engine has not taken yet (not polled, or
+    polled and not acknowledged by its next poll); ``peers_linked``: its
+    links, of which ``peers`` lists the :data:`MAX_STATUS_PEERS` most recently used."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    pid: int = 0
+    lanes: int = 1
+    reads: int = 0
+    oldest_read_s: float = 0.0
+    holds: int = 0
+    oldest_hold_s: float = 0.0
+    queued: int = 0
+    peers_linked: int = 0
+    peers: list[PeerStatus] = []
+
+
+class StatusReport(_ReplyBase, tag="status_report"):
+    """The answer to :class:`Status`: who this sidecar is, whether it is ready
+    and why not (``checks``, as ``/readyz``), the transport path its start-up
+    self-check found (``checking`` while it runs, ``off`` when disabled),
+    whether it is draining, and every engine rank with its reads, holds and peers."""
+
+    version: str
+    daemon_id: str
+    uptime_s: float
+    socket: str
+    handshake_address: str
+    ready: bool
+    draining: bool
+    transport: str
+    transport_detail: str = ""
+    checks: list[StatusCheck] = []
+    engines: list[EngineStatus] = []
+
+
+Reply: TypeAlias = (Ok | Registered | Held | Completions | Pong | Error | Reserved | Replies
+                    | StatusReport)
+REPLY_TYPES: Final = (Ok, Registered, Held, Completions, Pong, Error, Reserved, Replies,
+                      StatusReport)
 
 
 # --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
+from kvsidecar import __version__
 from kvsidecar.metrics.loop_counter import LoopCounter
 from kvsidecar.metrics.loop_histogram import LoopHistogram
 
@@ -217,7 +218,7 @@ class Metrics:
             ("path", "passed"))
         self.build_info = g("kvsidecar_build_info", "Versions this daemon runs",
                             ("version", "python", "nixl"))
-        self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
+        self.build_info.labels(version=__version__, python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
         self.lease_requests = lc(
             "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "

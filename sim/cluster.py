@@ -76,6 +76,8 @@ class SidecarProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.handshake = ""
         self.metrics_port = -1
+        #: the READY line's fields (version, socket, handshake, ...) of the last start
+        self.ready: dict[str, Any] = {}
         self._log: IO[str] | None = None
         self._terminated = False
 
@@ -114,6 +116,7 @@ class SidecarProcess:
                 raise RuntimeError(f"sidecar {self.name} did not start; log:\n{self.read_log()}")
         self.handshake = str(ready["handshake"])
         self.metrics_port = int(ready["metrics_port"])
+        self.ready = ready
         return self
 
     def read_log(self) -> str:

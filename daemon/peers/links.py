@@ -176,6 +176,12 @@ class PeerLinks:
             self.hold([peer], user)
         return peer
 
+    def linked(self) -> list[tuple[Peer, int]]:
+        """Every link made and good, least recently used first, with the number
+        of reads holding it."""
+        return [(t.result(), self._users.get(key, 0)) for key, t in self._links.items()
+                if t.done() and not t.cancelled() and t.exception() is None]
+
     def cached(self, address: str, engine_id: str, tp_size: int, rank: int) -> Peer | None:
         """The link :meth:`get` would return at once (made, good, same tp), or None.
 

@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from kvsidecar import __version__
 from kvsidecar.daemon.notifications import MAX_NOTIF_READS
 from kvsidecar.daemon.peers.control import MAX_BATCH_ITEMS, ControlBatchReply, ControlReply
 from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
@@ -78,7 +79,9 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     batched completion notification (see :mod:`~kvsidecar.daemon.notifications`);
     a reader merges the reads it posts to this rank in one flush into one NIXL
     transfer only when it is 2 or more. 0 (an older sidecar) means one
-    notification per read.
+    notification per read. ``sidecar_version`` is the answering sidecar's
+    ``kvsidecar.__version__`` (for logs and ``kvsidecar status``; nothing
+    depends on it); an older sidecar's info decodes to "".
     """
 
     engine_id: str
@@ -96,6 +99,7 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     daemon_id: str
     control_batch_items: int = 0
     notif_batch_reads: int = 0
+    sidecar_version: str = ""
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
@@ -205,6 +209,7 @@ def make_handshake_info(
     device_uuid: str = "",
     control_batch_items: int = MAX_BATCH_ITEMS,
     notif_batch_reads: int = MAX_NOTIF_READS,
+    sidecar_version: str = __version__,
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -222,6 +227,7 @@ def make_handshake_info(
         fingerprint=fingerprint(layout),
         daemon_id=daemon_id,
         control_batch_items=control_batch_items,
+        sidecar_version=sidecar_version,
         notif_batch_reads=notif_batch_reads,
     )
 

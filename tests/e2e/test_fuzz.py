@@ -69,6 +69,7 @@ ENGINE_TEMPLATES: list[dict[str, Any]] = [
      "layout": _LAYOUT_MAP, "mode": "attach",
      "regions": [{"kind": "shm", "name": "kvsidecar-nonexistent", "nbytes": 4096}]},
     {"op": "deregister", "id": 7, "v": 1, "engine_id": "fz-unknown"},
+    {"op": "status", "id": 8, "v": 1},
 ]
 #: Handshake requests and the control messages (claim, abandon; daemon/peers/
 #: control.py) that share the peer channel. ``agent_name`` is filled in with
@@ -90,7 +91,7 @@ PEER_TEMPLATES.append({"op": "batch", "items": [PEER_TEMPLATES[2], PEER_TEMPLATE
                        "req_id": 5, "v": 1})
 FROZEN = {"remote", "op"}  # "op" is mutated by the op-name strategy instead
 OPS = ["ping", "poll", "hold", "release", "read", "register", "deregister", "claim", "abandon",
-       "batch"]
+       "batch", "status"]
 
 
 def _with_agent(template: dict[str, Any], agent: str) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def _attack(sock_path: str, victim: str, root_region: str, unprefixed: str) -> d
             out[name] = f"{type(e).__name__}: {e.message}"
 
     out["ping_engines"] = c.ping().engines
+    out["status_engines"] = [e.engine_id for e in c.status().engines]
     attempt("poll", lambda: c.poll(victim))
     attempt("hold", lambda: c.hold(victim, "x", [[0]]))
     attempt("deregister", lambda: c.deregister(victim))
@@ -126,6 +127,7 @@ def test_another_user_cannot_see_use_or_steal_an_engine(shared_sidecar: SidecarP
         root_region.close()
         root_region.unlink()
     assert got["ping_engines"] == []  # the victim's engine is not even listed
+    assert got["status_engines"] == []  # nor by kvsidecar status
     for op in ("poll", "hold", "deregister"):
         assert got[op] == "UnknownEngine: engine 'victim' is not registered here", got[op]
     assert got["register_same_id"].startswith("Duplicate: engine id 'victim' is taken")
@@ -190,11 +192,12 @@ def _knock(sock_path: str) -> dict[str, Any]:
             chan.recv()
         except EOFError:
             out["closed"] = True
-    try:
-        SidecarClient(sock_path, timeout_s=20).ping()
-        out["client"] = "accepted"
-    except SidecarError as e:
-        out["client"] = f"{type(e).__name__}: {e.message}"
+    for what, ask in (("client", SidecarClient.ping), ("status", SidecarClient.status)):
+        try:
+            ask(SidecarClient(sock_path, timeout_s=20))
+            out[what] = "accepted"
+        except SidecarError as e:
+            out[what] = f"{type(e).__name__}: {e.message}"
     return out
 
 
@@ -211,6 +214,7 @@ def test_past_the_file_mode_but_outside_the_policy_is_forbidden(
     assert f"uid {DAEMON} gid {DAEMON} pid" in got["reply"]["message"], got
     assert got["closed"] is True
     assert got["client"].startswith(f"Forbidden: uid {DAEMON} gid {DAEMON} pid"), got
+    assert got["status"].startswith(f"Forbidden: uid {DAEMON} gid {DAEMON} pid"), got
     assert owner.poll("owned") == [] and owner.ping().engines == ["owned"]
     owner.deregister("owned")
     owner.close()
