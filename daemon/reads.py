@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from kvsidecar.daemon import notifications
+from kvsidecar.daemon import digest, notifications, verify
 from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.leases import LeaseLost, LeaseRefused, ReaderLeases, Renewals
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.control import Claim
+from kvsidecar.daemon.peers.control import Claim, Digest
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import (
     Addresses,
@@ -68,6 +68,7 @@ from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
+    UNAVAILABLE,
     Completion,
     Read,
     RequestError,
@@ -107,6 +108,8 @@ class ReadJob:
     #: how to abort it before posting when it shares its task with other reads
     #: (a batch, see read_batch): cancelling the task would abort them all
     on_abort: Callable[[ReadJob], None] | None = None
+    #: set when its bytes are verified (``--verify-bytes`` or ``Read.verify``)
+    verify: verify.Verifier | None = None
 
     @property
     def trace_id(self) -> str:
@@ -471,7 +474,8 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     lanes = lane_of(len(eng.lanes), posts)
     split = (split_post(len(eng.lanes), posts)
              if lanes is None and not any(a is not None for a in areas) else None)
-    notify = claiming is None and lanes is None and split is None
+    verifying = job.verify is not None
+    notify = claiming is None and lanes is None and split is None and not verifying
     if split is None:
         ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
                                              staged, areas, notify=notify, lanes=lanes)
@@ -481,6 +485,9 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, parts,
                                              none, none, notify=False,
                                              lanes=lane_of(len(eng.lanes), parts))
+    # Verified: P hashes its pieces while the bytes travel (its hold pins them
+    # until this read notifies, which it does only after comparing).
+    asked = _ask_digests(eng, job, cands, peers, plan) if verifying else None
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
     # They start once the claim was granted (a renewal before it would find no
@@ -503,7 +510,10 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         results: list[Any] = await _outcomes(ops)
         if split is not None:
             results = joined(results, split[1], len(posts))
-        if not notify:
+        if asked is not None:
+            if claiming is not None:
+                await claiming  # notified once verified, below
+        elif not notify:
             results = await _notify_after_grant(eng, job, claiming, posts, agents, note, merge,
                                                 results, metrics)
     except BaseException:
@@ -537,7 +547,44 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
         if metrics is not None:
             metrics.series(metrics.scatter_seconds, eng.engine_id).observe(
                 time.perf_counter() - t_scatter)
+    if asked is not None and job.abort_reason is None:
+        await _verified(eng, job, asked, metrics)
+        notify_ended(eng, job, posts, agents, note, merge, results, metrics)
     return outcome_of(plan, posts, results)
+
+
+def _ask_digests(eng: EngineRank, job: ReadJob, cands: Sequence[int], peers: list[Peer],
+                 plan: ReadPlan) -> list[verify.Asked]:
+    """Ask each P rank this read takes bytes from for the digest of its pieces."""
+    assert job.verify is not None
+    req = job.req
+    r = req.remote
+    rid = req.remote_request_id or req.request_id
+    agents = {p: peer.info.agent_name for p, peer in zip(cands, peers)}
+
+    def request(rank: int, ranges: bytes, chunk_bytes: int) -> Digest:
+        return Digest(engine_id=r.engine_id, tp_rank=rank, agent_name=agents[rank],
+                      request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
+                      reader_tp=eng.layout.tp_size, ranges=ranges, chunk_bytes=chunk_bytes)
+
+    return verify.ask(job.verify, plan, {p: r.handshake[p] for p in cands}, request)
+
+
+async def _verified(eng: EngineRank, job: ReadJob, asked: list[verify.Asked],
+                    metrics: Metrics | None) -> None:
+    """Hash what landed and compare with P's digests (counted); raises
+    :class:`~kvsidecar.daemon.verify.VerifyFailed` when they differ or P gave none."""
+    assert job.verify is not None
+    views = [r.numpy() for r in eng.regions]
+    try:
+        nbytes = await verify.check(job.verify, eng.engine_id, job.req.request_id,
+                                    digest.digester_for(eng.info.mem_type), views, asked)
+    except verify.VerifyFailed as e:
+        if metrics is not None:
+            metrics.verify_failures.labels(eng.engine_id, e.reason).inc()
+        raise
+    if metrics is not None:
+        metrics.verified_bytes.labels(eng.engine_id).inc(nbytes)
 
 
 _LANE = [str(k) for k in range(16)]  # label values, not formatted per post
@@ -1056,6 +1103,8 @@ class ReadTable:
         self._jobs: dict[tuple[str, str], ReadJob] = {}
         self._per_engine: dict[str, int] = {}
         self._abandons: set[asyncio.Task[None]] = set()
+        #: set by the Sidecar: what verified reads use (``--verify-bytes``, ``Read.verify``)
+        self.verifier: verify.Verifier | None = None
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -1090,9 +1139,22 @@ class ReadTable:
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
         job = ReadJob(req)
+        if req.verify or eng.verify_bytes:
+            job.verify = self._verifier_for(eng)
         self._jobs[key] = job
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
         self._route(eng, job)
+
+    def _verifier_for(self, eng: EngineRank) -> verify.Verifier:
+        """What a verified read of ``eng`` uses; RequestError when its memory has no
+        digester (GPU memory, for now) or this table verifies nothing."""
+        if self.verifier is None:
+            raise RequestError(UNAVAILABLE, "this sidecar cannot verify bytes")
+        try:
+            digest.digester_for(eng.info.mem_type)
+        except digest.DigestUnavailable as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        return self.verifier
 
     def _route(self, eng: EngineRank, job: ReadJob) -> None:
         """Start an accepted read now, or at the end of the :meth:`together` of
@@ -1163,6 +1225,8 @@ class ReadTable:
         """The candidate P ranks and their links when ``jobs`` may go as one batch:
         links all made, nothing staged, nothing traced; else None."""
         if eng.staging is not None or (self.tracing is not None and self.tracing.enabled):
+            return None
+        if any(job.verify is not None for job in jobs):
             return None
         r = jobs[0].req.remote
         cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)

@@ -1,0 +1,172 @@
+"""Byte verification (``--verify-bytes``, ``read(verify=True)``) between real sidecars.
+
+Real ``kvsidecar serve`` processes (real NIXL/UCX, real ZMQ, shared memory),
+every received byte checked with the LAYOUT.md oracle. Corruption on the
+wire cannot be caused on one host, so one FAKE FAULT stands for it: D
+sidecars started with ``KVSIDECAR_FAKE_FAULT_FLIP_LANDED_BYTE=corrupt-``
+flip one landed byte of every verified read whose request id starts with
+``corrupt-``, before hashing it. The sidecars are shared by the module; D
+rank 0's sidecar stages every read (``--staging always``), so the 2->1 reads
+verify what was scattered from staging memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.daemon.digest import FAKE_FAULT_ENV
+from kvsidecar.ipc.protocol import Completion
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines
+from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
+from kvsidecar.sim.oracle import Request
+
+pytestmark = pytest.mark.e2e
+
+FAMILIES: dict[str, MakeLayout] = {"attention": attn(2), "mla": mla, "hybrid": hybrid}
+CASES = [pytest.param(f, p, d, id=f"{f}-{p}p{d}d") for f in FAMILIES for p, d in ((1, 2), (2, 1))]
+VERIFIED = "kvsidecar_verified_bytes_total"
+FAILURES = "kvsidecar_verify_failures_total"
+
+
+class Sidecars:
+    def __init__(self, workdir: Path) -> None:
+        fault = {FAKE_FAULT_ENV: "corrupt-"}
+        self.p = [SidecarProcess(workdir, f"vp{i}", args=["--metrics-port", "0"])
+                  for i in range(2)]
+        self.d = [SidecarProcess(workdir, "vd0", env=fault,
+                                 args=["--metrics-port", "0", "--staging", "always",
+                                       "--staging-bytes", str(16 << 20)]),
+                  SidecarProcess(workdir, "vd1", env=fault, args=["--metrics-port", "0"])]
+        self._ids = itertools.count()
+
+    def uid(self, prefix: str) -> str:
+        return f"v{prefix}{next(self._ids)}"
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(d.metric(name, **labels) for d in self.d)
+
+
+@pytest.fixture(scope="module")
+def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecars]:
+    s = Sidecars(tmp_path_factory.mktemp("verify"))
+    try:
+        for proc in s.p + s.d:
+            proc.start()
+        yield s
+    finally:
+        codes = {proc.name: proc.stop() for proc in s.p + s.d}
+        assert all(c == 0 for c in codes.values()), codes
+
+
+def _one_read(s: Sidecars, family: str, p_tp: int, d_tp: int, rid: str, seed: int,
+              skip_blocks: int = 0) -> tuple[SimEngine, SimEngine, dict[int, Completion],
+                                             dict[int, Completion], list[list[int]]]:
+    """P prefills and holds one request, D reads it verified; both sides' completions."""
+    with engines(s.p, s.d, s.uid, FAMILIES[family], p_tp, d_tp) as (P, (D,)):
+        sent = P.prefill(rid, Request(seed=seed, prompt_tokens=77))
+        rec = D.start_read(sent, skip_blocks=skip_blocks, verify=True)
+        got = D.wait_for([rid])[rid]
+        held = P.wait_for([rid])[rid]
+        problems = D.verify(rid) if {c.kind for c in got.values()} == {"received"} else []
+        assert not problems, "; ".join(problems[:3])
+        return P, D, got, held, rec.block_ids
+
+
+@pytest.mark.parametrize(("family", "p_tp", "d_tp"), CASES)
+def test_verified_read_is_exact(sidecars: Sidecars, family: str, p_tp: int, d_tp: int) -> None:
+    before = sidecars.metric(VERIFIED)
+    *_, got, held, _ = _one_read(sidecars, family, p_tp, d_tp, f"ok-{family}-{p_tp}{d_tp}",
+                                 seed=10 * p_tp + d_tp)
+    assert {c.kind for c in got.values()} == {"received"}, got
+    assert {c.kind for c in held.values()} == {"sent"}, held
+    # Every byte the read moved was hashed on D and matched P's digest.
+    assert sidecars.metric(VERIFIED) - before == sum(c.nbytes for c in got.values()) > 0
+
+
+@pytest.mark.parametrize(("family", "p_tp", "d_tp"), CASES)
+def test_flipped_byte_fails_the_read(sidecars: Sidecars, family: str, p_tp: int,
+                                     d_tp: int) -> None:
+    before = sidecars.metric(FAILURES, reason="mismatch")
+    *_, got, held, blocks = _one_read(sidecars, family, p_tp, d_tp,
+                                      f"corrupt-{family}-{p_tp}{d_tp}", seed=7)
+    for rank, c in got.items():
+        assert c.kind == "failed", (rank, c)
+        assert "byte verification failed" in c.reason, c.reason
+        assert c.invalid_block_ids == blocks
+    # P was never told the read ended well: the readers abandoned, the hold aborted.
+    assert {c.kind for c in held.values()} == {"aborted"}, held
+    assert sidecars.metric(FAILURES, reason="mismatch") - before == d_tp
+
+
+def test_verified_prefix_hit_is_exact(sidecars: Sidecars) -> None:
+    """D already holds the first block: the digest covers the tail it reads."""
+    *_, got, _, _ = _one_read(sidecars, "hybrid", 1, 2, "ok-skip", seed=3, skip_blocks=1)
+    assert {c.kind for c in got.values()} == {"received"}, got
+
+
+def test_staged_reads_were_verified(sidecars: Sidecars) -> None:
+    """The 2->1 reads above landed through D rank 0's staging memory."""
+    assert sidecars.d[0].metric("kvsidecar_staged_transfers_total") > 0
+
+
+def test_unverified_read_skips_the_fake_fault(sidecars: Sidecars) -> None:
+    """The fault hook lives in the verification step only: an unverified read of a
+    ``corrupt-`` id is received exact (the fault flips nothing it is not asked to catch)."""
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, (D,)):
+        rid = "corrupt-unverified"
+        D.start_read(P.prefill(rid, Request(seed=5, prompt_tokens=40)))
+        got = D.wait_for([rid])[rid]
+        assert {c.kind for c in got.values()} == {"received"}, got
+        assert not D.verify(rid)
+
+
+def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
+    """P hashes only pages its hold pins: a digest of anything else is refused."""
+    import asyncio
+
+    from kvsidecar.daemon import digest
+    from kvsidecar.daemon.peer_auth import load_keys
+    from kvsidecar.daemon.peers.client import HandshakeClient
+    from kvsidecar.daemon.peers.control import Digest
+    from kvsidecar.sim.cluster import fleet_keys
+
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
+        sent = P.prefill("held", Request(seed=9, prompt_tokens=8))
+        page = P.layout.page_bytes
+        held = sent.block_ids[0][0]
+        free = next(b for b in range(P.layout.num_blocks) if b != held)
+
+        async def ask(block: int, request_id: str = "held") -> tuple[bool, str, int]:
+            c = HandshakeClient(keys=load_keys(fleet_keys()))
+            try:
+                info = await c.fetch(sidecars.p[0].handshake, P.engine_id, 0)
+                import numpy as np
+
+                ranges = digest.pack_ranges(np.array([0]), np.array([block * page]),
+                                            np.array([page]))
+                answer = await c.control(sidecars.p[0].handshake, Digest(
+                    engine_id=P.engine_id, tp_rank=0, agent_name=info.agent_name,
+                    request_id=request_id, reader_engine="someone", reader_rank=0,
+                    reader_tp=1, ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
+                return answer.reply.granted, answer.reply.reason, len(answer.reply.digest)
+            finally:
+                await c.close()
+
+        granted, _, n = asyncio.run(ask(held))
+        assert granted and n == 8
+        granted, reason, n = asyncio.run(ask(free))
+        assert not granted and "outside the pages the hold pins" in reason and n == 0
+        granted, reason, _ = asyncio.run(ask(held, "no-such-request"))
+        assert not granted and "no live hold" in reason
+        P.clients[0].release(P.engine_id, "held")
+
+
+def test_gpu_memory_has_no_digester_yet() -> None:
+    from kvsidecar.daemon.digest import DigestUnavailable, digester_for
+
+    with pytest.raises(DigestUnavailable, match="not available for GPU memory yet"):
+        digester_for("VRAM")
