@@ -132,22 +132,38 @@ def split_stream(region: I64, offset: I64, length: I64, chunk_bytes: int, parts:
     """The pieces cut into up to ``parts`` runs of whole chunks (each run's
     :func:`chunk_digests`, concatenated in order, are the whole stream's), so
     several threads can hash one read. Pure and vectorised."""
-    total = int(length.sum())
-    chunks = -(-total // chunk_bytes)
-    if parts < 2 or chunks < 2:
+    cuts = chunk_cuts(length, chunk_bytes, parts)
+    if not cuts.size:
         return [(region, offset, length)]
+    idx, off, size, run = cut_stream(length, cuts)
+    reg, at = region[idx], offset[idx] + off
+    return [(reg[run == k], at[run == k], size[run == k]) for k in range(cuts.size + 1)]
+
+
+def chunk_cuts(length: I64, chunk_bytes: int, parts: int) -> I64:
+    """Stream positions that cut it into up to ``parts`` runs of whole chunks
+    (the last run may end in a partial chunk); empty when it is one run."""
+    chunks = -(-int(length.sum()) // chunk_bytes)
+    if parts < 2 or chunks < 2:
+        return np.empty(0, np.int64)
     per = -(-chunks // min(parts, chunks))
-    cuts = np.arange(per, chunks, per, dtype=np.int64) * chunk_bytes
+    return np.arange(per, chunks, per, dtype=np.int64) * chunk_bytes
+
+
+def cut_stream(length: I64, cuts: I64) -> tuple[I64, I64, I64, I64]:
+    """Pieces of ``length`` bytes, in order, cut at the stream positions ``cuts``
+    (sorted, inside the stream): per output piece the input piece it comes from,
+    its offset in it, its size and its run (how many cuts lie at or before it).
+    Apply to any arrays parallel to ``length`` (``x[idx] + off``)."""
+    total = int(length.sum())
     ends = np.cumsum(length)
     starts = ends - length
     points = np.union1d(starts, cuts)
     points = points[points < total]
     idx = np.searchsorted(ends, points, side="right")
-    off = offset[idx] + (points - starts[idx])
+    off = points - starts[idx]
     size = np.append(points[1:], total) - points
-    run = np.searchsorted(cuts, points, side="right")
-    reg = region[idx]
-    return [(reg[run == k], off[run == k], size[run == k]) for k in range(len(cuts) + 1)]
+    return idx, off, size, np.searchsorted(cuts, points, side="right")
 
 
 def chunk_count(length: I64, chunk_bytes: int) -> int:

@@ -476,6 +476,11 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
              if lanes is None and not any(a is not None for a in areas) else None)
     verifying = job.verify is not None
     notify = claiming is None and lanes is None and split is None and not verifying
+    pipe = (pipeline(posts, plan, job.verify.chunk_bytes)
+            if job.verify is not None and lanes is None and split is None
+            and not any(a is not None for a in areas) else None)
+    if pipe is not None:
+        split = pipe[0], pipe[1]
     if split is None:
         ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
                                              staged, areas, notify=notify, lanes=lanes)
@@ -488,6 +493,13 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
     # Verified: P hashes its pieces while the bytes travel (its hold pins them
     # until this read notifies, which it does only after comparing).
     asked = _ask_digests(eng, job, cands, peers, plan) if verifying else None
+    landed = None
+    if pipe is not None:
+        assert job.verify is not None
+        landed = verify.landing(job.verify, eng.engine_id, job.req.request_id,
+                                digest.digester_for(eng.info.mem_type),
+                                [r.numpy() for r in eng.regions],
+                                [ops[i] for i in pipe[2]], pipe[3])
     # Renewals end at the read's own deadline (its transfers time out there):
     # whatever happens to a transfer, P's hold ends one lease later at most.
     # They start once the claim was granted (a renewal before it would find no
@@ -548,7 +560,7 @@ async def _post_and_wait(eng: EngineRank, job: ReadJob, planner: Executor,
             metrics.series(metrics.scatter_seconds, eng.engine_id).observe(
                 time.perf_counter() - t_scatter)
     if asked is not None and job.abort_reason is None:
-        await _verified(eng, job, asked, metrics)
+        await _verified(eng, job, asked, metrics, landed)
         notify_ended(eng, job, posts, agents, note, merge, results, metrics)
     return outcome_of(plan, posts, results)
 
@@ -571,14 +583,16 @@ def _ask_digests(eng: EngineRank, job: ReadJob, cands: Sequence[int], peers: lis
 
 
 async def _verified(eng: EngineRank, job: ReadJob, asked: list[verify.Asked],
-                    metrics: Metrics | None) -> None:
+                    metrics: Metrics | None,
+                    landed: asyncio.Future[bytes] | None = None) -> None:
     """Hash what landed and compare with P's digests (counted); raises
     :class:`~kvsidecar.daemon.verify.VerifyFailed` when they differ or P gave none."""
     assert job.verify is not None
     views = [r.numpy() for r in eng.regions]
     try:
         nbytes = await verify.check(job.verify, eng.engine_id, job.req.request_id,
-                                    digest.digester_for(eng.info.mem_type), views, asked)
+                                    digest.digester_for(eng.info.mem_type), views, asked,
+                                    landed)
     except verify.VerifyFailed as e:
         if metrics is not None:
             metrics.verify_failures.labels(eng.engine_id, e.reason).inc()
@@ -640,6 +654,62 @@ def split_post(n: int, posts: Sequence[PostList], min_bytes: int = SPLIT_MIN_BYT
                                       int(size[mine].sum())))
                 owner.append(i)
     return parts, owner
+
+
+#: a verified read's only post of at least this many bytes is cut into parts of
+#: whole digest chunks, about this many bytes each and at most PIPELINE_MAX_PARTS,
+#: posted one after the other on its lane: D hashes each part once it landed,
+#: beside the next part's copy (:func:`pipeline`). Measured (64 MiB, 2 vCPUs
+#: shared by both sidecars): D's hashing after the last byte landed 2.5 ms in 4
+#: parts, 7-10 ms hashing the whole read after it landed.
+PIPELINE_MIN_BYTES = 16 << 20
+PIPELINE_MAX_PARTS = 16
+
+
+def pipeline(posts: Sequence[PostList], plan: ReadPlan, chunk_bytes: int,
+             min_bytes: int = PIPELINE_MIN_BYTES, max_parts: int = PIPELINE_MAX_PARTS
+             ) -> tuple[list[PostList], list[int], list[int],
+                        list[tuple[I64, I64, I64]]] | None:
+    """A verified read's only post with bytes cut for hashing as it lands: its
+    parts and the post each belongs to (as :func:`split_post`), which parts
+    carry the cut post, and the region-relative pieces (D's side) of each of
+    them. None unless one post has bytes, at least ``min_bytes`` of them, in
+    one digest request's pieces (:data:`~kvsidecar.daemon.digest.MAX_RANGES`)
+    and the cut gives 2 parts or more (about ``min_bytes`` each, at most
+    ``max_parts``). Cuts fall on whole chunks of the post's stream, so the
+    parts' digests joined are the post's. Pure."""
+    full = [i for i, p in enumerate(posts) if p.length.size]
+    if len(full) != 1:
+        return None
+    post = posts[full[0]]
+    rr = next((r for r in plan.reads if r.remote_rank == post.rank), None)
+    if (rr is None or post.nbytes < min_bytes or rr.length.size > digest.MAX_RANGES
+            or not np.array_equal(rr.length, post.length)):
+        return None
+    cuts = digest.chunk_cuts(post.length, chunk_bytes,
+                             max(2, min(max_parts, post.nbytes // min_bytes)))
+    if not cuts.size:
+        return None
+    idx, off, size, run = digest.cut_stream(post.length, cuts)
+    local, remote = post.local[idx] + off, post.remote[idx] + off
+    region, loff = rr.region[idx].astype(np.int64), rr.local_offset[idx] + off
+    out: list[PostList] = []
+    owner: list[int] = []
+    mine: list[int] = []
+    pieces: list[tuple[I64, I64, I64]] = []
+    for i, p in enumerate(posts):
+        if i != full[0]:
+            out.append(p)
+            owner.append(i)
+            continue
+        for k in range(cuts.size + 1):
+            sel = run == k
+            mine.append(len(out))
+            out.append(PostList(p.rank, local[sel], remote[sel], size[sel], 0,
+                                int(size[sel].sum())))
+            owner.append(i)
+            pieces.append((region[sel], loff[sel], size[sel]))
+    return out, owner, mine, pieces
 
 
 def joined(results: list[Any], owner: list[int], n: int) -> list[Any]:

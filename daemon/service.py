@@ -993,7 +993,7 @@ class Sidecar:
             return ControlReply(granted=False, reason=(
                 f"{MAX_DIGESTS_IN_FLIGHT} digests are being hashed here; retry later"))
         out = await self._hashing.run(eng.engine_id, digester, [r.numpy() for r in eng.regions],
-                                      region, offset, length, msg.chunk_bytes)
+                                      region, offset, length, msg.chunk_bytes, threads=1)
         if eng.holds.blocks(msg.engine_id, msg.request_id) is None:
             return ControlReply(granted=False, reason=(
                 f"the hold of {msg.request_id[:200]!r} ended while its bytes were hashed"))

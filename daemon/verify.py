@@ -62,15 +62,17 @@ class Hashing:
 
     def run(self, engine_id: str, digester: digest.Digester,
             views: Sequence[NDArray[np.uint8]], region: I64, offset: I64, length: I64,
-            chunk_bytes: int) -> asyncio.Future[bytes]:
-        """The digest of the pieces, hashed on the threads (several runs of whole
-        chunks side by side); tracked until done so memory outlives it."""
+            chunk_bytes: int, threads: int | None = None) -> asyncio.Future[bytes]:
+        """The digest of the pieces, hashed on up to ``threads`` (default: all) of
+        the threads side by side (runs of whole chunks); tracked until done so
+        memory outlives it."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvs-hash",
                                             initializer=name_this_thread,
                                             initargs=("kvs-hash",))
         loop = asyncio.get_running_loop()
-        parts = digest.split_stream(region, offset, length, chunk_bytes, self.threads)
+        parts = digest.split_stream(region, offset, length, chunk_bytes,
+                                    min(threads or self.threads, self.threads))
         futs = [loop.run_in_executor(self._pool, digester.digest, views, *p, chunk_bytes)
                 for p in parts]
         whole: asyncio.Future[bytes] = asyncio.ensure_future(_joined(futs))
@@ -160,15 +162,56 @@ def ask(v: Verifier, plan: ReadPlan, addresses: dict[int, str],
     return out
 
 
+def landing(v: Verifier, engine_id: str, request_id: str, digester: digest.Digester,
+            views: Sequence[NDArray[np.uint8]], parts: Sequence[asyncio.Future[Any]],
+            pieces: Sequence[tuple[I64, I64, I64]]) -> asyncio.Future[bytes]:
+    """D's digest of one request's pieces that travel as ``parts`` (transfers
+    posted one after the other, each of whole chunks: ``pieces[k]`` is what
+    ``parts[k]`` carries, region-relative on D): each part is hashed once its
+    transfer ended, beside the next one's copy. Fails when a part failed (the
+    read fails then anyway)."""
+    task = asyncio.ensure_future(_landing(v, engine_id, request_id, digester, views, parts,
+                                          pieces))
+    task.add_done_callback(_retrieve)
+    return task
+
+
+async def _landing(v: Verifier, engine_id: str, request_id: str, digester: digest.Digester,
+                   views: Sequence[NDArray[np.uint8]], parts: Sequence[asyncio.Future[Any]],
+                   pieces: Sequence[tuple[I64, I64, I64]]) -> bytes:
+    runs: list[asyncio.Future[bytes]] = []
+    for k, (part, p) in enumerate(zip(parts, pieces)):
+        await asyncio.wait([part])
+        if part.cancelled() or part.exception() is not None:
+            raise RuntimeError(f"part {k} of the transfer failed")
+        if k == 0:
+            _fake_fault(v, request_id, views, p[0], p[1])
+        runs.append(v.hashing.run(engine_id, digester, views, *p, v.chunk_bytes))
+    return b"".join(await _all(runs))
+
+
+def _fake_fault(v: Verifier, request_id: str, views: Sequence[NDArray[np.uint8]],
+                region: I64, offset: I64) -> None:
+    """FAKE FAULT (tests only): flip one landed byte of a read whose request id
+    starts with ``v.fake_fault`` before D hashes it."""
+    if v.fake_fault and request_id.startswith(v.fake_fault):
+        digest.flip_one_byte(views, region, offset)
+
+
 async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.Digester,
-                views: Sequence[NDArray[np.uint8]], asked: list[Asked]) -> int:
-    """Hash what landed (every piece of ``asked``, on D's side) and compare with
-    P's answers; the bytes verified, or :class:`VerifyFailed` (``reason``:
-    mismatch, refused, unanswered) naming the P rank and where."""
-    if v.fake_fault and request_id.startswith(v.fake_fault) and asked:
-        digest.flip_one_byte(views, asked[0].region, asked[0].local)  # FAKE FAULT (tests)
-    mine = [v.hashing.run(engine_id, digester, views, a.region, a.local, a.length,
-                          v.chunk_bytes) for a in asked]
+                views: Sequence[NDArray[np.uint8]], asked: list[Asked],
+                landed: asyncio.Future[bytes] | None = None) -> int:
+    """Hash what landed (every piece of ``asked``, on D's side; ``landed``: the
+    digest of the only one, hashed as it landed, see :func:`landing`) and
+    compare with P's answers; the bytes verified, or :class:`VerifyFailed`
+    (``reason``: mismatch, refused, unanswered) naming the P rank and where."""
+    if landed is not None:
+        mine = [landed]
+    else:
+        if asked:
+            _fake_fault(v, request_id, views, asked[0].region, asked[0].local)
+        mine = [v.hashing.run(engine_id, digester, views, a.region, a.local, a.length,
+                              v.chunk_bytes) for a in asked]
     got = await hashed(asyncio.ensure_future(_all(mine)))
     answers = await asyncio.gather(*(a.answer for a in asked), return_exceptions=True)
     total = 0

@@ -170,3 +170,49 @@ def test_verify_bytes_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert _parse([]).verify_bytes is True
     with pytest.raises(settings.ConfigError, match="not available for GPU memory yet"):
         _parse(["--device", "cuda:0"])
+
+
+def test_pipeline_cuts_a_large_post_into_parts_of_whole_chunks() -> None:
+    """A verified read's large post, cut for hashing as it lands: the parts carry
+    exactly the post's bytes (same local and remote addresses), and their pieces'
+    digests joined equal the digest P computes of the whole post."""
+    from kvsidecar.daemon.planner import plan_read
+    from kvsidecar.daemon.reads import build_posts, pipeline
+    from kvsidecar.ipc.layout import attention_layout
+
+    layout = attention_layout(model="pipe", num_layers=2, total_kv_heads=8, head_dim=64,
+                              block_tokens=16, tp_size=1, num_blocks=64)
+    ids = [[b for b in range(64) if b % 5 != 3]]  # gaps: several descriptors
+    plan = plan_read(layout, 0, layout, ids, ids)
+    bases = np.arange(1, layout.num_regions + 1, dtype=np.int64) << 32
+    posts = build_posts(plan, bases, {0: bases + (1 << 40)})
+    chunk = 64 << 10
+    got = pipeline(posts, plan, chunk, min_bytes=256 << 10)
+    assert got is not None
+    parts, owner, mine, pieces = got
+    assert owner == [0] * len(parts) and mine == list(range(len(parts))) and len(parts) > 2
+    post, rr = posts[0], plan.reads[0]
+    # the parts' bytes, in order, are the post's bytes
+    for field in ("local", "remote"):
+        whole = np.concatenate([getattr(p, field) for p in parts])
+        lengths = np.concatenate([p.length for p in parts])
+        ends = np.cumsum(lengths)
+        assert ends[-1] == post.nbytes == sum(p.nbytes for p in parts)
+        src = np.repeat(np.arange(post.length.size), post.length)  # byte -> descriptor
+        at = getattr(post, field)[src] + (np.arange(post.nbytes) - np.repeat(
+            np.cumsum(post.length) - post.length, post.length))
+        mine_at = np.repeat(whole, lengths) + (np.arange(post.nbytes) - np.repeat(
+            ends - lengths, lengths))
+        assert np.array_equal(at, mine_at), field
+    # every part but the last holds whole chunks; digests of parts joined = whole
+    assert all(p.nbytes % chunk == 0 for p in parts[:-1])
+    regions = [RNG.integers(0, 256, layout.region_bytes, dtype=np.uint8)
+               for _ in range(layout.num_regions)]
+    whole_digest = digest.chunk_digests(regions, rr.region.astype(np.int64), rr.local_offset,
+                                        rr.length, chunk)
+    assert b"".join(digest.chunk_digests(regions, *p, chunk) for p in pieces) == whole_digest
+    for p, (region, loff, _) in zip(parts, pieces):
+        assert np.array_equal(p.local, bases[region] + loff)
+    # small posts, several posts with bytes, too many pieces: not cut
+    assert pipeline(posts, plan, chunk, min_bytes=post.nbytes + 1) is None
+    assert pipeline([*posts, *posts], plan, chunk, min_bytes=256 << 10) is None

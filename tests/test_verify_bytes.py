@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.daemon.digest import FAKE_FAULT_ENV
+from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
@@ -106,6 +107,32 @@ def test_verified_prefix_hit_is_exact(sidecars: Sidecars) -> None:
     """D already holds the first block: the digest covers the tail it reads."""
     *_, got, _, _ = _one_read(sidecars, "hybrid", 1, 2, "ok-skip", seed=3, skip_blocks=1)
     assert {c.kind for c in got.values()} == {"received"}, got
+
+
+def _big(tp: int, nb: int) -> Layout:
+    """256 KiB per block over 4 regions: 64 blocks are a 16 MiB read."""
+    return attention_layout(model="verify-big", num_layers=4, total_kv_heads=8, head_dim=128,
+                            block_tokens=16, tp_size=tp, num_blocks=nb)
+
+
+@pytest.mark.parametrize("rid", ["ok-big", "corrupt-big"])
+def test_large_read_hashed_as_it_lands(sidecars: Sidecars, rid: str) -> None:
+    """A read of 16 MiB from one P rank travels in parts that D hashes as each
+    lands (reads.pipeline): exact when intact, failed when a byte flipped."""
+    p, d = sidecars.p[1:], sidecars.d[1:]  # D without staging: the pipelined path
+    with engines(p, d, sidecars.uid, _big, 1, 1, blocks=64) as (P, (D,)):
+        sent = P.prefill(rid, Request(seed=11, prompt_tokens=64 * 16))
+        before = d[0].metric(VERIFIED)
+        rec = D.start_read(sent, verify=True)
+        got = D.wait_for([rid])[rid]
+        if rid.startswith("ok"):
+            assert {c.kind for c in got.values()} == {"received"}, got
+            assert got[0].nbytes == 16 << 20
+            assert d[0].metric(VERIFIED) - before == 16 << 20
+            assert not D.verify(rid)
+        else:
+            assert got[0].kind == "failed" and "byte verification failed" in got[0].reason
+            assert got[0].invalid_block_ids == rec.block_ids
 
 
 def test_staged_reads_were_verified(sidecars: Sidecars) -> None:
