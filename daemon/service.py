@@ -177,6 +177,8 @@ class Sidecar:
         self._reads.tracing = self.tracing
         #: hashing threads of byte verification (made on first use): D's reads, P's digests
         self._hashing = Hashing()
+        #: digest requests being answered (waiting for their hold, or hashing)
+        self._digests_open = 0
         self._reads.verifier = Verifier(self._hs_client, self._hashing,
                                         fake_fault=digest.fake_fault_prefix())
         if self._reads.verifier.fake_fault:
@@ -946,12 +948,24 @@ class Sidecar:
         return eng
 
     async def _answer_digest(self, msg: Digest) -> bytes:
-        """The reply to one digest request, counted; never raises."""
-        try:
-            reply = await self._digest_reply(msg)
-        except Exception as e:
-            log.exception("answering a digest for %r failed", msg.request_id[:200])
-            reply = ControlReply(granted=False, reason=f"internal error: {type(e).__name__}")
+        """The reply to one digest request, counted; never raises. At most
+        MAX_DIGESTS_IN_FLIGHT are answered at once (waiting for their hold or
+        hashing); more are refused at once and counted (the peer's input, so
+        under no engine's label)."""
+        if self._digests_open >= MAX_DIGESTS_IN_FLIGHT:
+            self.metrics.limit_refusals.labels("", "digests").inc()
+            reply = ControlReply(granted=False, reason=(
+                f"{MAX_DIGESTS_IN_FLIGHT} digests are being answered here; retry later"))
+        else:
+            self._digests_open += 1
+            try:
+                reply = await self._digest_reply(msg)
+            except Exception as e:
+                log.exception("answering a digest for %r failed", msg.request_id[:200])
+                reply = ControlReply(granted=False,
+                                     reason=f"internal error: {type(e).__name__}")
+            finally:
+                self._digests_open -= 1
         self.metrics.series(self.metrics.lease_requests, "digest",
                             "granted" if reply.granted else "refused").inc()
         return peer_control.encode(msgspec.structs.replace(reply, req_id=msg.req_id))
@@ -988,10 +1002,6 @@ class Sidecar:
                                        f"{msg.chunk_bytes} B")
         except digest.BadRanges as e:
             return ControlReply(granted=False, reason=f"digest refused: {e}")
-        if self._hashing.in_flight() >= MAX_DIGESTS_IN_FLIGHT:
-            self.metrics.limit_refusals.labels(eng.engine_id, "digests").inc()
-            return ControlReply(granted=False, reason=(
-                f"{MAX_DIGESTS_IN_FLIGHT} digests are being hashed here; retry later"))
         out = await self._hashing.run(eng.engine_id, digester, [r.numpy() for r in eng.regions],
                                       region, offset, length, msg.chunk_bytes, threads=1)
         if eng.holds.blocks(msg.engine_id, msg.request_id) is None:

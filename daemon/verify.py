@@ -57,9 +57,6 @@ class Hashing:
         self._pool: ThreadPoolExecutor | None = None
         self._busy: dict[str, set[asyncio.Future[Any]]] = {}
 
-    def in_flight(self) -> int:
-        return sum(len(v) for v in self._busy.values())
-
     def run(self, engine_id: str, digester: digest.Digester,
             views: Sequence[NDArray[np.uint8]], region: I64, offset: I64, length: I64,
             chunk_bytes: int, threads: int | None = None) -> asyncio.Future[bytes]:

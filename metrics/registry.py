@@ -227,8 +227,9 @@ class Metrics:
         self.build_info.labels(version=_version("kvsidecar"), python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
         self.lease_requests = lc(
-            "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "
-            "and abandons, by result (granted, refused, bad), each item of a batch counted",
+            "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims, "
+            "abandons and digests (--verify-bytes), by result (granted, refused, bad), each "
+            "item of a batch counted",
             ("op", "result"))
         self.control_items = lh(
             "kvsidecar_control_items_per_message", "Claims/renewals/abandons carried by one "

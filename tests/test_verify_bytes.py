@@ -12,16 +12,23 @@ verify what was scattered from staging memory.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvsidecar.daemon import digest
 from kvsidecar.daemon.digest import FAKE_FAULT_ENV
+from kvsidecar.daemon.peer_auth import load_keys
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.control import Claim, ControlReply, Digest
+from kvsidecar.daemon.verify import MAX_DIGESTS_IN_FLIGHT
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, fleet_keys
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
 
@@ -151,45 +158,87 @@ def test_unverified_read_skips_the_fake_fault(sidecars: Sidecars) -> None:
         assert not D.verify(rid)
 
 
+class Asker:
+    """Digest (and claim) requests straight to P's sidecar, as a fleet member may send."""
+
+    def __init__(self, p: SidecarProcess, engine: SimEngine) -> None:
+        self.p, self.engine = p, engine
+        self.client = HandshakeClient(keys=load_keys(fleet_keys()))
+        self.agent = ""
+
+    async def __aenter__(self) -> Asker:
+        info = await self.client.fetch(self.p.handshake, self.engine.engine_id, 0)
+        self.agent = info.agent_name
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.close()
+
+    def _ids(self, request_id: str) -> dict[str, object]:
+        return {"engine_id": self.engine.engine_id, "tp_rank": 0, "agent_name": self.agent,
+                "request_id": request_id, "reader_engine": "someone", "reader_rank": 0,
+                "reader_tp": 1}
+
+    async def claim(self, request_id: str) -> bool:
+        answer = await self.client.control(self.p.handshake, Claim(**self._ids(request_id)))
+        return answer.reply.granted
+
+    async def digest(self, request_id: str, block: int) -> ControlReply:
+        page = self.engine.layout.page_bytes
+        ranges = digest.pack_ranges(np.array([0]), np.array([block * page]), np.array([page]))
+        answer = await self.client.control(self.p.handshake, Digest(
+            **self._ids(request_id), ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
+        return answer.reply
+
+
 def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
-    """P hashes only pages its hold pins: a digest of anything else is refused."""
-    import asyncio
-
-    from kvsidecar.daemon import digest
-    from kvsidecar.daemon.peer_auth import load_keys
-    from kvsidecar.daemon.peers.client import HandshakeClient
-    from kvsidecar.daemon.peers.control import Digest
-    from kvsidecar.sim.cluster import fleet_keys
-
+    """P hashes only pages a live hold pins: a digest of anything else is refused."""
     with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
         sent = P.prefill("held", Request(seed=9, prompt_tokens=8))
-        page = P.layout.page_bytes
         held = sent.block_ids[0][0]
         free = next(b for b in range(P.layout.num_blocks) if b != held)
 
-        async def ask(block: int, request_id: str = "held") -> tuple[bool, str, int]:
-            c = HandshakeClient(keys=load_keys(fleet_keys()))
-            try:
-                info = await c.fetch(sidecars.p[0].handshake, P.engine_id, 0)
-                import numpy as np
+        async def run() -> list[ControlReply]:
+            async with Asker(sidecars.p[0], P) as ask:
+                return [await ask.digest("held", held), await ask.digest("held", free),
+                        await ask.digest("no-such-request", held)]
 
-                ranges = digest.pack_ranges(np.array([0]), np.array([block * page]),
-                                            np.array([page]))
-                answer = await c.control(sidecars.p[0].handshake, Digest(
-                    engine_id=P.engine_id, tp_rank=0, agent_name=info.agent_name,
-                    request_id=request_id, reader_engine="someone", reader_rank=0,
-                    reader_tp=1, ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
-                return answer.reply.granted, answer.reply.reason, len(answer.reply.digest)
-            finally:
-                await c.close()
-
-        granted, _, n = asyncio.run(ask(held))
-        assert granted and n == 8
-        granted, reason, n = asyncio.run(ask(free))
-        assert not granted and "outside the pages the hold pins" in reason and n == 0
-        granted, reason, _ = asyncio.run(ask(held, "no-such-request"))
-        assert not granted and "no live hold" in reason
+        ok, outside, unheld = asyncio.run(run())
+        assert ok.granted and len(ok.digest) == 8
+        assert not outside.granted and "outside the pages the hold pins" in outside.reason
+        assert not outside.digest
+        assert not unheld.granted and "no live hold" in unheld.reason
         P.clients[0].release(P.engine_id, "held")
+
+
+def test_digest_waits_for_a_hold_placed_late_and_is_bounded(sidecars: Sidecars) -> None:
+    """A digest for a request claimed before its hold (asynchronous scheduling)
+    waits for the hold; past MAX_DIGESTS_IN_FLIGHT waiting or hashing, more are
+    refused at once and counted."""
+    extra = 5
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
+        sent = P.prefill("late", Request(seed=4, prompt_tokens=8), hold=False)
+        block = sent.block_ids[0][0]
+        before = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
+
+        async def run() -> list[ControlReply]:
+            async with Asker(sidecars.p[0], P) as ask:
+                assert await ask.claim("late")  # early: its hold is not placed yet
+                asks = [asyncio.ensure_future(ask.digest("late", block))
+                        for _ in range(MAX_DIGESTS_IN_FLIGHT + extra)]
+                await asyncio.sleep(0.5)
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: P.clients[0].hold(P.engine_id, "late", sent.block_ids))
+                return list(await asyncio.gather(*asks))
+
+        replies = asyncio.run(run())
+        refused = [r for r in replies if not r.granted]
+        assert len(refused) == extra, {r.reason for r in refused}
+        assert all("retry later" in r.reason for r in refused)
+        assert len({r.digest for r in replies if r.granted}) == 1  # the same bytes each time
+        after = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
+        assert after - before == extra
+        P.clients[0].release(P.engine_id, "late")
 
 
 def test_gpu_memory_has_no_digester_yet() -> None:
