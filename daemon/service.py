@@ -81,7 +81,11 @@ from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
-from kvsidecar.daemon.verify import MAX_DIGESTS_IN_FLIGHT, Hashing, Verifier
+from kvsidecar.daemon.verify import (
+    MAX_DIGESTS_IN_FLIGHT,
+    Hashing,
+    Verifier,
+)
 from kvsidecar.ipc.cuda_handles import attach_policy, parse_cuda_device
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
@@ -949,9 +953,8 @@ class Sidecar:
 
     async def _answer_digest(self, msg: Digest) -> bytes:
         """The reply to one digest request, counted; never raises. At most
-        MAX_DIGESTS_IN_FLIGHT are answered at once (waiting for their hold or
-        hashing); more are refused at once and counted (the peer's input, so
-        under no engine's label)."""
+        MAX_DIGESTS_IN_FLIGHT are hashed at once; more are refused at once and
+        counted (the peer's input, so under no engine's label)."""
         if self._digests_open >= MAX_DIGESTS_IN_FLIGHT:
             self.metrics.limit_refusals.labels("", "digests").inc()
             reply = ControlReply(granted=False, reason=(
@@ -972,8 +975,9 @@ class Sidecar:
 
     async def _digest_reply(self, msg: Digest) -> ControlReply:
         """Hash the pieces a reader names (``--verify-bytes``, see daemon/verify.py)
-        when a live hold of that request pins every page they touch; a hold not
-        placed yet (its claim came early) is waited for, as long as its grace."""
+        when a live hold of that request pins every page they touch; for a hold
+        not placed yet (its claim came early) the refusal says ``not_yet`` and the
+        reader asks again (P never waits: a peer's request costs no task here)."""
         eng = self._linked_engine(msg)
         if isinstance(eng, ControlReply):
             return eng
@@ -982,11 +986,9 @@ class Sidecar:
         except digest.DigestUnavailable as e:
             return ControlReply(granted=False, reason=str(e))
         blocks = eng.holds.blocks(msg.engine_id, msg.request_id)
-        deadline = time.monotonic() + min(eng.notif_grace_s, self.settings.handshake_timeout_s / 2)
-        while blocks is None and eng.holds.waiting(msg.engine_id, msg.request_id) \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-            blocks = eng.holds.blocks(msg.engine_id, msg.request_id)
+        if blocks is None and eng.holds.waiting(msg.engine_id, msg.request_id):
+            return ControlReply(granted=False, not_yet=True, reason=(
+                f"the hold of request {msg.request_id[:200]!r} is not placed yet"))
         if blocks is None:
             return ControlReply(granted=False, reason=(
                 f"no live hold of request {msg.request_id[:200]!r} pins blocks of engine "

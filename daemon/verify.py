@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,8 +46,13 @@ T = TypeVar("T")
 
 #: Threads that hash (per sidecar): a large read hashes its chunks on both.
 HASH_THREADS = 2
-#: Digest requests P hashes at once (per sidecar); more are refused (counted).
+#: Digest requests P answers at once (per sidecar, waiting for their hold or
+#: hashing); more are refused (counted).
 MAX_DIGESTS_IN_FLIGHT = 64
+#: How long D asks again while P answers that the hold is not placed yet (the
+#: claim came before the engine's hold: asynchronous scheduling, milliseconds
+#: apart), from the moment D compares; P itself never waits.
+DIGEST_HOLD_WAIT_S = 1.0
 
 
 class Hashing:
@@ -125,6 +131,9 @@ class Asked:
     local: I64
     length: I64
     answer: asyncio.Future[ControlAnswer]
+    #: where it went and what it said (to ask again while P's hold is not placed)
+    address: str = ""
+    msg: Digest | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +164,8 @@ def ask(v: Verifier, plan: ReadPlan, addresses: dict[int, str],
                           v.chunk_bytes)
             answer = asyncio.ensure_future(v.handshakes.control(addresses[rr.remote_rank], msg))
             answer.add_done_callback(_retrieve)
-            out.append(Asked(rr.remote_rank, region, rr.local_offset[lo:hi], length, answer))
+            out.append(Asked(rr.remote_rank, region, rr.local_offset[lo:hi], length, answer,
+                             addresses[rr.remote_rank], msg))
     return out
 
 
@@ -210,7 +220,9 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
         mine = [v.hashing.run(engine_id, digester, views, a.region, a.local, a.length,
                               v.chunk_bytes) for a in asked]
     got = await hashed(asyncio.ensure_future(_all(mine)))
-    answers = await asyncio.gather(*(a.answer for a in asked), return_exceptions=True)
+    until = time.monotonic() + DIGEST_HOLD_WAIT_S
+    answers = await asyncio.gather(*(_answer(v, a, until) for a in asked),
+                                   return_exceptions=True)
     total = 0
     for a, ours, answer in zip(asked, got, answers):
         nbytes = int(a.length.sum())
@@ -229,6 +241,18 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
                 f"of the {nbytes} B read from that rank, in plan order); nothing was notified"))
         total += nbytes
     return total
+
+
+async def _answer(v: Verifier, a: Asked, until: float) -> ControlAnswer:
+    """P's answer to ``a``, asked again (backing off) while P says its hold is not
+    placed yet, until ``until``."""
+    answer = await a.answer
+    pause = 0.005
+    while answer.reply.not_yet and a.msg is not None and time.monotonic() < until:
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.1)
+        answer = await v.handshakes.control(a.address, a.msg)
+    return answer
 
 
 class VerifyFailed(RuntimeError):

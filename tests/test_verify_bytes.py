@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,9 +184,12 @@ class Asker:
         answer = await self.client.control(self.p.handshake, Claim(**self._ids(request_id)))
         return answer.reply.granted
 
-    async def digest(self, request_id: str, block: int) -> ControlReply:
+    async def digest(self, request_id: str, block: int,
+                     pieces: list[tuple[int, int, int]] | None = None) -> ControlReply:
+        """One page of region 0 (or ``pieces``: region, offset, length)."""
         page = self.engine.layout.page_bytes
-        ranges = digest.pack_ranges(np.array([0]), np.array([block * page]), np.array([page]))
+        a = np.array(pieces or [(0, block * page, page)], dtype=np.int64)
+        ranges = digest.pack_ranges(a[:, 0], a[:, 1], a[:, 2])
         answer = await self.client.control(self.p.handshake, Digest(
             **self._ids(request_id), ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
         return answer.reply
@@ -211,38 +215,66 @@ def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
         P.clients[0].release(P.engine_id, "held")
 
 
-def test_digest_waits_for_a_hold_placed_late_and_is_bounded(sidecars: Sidecars) -> None:
+def test_digest_before_the_hold_is_not_yet(sidecars: Sidecars) -> None:
     """A digest for a request claimed before its hold (asynchronous scheduling)
-    waits for the hold; past MAX_DIGESTS_IN_FLIGHT waiting or hashing, more are
-    refused at once and counted."""
-    extra = 5
+    is refused at once as ``not_yet`` (P never waits), granted once it is held."""
     with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
         sent = P.prefill("late", Request(seed=4, prompt_tokens=8), hold=False)
         block = sent.block_ids[0][0]
+
+        async def run() -> tuple[ControlReply, ControlReply, ControlReply]:
+            async with Asker(sidecars.p[0], P) as ask:
+                never = await ask.digest("late", block)  # nobody claimed it: no hold at all
+                assert await ask.claim("late")  # early: its hold is not placed yet
+                early = await ask.digest("late", block)
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: P.clients[0].hold(P.engine_id, "late", sent.block_ids))
+                return never, early, await ask.digest("late", block)
+
+        never, early, held = asyncio.run(run())
+        assert not never.granted and not never.not_yet and "no live hold" in never.reason
+        assert not early.granted and early.not_yet and "not placed yet" in early.reason
+        assert held.granted and len(held.digest) == 8
+        P.clients[0].release(P.engine_id, "late")
+
+
+def test_verified_read_before_the_hold_is_placed(sidecars: Sidecars) -> None:
+    """D reads and compares while P's engine has not placed its hold yet: D asks
+    again until it is, and the read is received exact."""
+    with engines(sidecars.p[1:], sidecars.d[1:], sidecars.uid, FAMILIES["hybrid"], 1, 1) as (
+            P, (D,)):
+        sent = P.prefill("ok-late", Request(seed=8, prompt_tokens=77), hold=False)
+        D.start_read(sent, verify=True)
+        time.sleep(0.2)
+        P.clients[0].hold(P.engine_id, "ok-late", sent.block_ids)
+        got = D.wait_for(["ok-late"])["ok-late"]
+        assert {c.kind for c in got.values()} == {"received"}, got
+        assert not D.verify("ok-late")
+        assert {c.kind for c in P.wait_for(["ok-late"])["ok-late"].values()} == {"sent"}
+
+
+def test_digests_in_flight_are_bounded(sidecars: Sidecars) -> None:
+    """Past MAX_DIGESTS_IN_FLIGHT hashing at once, P refuses more at once and
+    counts them; those it hashed all agree."""
+    n = 200
+    with engines(sidecars.p, sidecars.d, sidecars.uid, _big, 1, 1, blocks=256) as (P, _):
+        sent = P.prefill("many", Request(seed=2, prompt_tokens=256 * 16), fill=False)
         before = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
 
         async def run() -> list[ControlReply]:
             async with Asker(sidecars.p[0], P) as ask:
-                assert await ask.claim("late")  # early: its hold is not placed yet
-                asks = [asyncio.ensure_future(ask.digest("late", block))
-                        for _ in range(MAX_DIGESTS_IN_FLIGHT + extra)]
-                await asyncio.sleep(0.5)
-                await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: P.clients[0].hold(P.engine_id, "late", sent.block_ids))
-                return list(await asyncio.gather(*asks))
+                whole = P.layout.num_blocks * P.layout.page_bytes  # every region, whole
+                return list(await asyncio.gather(*(
+                    ask.digest("many", 0, pieces=[(r, 0, whole)
+                                                  for r in range(P.layout.num_regions)])
+                    for _ in range(n))))
 
         replies = asyncio.run(run())
         refused = [r for r in replies if not r.granted]
-        assert len(refused) == extra, {r.reason for r in refused}
-        assert all("retry later" in r.reason for r in refused)
-        assert len({r.digest for r in replies if r.granted}) == 1  # the same bytes each time
+        assert refused and all("retry later" in r.reason for r in refused), \
+            {r.reason for r in refused}
+        assert len({r.digest for r in replies if r.granted}) == 1
+        assert len(replies) - len(refused) >= MAX_DIGESTS_IN_FLIGHT
         after = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
-        assert after - before == extra
-        P.clients[0].release(P.engine_id, "late")
-
-
-def test_gpu_memory_has_no_digester_yet() -> None:
-    from kvsidecar.daemon.digest import DigestUnavailable, digester_for
-
-    with pytest.raises(DigestUnavailable, match="not available for GPU memory yet"):
-        digester_for("VRAM")
+        assert after - before == len(refused)
+        P.clients[0].release(P.engine_id, sent.request_id)
