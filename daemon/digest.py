@@ -109,12 +109,15 @@ def chunk_digests(regions: Sequence[NDArray[np.uint8]], region: I64, offset: I64
     An empty stream has no chunk: ``b""``."""
     out: list[int] = []
     h = xxhash.xxh3_64()
+    update = h.update
     room = chunk_bytes
+    # memoryview slices cost less than numpy's (~25 % of a small piece's time)
+    views = [memoryview(v) for v in regions]  # type: ignore[arg-type]
     for r, o, n in zip(region.tolist(), offset.tolist(), length.tolist()):
-        view = regions[r]
+        view = views[r]
         while n > 0:
             take = min(n, room)
-            h.update(view[o:o + take])
+            update(view[o:o + take])
             o += take
             n -= take
             room -= take

@@ -82,6 +82,7 @@ from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
 from kvsidecar.daemon.verify import (
+    MAX_DIGEST_BYTES_IN_FLIGHT,
     MAX_DIGESTS_IN_FLIGHT,
     Hashing,
     Verifier,
@@ -181,8 +182,9 @@ class Sidecar:
         self._reads.tracing = self.tracing
         #: hashing threads of byte verification (made on first use): D's reads, P's digests
         self._hashing = Hashing()
-        #: digest requests being answered (waiting for their hold, or hashing)
+        #: digest requests being hashed (or queued to be), and their bytes
         self._digests_open = 0
+        self._digest_bytes = 0
         self._reads.verifier = Verifier(self._hs_client, self._hashing,
                                         fake_fault=digest.fake_fault_prefix())
         if self._reads.verifier.fake_fault:
@@ -952,23 +954,12 @@ class Sidecar:
         return eng
 
     async def _answer_digest(self, msg: Digest) -> bytes:
-        """The reply to one digest request, counted; never raises. At most
-        MAX_DIGESTS_IN_FLIGHT are hashed at once; more are refused at once and
-        counted (the peer's input, so under no engine's label)."""
-        if self._digests_open >= MAX_DIGESTS_IN_FLIGHT:
-            self.metrics.limit_refusals.labels("", "digests").inc()
-            reply = ControlReply(granted=False, reason=(
-                f"{MAX_DIGESTS_IN_FLIGHT} digests are being answered here; retry later"))
-        else:
-            self._digests_open += 1
-            try:
-                reply = await self._digest_reply(msg)
-            except Exception as e:
-                log.exception("answering a digest for %r failed", msg.request_id[:200])
-                reply = ControlReply(granted=False,
-                                     reason=f"internal error: {type(e).__name__}")
-            finally:
-                self._digests_open -= 1
+        """The reply to one digest request, counted; never raises."""
+        try:
+            reply = await self._digest_reply(msg)
+        except Exception as e:
+            log.exception("answering a digest for %r failed", msg.request_id[:200])
+            reply = ControlReply(granted=False, reason=f"internal error: {type(e).__name__}")
         self.metrics.series(self.metrics.lease_requests, "digest",
                             "granted" if reply.granted else "refused").inc()
         return peer_control.encode(msgspec.structs.replace(reply, req_id=msg.req_id))
@@ -976,7 +967,7 @@ class Sidecar:
     async def _digest_reply(self, msg: Digest) -> ControlReply:
         """Hash the pieces a reader names (``--verify-bytes``, see daemon/verify.py)
         when a live hold of that request pins every page they touch; for a hold
-        not placed yet (its claim came early) the refusal says ``not_yet`` and the
+        not placed yet (its claim came early) the refusal says ``retry`` and the
         reader asks again (P never waits: a peer's request costs no task here)."""
         eng = self._linked_engine(msg)
         if isinstance(eng, ControlReply):
@@ -987,7 +978,7 @@ class Sidecar:
             return ControlReply(granted=False, reason=str(e))
         blocks = eng.holds.blocks(msg.engine_id, msg.request_id)
         if blocks is None and eng.holds.waiting(msg.engine_id, msg.request_id):
-            return ControlReply(granted=False, not_yet=True, reason=(
+            return ControlReply(granted=False, retry=True, reason=(
                 f"the hold of request {msg.request_id[:200]!r} is not placed yet"))
         if blocks is None:
             return ControlReply(granted=False, reason=(
@@ -1004,8 +995,25 @@ class Sidecar:
                                        f"{msg.chunk_bytes} B")
         except digest.BadRanges as e:
             return ControlReply(granted=False, reason=f"digest refused: {e}")
-        out = await self._hashing.run(eng.engine_id, digester, [r.numpy() for r in eng.regions],
-                                      region, offset, length, msg.chunk_bytes, threads=1)
+        # At most MAX_DIGESTS_IN_FLIGHT requests and MAX_DIGEST_BYTES_IN_FLIGHT bytes
+        # (one request whatever its size) hashed or queued at once: past either, a
+        # refusal for now (``retry``), counted (a peer's input: under no engine's label).
+        nbytes = int(length.sum())
+        if self._digests_open >= MAX_DIGESTS_IN_FLIGHT or (
+                self._digests_open and self._digest_bytes + nbytes > MAX_DIGEST_BYTES_IN_FLIGHT):
+            self.metrics.limit_refusals.labels("", "digests").inc()
+            return ControlReply(granted=False, retry=True, reason=(
+                f"{self._digests_open} digests of {self._digest_bytes} B are being hashed here "
+                f"(at most {MAX_DIGESTS_IN_FLIGHT}, {MAX_DIGEST_BYTES_IN_FLIGHT} B); retry later"))
+        self._digests_open += 1
+        self._digest_bytes += nbytes
+        try:
+            out = await self._hashing.run(eng.engine_id, digester,
+                                          [r.numpy() for r in eng.regions], region, offset,
+                                          length, msg.chunk_bytes, threads=1)
+        finally:
+            self._digests_open -= 1
+            self._digest_bytes -= nbytes
         if eng.holds.blocks(msg.engine_id, msg.request_id) is None:
             return ControlReply(granted=False, reason=(
                 f"the hold of {msg.request_id[:200]!r} ended while its bytes were hashed"))

@@ -46,13 +46,20 @@ T = TypeVar("T")
 
 #: Threads that hash (per sidecar): a large read hashes its chunks on both.
 HASH_THREADS = 2
-#: Digest requests P answers at once (per sidecar, waiting for their hold or
-#: hashing); more are refused (counted).
-MAX_DIGESTS_IN_FLIGHT = 64
-#: How long D asks again while P answers that the hold is not placed yet (the
-#: claim came before the engine's hold: asynchronous scheduling, milliseconds
-#: apart), from the moment D compares; P itself never waits.
-DIGEST_HOLD_WAIT_S = 1.0
+#: Digest requests P hashes (or queues to) at once, per sidecar; more are refused
+#: for now (counted) and asked again. One read's pieces travel in requests of
+#: at most 2,048 (a hybrid 1->2 read of 32 blocks has 133,664: 66 requests); each
+#: open one keeps up to 48 KiB of pieces.
+MAX_DIGESTS_IN_FLIGHT = 512
+#: Bytes P hashes (or queues to) at once, per sidecar (one request whatever its
+#: size): about half a second of two threads' hashing, well inside a reader's
+#: wait for the answer (its handshake timeout).
+MAX_DIGEST_BYTES_IN_FLIGHT = 2 << 30
+#: How long D asks again while P refuses for now (``retry``: the hold is not
+#: placed yet, as when the claim came before the engine's hold in asynchronous
+#: scheduling, milliseconds apart; or P is hashing all it will), from the
+#: moment D compares; P itself never waits.
+DIGEST_RETRY_S = 2.0
 
 
 class Hashing:
@@ -220,7 +227,7 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
         mine = [v.hashing.run(engine_id, digester, views, a.region, a.local, a.length,
                               v.chunk_bytes) for a in asked]
     got = await hashed(asyncio.ensure_future(_all(mine)))
-    until = time.monotonic() + DIGEST_HOLD_WAIT_S
+    until = time.monotonic() + DIGEST_RETRY_S
     answers = await asyncio.gather(*(_answer(v, a, until) for a in asked),
                                    return_exceptions=True)
     total = 0
@@ -244,11 +251,11 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
 
 
 async def _answer(v: Verifier, a: Asked, until: float) -> ControlAnswer:
-    """P's answer to ``a``, asked again (backing off) while P says its hold is not
-    placed yet, until ``until``."""
+    """P's answer to ``a``, asked again (backing off) while P refuses for now
+    (``retry``), until ``until``."""
     answer = await a.answer
     pause = 0.005
-    while answer.reply.not_yet and a.msg is not None and time.monotonic() < until:
+    while answer.reply.retry and a.msg is not None and time.monotonic() < until:
         await asyncio.sleep(pause)
         pause = min(2 * pause, 0.1)
         answer = await v.handshakes.control(a.address, a.msg)

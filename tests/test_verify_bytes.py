@@ -26,7 +26,7 @@ from kvsidecar.daemon.digest import FAKE_FAULT_ENV
 from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim, ControlReply, Digest
-from kvsidecar.daemon.verify import MAX_DIGESTS_IN_FLIGHT
+from kvsidecar.daemon.verify import MAX_DIGEST_BYTES_IN_FLIGHT
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, fleet_keys
@@ -215,9 +215,9 @@ def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
         P.clients[0].release(P.engine_id, "held")
 
 
-def test_digest_before_the_hold_is_not_yet(sidecars: Sidecars) -> None:
+def test_digest_before_the_hold_is_refused_for_now(sidecars: Sidecars) -> None:
     """A digest for a request claimed before its hold (asynchronous scheduling)
-    is refused at once as ``not_yet`` (P never waits), granted once it is held."""
+    is refused at once with ``retry`` (P never waits), granted once it is held."""
     with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
         sent = P.prefill("late", Request(seed=4, prompt_tokens=8), hold=False)
         block = sent.block_ids[0][0]
@@ -232,8 +232,8 @@ def test_digest_before_the_hold_is_not_yet(sidecars: Sidecars) -> None:
                 return never, early, await ask.digest("late", block)
 
         never, early, held = asyncio.run(run())
-        assert not never.granted and not never.not_yet and "no live hold" in never.reason
-        assert not early.granted and early.not_yet and "not placed yet" in early.reason
+        assert not never.granted and not never.retry and "no live hold" in never.reason
+        assert not early.granted and early.retry and "not placed yet" in early.reason
         assert held.granted and len(held.digest) == 8
         P.clients[0].release(P.engine_id, "late")
 
@@ -254,9 +254,10 @@ def test_verified_read_before_the_hold_is_placed(sidecars: Sidecars) -> None:
 
 
 def test_digests_in_flight_are_bounded(sidecars: Sidecars) -> None:
-    """Past MAX_DIGESTS_IN_FLIGHT hashing at once, P refuses more at once and
-    counts them; those it hashed all agree."""
-    n = 200
+    """Past MAX_DIGEST_BYTES_IN_FLIGHT hashing at once (here 32 requests of 64 MiB),
+    P refuses more at once (for now: ``retry``) and counts them; those it hashed
+    all agree."""
+    n = 3 * MAX_DIGEST_BYTES_IN_FLIGHT // (64 << 20)
     with engines(sidecars.p, sidecars.d, sidecars.uid, _big, 1, 1, blocks=256) as (P, _):
         sent = P.prefill("many", Request(seed=2, prompt_tokens=256 * 16), fill=False)
         before = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
@@ -271,10 +272,10 @@ def test_digests_in_flight_are_bounded(sidecars: Sidecars) -> None:
 
         replies = asyncio.run(run())
         refused = [r for r in replies if not r.granted]
-        assert refused and all("retry later" in r.reason for r in refused), \
+        assert refused and all(r.retry and "retry later" in r.reason for r in refused), \
             {r.reason for r in refused}
         assert len({r.digest for r in replies if r.granted}) == 1
-        assert len(replies) - len(refused) >= MAX_DIGESTS_IN_FLIGHT
+        assert len(replies) - len(refused) >= MAX_DIGEST_BYTES_IN_FLIGHT // (64 << 20)
         after = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
         assert after - before == len(refused)
         P.clients[0].release(P.engine_id, sent.request_id)

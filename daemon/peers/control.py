@@ -149,9 +149,9 @@ class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     v: int = CONTROL_VERSION
     #: the answer to a :class:`Digest`: its chunk hashes (u64 LE), else empty
     digest: bytes = b""
-    #: a :class:`Digest` refused because the request's hold is not placed yet
-    #: (its claim came early): the reader may ask again shortly
-    not_yet: bool = False
+    #: a :class:`Digest` refused for now: the request's hold is not placed yet (its
+    #: claim came early) or P hashes as many digests as it will; ask again shortly
+    retry: bool = False
 
 
 class ControlBatchReply(msgspec.Struct, tag="control_batch", frozen=True, kw_only=True):
