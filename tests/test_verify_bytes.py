@@ -7,7 +7,8 @@ sidecars started with ``KVSIDECAR_FAKE_FAULT_FLIP_LANDED_BYTE=corrupt-``
 flip one landed byte of every verified read whose request id starts with
 ``corrupt-``, before hashing it. The sidecars are shared by the module; D
 rank 0's sidecar stages every read (``--staging always``), so the 2->1 reads
-verify what was scattered from staging memory.
+verify what was scattered from staging memory; D rank 1's verifies every read
+(``--verify-bytes``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim, ControlReply, Digest
 from kvsidecar.daemon.verify import MAX_DIGEST_BYTES_IN_FLIGHT
+from kvsidecar.ipc.client import AsyncSidecarClient, ReadSpec
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, fleet_keys
@@ -49,7 +51,8 @@ class Sidecars:
         self.d = [SidecarProcess(workdir, "vd0", env=fault,
                                  args=["--metrics-port", "0", "--staging", "always",
                                        "--staging-bytes", str(16 << 20)]),
-                  SidecarProcess(workdir, "vd1", env=fault, args=["--metrics-port", "0"])]
+                  SidecarProcess(workdir, "vd1", env=fault,
+                                 args=["--metrics-port", "0", "--verify-bytes"])]
         self._ids = itertools.count()
 
     def uid(self, prefix: str) -> str:
@@ -146,6 +149,61 @@ def test_large_read_hashed_as_it_lands(sidecars: Sidecars, rid: str) -> None:
 def test_staged_reads_were_verified(sidecars: Sidecars) -> None:
     """The 2->1 reads above landed through D rank 0's staging memory."""
     assert sidecars.d[0].metric("kvsidecar_staged_transfers_total") > 0
+
+
+def test_the_flag_verifies_every_read(sidecars: Sidecars) -> None:
+    """On a sidecar started with --verify-bytes a read that does not ask is verified:
+    the fake fault fails it, an intact one is received with its bytes counted."""
+    d = sidecars.d[1:]
+    with engines(sidecars.p, d, sidecars.uid, FAMILIES["mla"], 1, 1) as (P, (D,)):
+        before = d[0].metric(VERIFIED)
+        for rid in ("ok-flag", "corrupt-flag"):
+            D.start_read(P.prefill(rid, Request(seed=6, prompt_tokens=40)))  # verify=False
+        got = D.wait_for(["ok-flag", "corrupt-flag"])
+        assert got["ok-flag"][0].kind == "received" and not D.verify("ok-flag")
+        assert d[0].metric(VERIFIED) - before == got["ok-flag"][0].nbytes > 0
+        assert got["corrupt-flag"][0].kind == "failed"
+        assert "byte verification failed" in got["corrupt-flag"][0].reason
+
+
+def test_read_many_verifies_each_read_that_asks(sidecars: Sidecars) -> None:
+    """``read_many`` with ``ReadSpec(verify=True)``: each read of the batch is
+    verified on its own (one corrupt, one intact, one unverified)."""
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["hybrid"], 1, 1) as (P, (D,)):
+        sents = [P.prefill(rid, Request(seed=i, prompt_tokens=50)) for i, rid in
+                 enumerate(("ok-many", "corrupt-many", "corrupt-unverified-many"))]
+        recs = [D._receive(s, None, 0, False) for s in sents]
+        specs = [ReadSpec(r.request_id, r.block_ids, r.sent.remote, r.sent.block_ids,
+                          skip_tokens=0, num_tokens=r.sent.req.prompt_tokens,
+                          verify=not r.request_id.endswith("unverified-many"))
+                 for r in recs]
+        assert D.clients[0].read_many(D.engine_id, specs) == [None, None, None]
+        got = D.wait_for([r.request_id for r in recs])
+        assert got["ok-many"][0].kind == "received" and not D.verify("ok-many")
+        assert got["corrupt-many"][0].kind == "failed"
+        assert got["corrupt-many"][0].invalid_block_ids == recs[1].block_ids
+        assert got["corrupt-unverified-many"][0].kind == "received"
+        assert not D.verify("corrupt-unverified-many")
+
+
+def test_async_client_asks_for_verification(sidecars: Sidecars) -> None:
+    """The asyncio client's ``read(verify=True)`` (the same core as the sync one)."""
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (
+            P, (D,)):
+        sent = P.prefill("corrupt-async", Request(seed=3, prompt_tokens=30))
+        rec = D._receive(sent, None, 0, False)
+
+        async def read() -> None:
+            client = AsyncSidecarClient(sidecars.d[0].socket)
+            try:
+                await client.read(D.engine_id, rec.request_id, rec.block_ids, sent.remote,
+                                  sent.block_ids, num_tokens=30, skip_tokens=0, verify=True)
+            finally:
+                await client.close()
+
+        asyncio.run(read())
+        got = D.wait_for(["corrupt-async"])["corrupt-async"]
+        assert got[0].kind == "failed" and "byte verification failed" in got[0].reason
 
 
 def test_unverified_read_skips_the_fake_fault(sidecars: Sidecars) -> None:
