@@ -1274,6 +1274,11 @@ class ReadTable:
         for group in groups.values():
             eng = group[0][0]
             jobs = [job for _, job in group if not self._aborted_unstarted(eng, job)]
+            if any(job.verify is not None for job in jobs):  # verified reads go alone
+                for job in jobs:
+                    if job.verify is not None:
+                        self._start_one(eng, job)
+                jobs = [job for job in jobs if job.verify is None]
             links = self._batch_links(eng, jobs) if len(jobs) > 1 else None
             if links is None:
                 for job in jobs:
@@ -1295,8 +1300,6 @@ class ReadTable:
         """The candidate P ranks and their links when ``jobs`` may go as one batch:
         links all made, nothing staged, nothing traced; else None."""
         if eng.staging is not None or (self.tracing is not None and self.tracing.enabled):
-            return None
-        if any(job.verify is not None for job in jobs):
             return None
         r = jobs[0].req.remote
         cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
