@@ -220,6 +220,7 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
     compare with P's answers; the bytes verified, or :class:`VerifyFailed`
     (``reason``: mismatch, refused, unanswered) naming the P rank and where."""
     if landed is not None:
+        assert len(asked) == 1, "a read hashed as it lands asks one digest"
         mine = [landed]
     else:
         if asked:
@@ -245,7 +246,8 @@ async def check(v: Verifier, engine_id: str, request_id: str, digester: digest.D
             raise VerifyFailed("mismatch", (
                 f"byte verification failed: the bytes that landed from P rank {a.rank} differ "
                 f"from the bytes P holds (chunk {k}: bytes {k * c}..{min((k + 1) * c, nbytes)} "
-                f"of the {nbytes} B read from that rank, in plan order); nothing was notified"))
+                f"of the {nbytes} B of {a.length.size} pieces one digest covered, in plan "
+                f"order); nothing was notified"))
         total += nbytes
     return total
 
