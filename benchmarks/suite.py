@@ -377,6 +377,69 @@ def _bulk(fleet: Fleet, s: Scale, lanes: int) -> list[Figure]:
          "pairs' ratios: " + ", ".join(f"{r / t:.2f}" for r, t in zip(raws, times))])]
 
 
+# -- byte verification ---------------------------------------------------------------------------
+
+def bench_verify(fleet: Fleet, s: Scale) -> list[Figure]:
+    """The bulk figure with and without byte verification, same run, same
+    sidecars: each repeat reads the same held blocks twice, once plain and once
+    with ``verify=True`` (the path ``--verify-bytes`` gives every read), in
+    alternating order; the ratio is the median of the pairs' ratios."""
+    nbytes = s.bulk_mib << 20
+    blocks = nbytes // (4 * 65536)
+    plain: list[float] = []
+    verified: list[float] = []
+    cpu: dict[bool, list[float]] = {False: [], True: []}  # both sidecars' CPU per read
+    with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
+        pids = [p.proc.pid for p in (p0, d0) if p.proc is not None]
+        pair = Pair(p0, d0, bulk_attention(s.bulk_mib), blocks, "verify")
+        P, D = pair.P, pair.D
+        try:
+            first = pair.prefill(blocks * 16, hold=False)
+            before = metric(d0.metrics_port, "kvsidecar_verified_bytes_total")
+            for i in range(s.bulk_repeats + 1):  # the first pair pays the handshake
+                times = {}
+                for verify in ((False, True) if i % 2 else (True, False)):
+                    sent = Sent(f"{first.request_id}-{i}-{int(verify)}", first.remote,
+                                first.block_ids, first.req)
+                    P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids)
+                    c0 = sum(proc_threads_cpu_s(pid) for pid in pids)
+                    t0 = time.perf_counter()
+                    D.start_read(sent, verify=verify)
+                    got = wait_all(D, [sent.request_id])
+                    times[verify] = time.perf_counter() - t0
+                    P.wait_for([sent.request_id], timeout_s=60)
+                    if i:
+                        cpu[verify].append(sum(proc_threads_cpu_s(pid) for pid in pids) - c0)
+                    if i == 0:
+                        check(D, got)
+                    elif {c.kind for c in got[sent.request_id].values()} != {"received"}:
+                        raise RuntimeError(f"verify bench read {i}: {got[sent.request_id]}")
+                    D.finish(sent.request_id)
+                if i:
+                    plain.append(times[False])
+                    verified.append(times[True])
+            hashed = metric(d0.metrics_port, "kvsidecar_verified_bytes_total") - before
+        finally:
+            pair.close()
+    if hashed < nbytes * (s.bulk_repeats + 1):
+        raise RuntimeError(f"verified reads hashed {hashed:.0f} B, not every byte they read")
+    ratio = statistics.median(v / p for v, p in zip(verified, plain))
+    ours, base = statistics.median(verified), statistics.median(plain)
+    return [Figure(
+        f"bulk {s.bulk_mib} MiB with byte verification (`read(verify=True)`, what "
+        f"`--verify-bytes` does to every read), tp1→tp1, engine `read` to `received` "
+        f"({s.bulk_repeats} pairs, each read once verified and once not, alternating order)",
+        f"{nbytes / ours / 1e9:.2f} GB/s (median {ms(ours)}; best {ms(min(verified))})",
+        f"unverified: {nbytes / base / 1e9:.2f} GB/s (median {ms(base)}; best "
+        f"{ms(min(plain))})", f"{ratio:.2f}x time (median of the pairs' ratios)",
+        "< 1.15x", ratio < 1.15,
+        ["pairs' ratios (verified / plain time): "
+         + ", ".join(f"{v / p:.2f}" for v, p in zip(verified, plain)),
+         f"CPU of both sidecars per read (median; the copy runs in D's NIXL worker, each "
+         f"side hashes the {s.bulk_mib} MiB once): plain {ms(statistics.median(cpu[False]))}, "
+         f"verified {ms(statistics.median(cpu[True]))}"])]
+
+
 # -- hetero-TP -----------------------------------------------------------------------------------
 
 def _hetero(fleet: Fleet, s: Scale, p_tp: int, d_tp: int, staging: str,
@@ -1263,6 +1326,7 @@ def bench_staging(fleet: Fleet, s: Scale) -> list[Figure]:
 
 BENCHES: dict[str, Callable[[Fleet, Scale], list[Figure]]] = {
     "bulk": bench_bulk,
+    "verify": bench_verify,
     "hetero": bench_hetero,
     "latency": bench_latency,
     "sustained": bench_sustained,

@@ -107,6 +107,8 @@ class EngineRank:
     #: every worker that posts reads, lane 0 (``worker``) first; set from ``worker``
     #: when left empty (one lane)
     lanes: list[NixlWorker] = field(default_factory=list)
+    #: verify the bytes of every read (settings.verify_bytes); a read may ask alone
+    verify_bytes: bool = False
     _seq: int = 0
     #: polls waiting for this rank's next completion (``Poll.wait_s``)
     _pollers: list[asyncio.Future[None]] = field(default_factory=list)

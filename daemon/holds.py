@@ -86,6 +86,8 @@ class _Hold:
     cap: float = math.inf  # no lease reaches past this (placed + max(timeout, max life))
     released: str = ""  # the engine released it while a lease still ran: ends at lease_until
     placed: float = 0.0  # when the engine placed it (this clock)
+    #: the engine's block ids (one list per group), as the request named them
+    block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -172,6 +174,16 @@ class HoldBook:
         """Seconds since the oldest open hold was placed (0.0 when none is open)."""
         return max((now - h.placed for h in self._holds.values()), default=0.0)
 
+    def blocks(self, engine_id: str, request_id: str) -> list[list[int]] | None:
+        """The block ids a live hold pins (None: no such hold, released, or placed
+        without them): what a reader may have digested (``--verify-bytes``)."""
+        h = self._holds.get((engine_id, request_id))
+        return None if h is None or h.released else h.block_ids
+
+    def waiting(self, engine_id: str, request_id: str) -> bool:
+        """Claims or reports for this request wait for its hold (placed later)."""
+        return (engine_id, request_id) in self._early
+
     def deadline(self, engine_id: str, request_id: str) -> float | None:
         h = self._holds.get((engine_id, request_id))
         return None if h is None else h.deadline
@@ -179,13 +191,14 @@ class HoldBook:
     # ------------------------------------------------------------ the engine's side
 
     def add(self, engine_id: str, request_id: str, p_tp: int, readers: int,
-            timeout_s: float | None, now: float) -> None:
+            timeout_s: float | None, now: float, *,
+            block_ids: list[list[int]] | None = None) -> None:
         key = (engine_id, request_id)
         if key in self._holds:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
         timeout = timeout_s if timeout_s is not None else self.default_timeout_s
         h = _Hold(engine_id, request_id, p_tp, readers, now + timeout,
-                  cap=now + max(timeout, self.max_life_s), placed=now)
+                  cap=now + max(timeout, self.max_life_s), placed=now, block_ids=block_ids)
         self._ended.pop(key, None)  # the engine holds this id again: a new hold
         self._holds[key] = h
         early = self._early.pop(key, None)

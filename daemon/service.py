@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from kvsidecar import __version__
-from kvsidecar.daemon import memory_kinds, notifications
+from kvsidecar.daemon import digest, memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
@@ -62,6 +62,7 @@ from kvsidecar.daemon.peers.control import (
     ControlBatchReply,
     ControlReply,
     ControlRequest,
+    Digest,
 )
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
@@ -82,6 +83,12 @@ from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
 from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
+from kvsidecar.daemon.verify import (
+    MAX_DIGEST_BYTES_IN_FLIGHT,
+    MAX_DIGESTS_IN_FLIGHT,
+    Hashing,
+    Verifier,
+)
 from kvsidecar.ipc.cuda_handles import attach_policy, parse_cuda_device
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
@@ -178,6 +185,17 @@ class Sidecar:
         self._reads = ReadTable(self._planner, self._hs_client, settings.read_timeout_s,
                                 self._deliver, self.metrics)
         self._reads.tracing = self.tracing
+        #: hashing threads of byte verification (made on first use): D's reads, P's digests
+        self._hashing = Hashing()
+        #: digest requests being hashed (or queued to be), and their bytes
+        self._digests_open = 0
+        self._digest_bytes = 0
+        self._reads.verifier = Verifier(self._hs_client, self._hashing,
+                                        fake_fault=digest.fake_fault_prefix())
+        if self._reads.verifier.fake_fault:
+            log.warning("FAKE FAULT armed (%s): verified reads whose request id starts with %r "
+                        "get one landed byte flipped before their digest (tests only)",
+                        digest.FAKE_FAULT_ENV, self._reads.verifier.fake_fault)
         self._hs_server = HandshakeServer(
             f"tcp://{settings.bind_host}:{settings.handshake_port}", self._lookup,
             keys=keys, max_connections=fd_budget(settings.max_peer_connections, 0.5),
@@ -252,6 +270,8 @@ class Sidecar:
 
     async def start(self) -> None:
         ordinal = parse_cuda_device(self.settings.device)
+        if ordinal is not None and self.settings.verify_bytes:
+            digest.digester_for("VRAM")  # DigestUnavailable: no GPU digester yet
         if ordinal is not None:
             # Before anything listens: a GPU sidecar without its GPU must not start
             # (CudaError, which the CLI prints as one line).
@@ -323,6 +343,7 @@ class Sidecar:
         await self._hs_server.stop()
         await self._hs_client.close()
         self._planner.shutdown(wait=False, cancel_futures=True)
+        self._hashing.close()
         self.tracing.shutdown()
         log.info("kvsidecar %s stopped", self.daemon_id)
 
@@ -584,6 +605,7 @@ class Sidecar:
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
             post_during_claim_s=self.settings.post_during_claim_s,
+            verify_bytes=self.settings.verify_bytes,
         )
         self._prefault(eng, mem_type)
         self._attach_staging(eng, mem_type)
@@ -807,7 +829,7 @@ class Sidecar:
             raise RequestError(BAD_REQUEST, str(e)) from None
         try:
             eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                          req.timeout_s, time.monotonic())
+                          req.timeout_s, time.monotonic(), block_ids=req.block_ids)
         except KeyError as e:
             raise RequestError(DUPLICATE, str(e.args[0])) from None
         eng.worker.set_hot(len(eng.holds) > 0)
@@ -900,7 +922,7 @@ class Sidecar:
         if eng.holds.early_dropped != dropped:
             self.metrics.limit_refusals.labels(eng.engine_id, "early_notifications").inc()
 
-    def _on_control(self, frame: bytes) -> bytes:
+    def _on_control(self, frame: bytes) -> bytes | Awaitable[bytes]:
         """Answer a reader's claim, abandon, or batch of them (see peers/control.py
         and holds). A batch is answered item by item: one refused (or failing)
         item never refuses the others; only an undecodable message is refused
@@ -912,6 +934,8 @@ class Sidecar:
             self.metrics.lease_requests.labels(op=op, result="bad").inc()
             return peer_control.encode(ControlReply(
                 granted=False, reason=str(e), req_id=peer_control.request_id_of(frame)))
+        if isinstance(msg, Digest):
+            return self._answer_digest(msg)
         if isinstance(msg, ControlBatch):
             self.metrics.series(self.metrics.control_items, "answered").observe(len(msg.items))
             return peer_control.encode(ControlBatchReply(
@@ -935,7 +959,9 @@ class Sidecar:
                             "granted" if reply.granted else "refused").inc()
         return msgspec.structs.replace(reply, req_id=msg.req_id)
 
-    def _control_reply(self, msg: ControlRequest) -> ControlReply:
+    def _linked_engine(self, msg: ControlRequest | Digest) -> EngineRank | ControlReply:
+        """The engine rank a control item names, or the refusal when it is not the
+        one the reader linked to."""
         eng = self._engines.get(msg.engine_id)
         if eng is None or eng.tp_rank != msg.tp_rank:
             return ControlReply(granted=False, stale_link=True,
@@ -946,6 +972,78 @@ class Sidecar:
             return ControlReply(granted=False, stale_link=True, reason=(
                 f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "
                 "it (its memory is not the memory the reader would read)"))
+        return eng
+
+    async def _answer_digest(self, msg: Digest) -> bytes:
+        """The reply to one digest request, counted; never raises."""
+        try:
+            reply = await self._digest_reply(msg)
+        except Exception as e:
+            log.exception("answering a digest for %r failed", msg.request_id[:200])
+            reply = ControlReply(granted=False, reason=f"internal error: {type(e).__name__}")
+        self.metrics.series(self.metrics.lease_requests, "digest",
+                            "granted" if reply.granted else "refused").inc()
+        return peer_control.encode(msgspec.structs.replace(reply, req_id=msg.req_id))
+
+    async def _digest_reply(self, msg: Digest) -> ControlReply:
+        """Hash the pieces a reader names (``--verify-bytes``, see daemon/verify.py)
+        when a live hold of that request pins every page they touch; for a hold
+        not placed yet (its claim came early) the refusal says ``retry`` and the
+        reader asks again (P never waits: a peer's request costs no task here)."""
+        eng = self._linked_engine(msg)
+        if isinstance(eng, ControlReply):
+            return eng
+        try:
+            digester = digest.digester_for(eng.info.mem_type)
+        except digest.DigestUnavailable as e:
+            return ControlReply(granted=False, reason=str(e))
+        blocks = eng.holds.blocks(msg.engine_id, msg.request_id)
+        if blocks is None and eng.holds.waiting(msg.engine_id, msg.request_id):
+            return ControlReply(granted=False, retry=True, reason=(
+                f"the hold of request {msg.request_id[:200]!r} is not placed yet"))
+        if blocks is None:
+            return ControlReply(granted=False, reason=(
+                f"no live hold of request {msg.request_id[:200]!r} pins blocks of engine "
+                f"{msg.engine_id[:200]!r} here"))
+        layout = eng.layout
+        try:
+            region, offset, length = digest.unpack_ranges(msg.ranges)
+            digest.check_ranges(region, offset, length, num_regions=layout.num_regions,
+                                region_bytes=layout.region_bytes, page_bytes=layout.page_bytes,
+                                held_pages=digest.held_pages(blocks))
+            if digest.chunk_count(length, msg.chunk_bytes) > digest.MAX_CHUNKS:
+                raise digest.BadRanges(f"more than {digest.MAX_CHUNKS} chunks of "
+                                       f"{msg.chunk_bytes} B")
+        except digest.BadRanges as e:
+            return ControlReply(granted=False, reason=f"digest refused: {e}")
+        # At most MAX_DIGESTS_IN_FLIGHT requests and MAX_DIGEST_BYTES_IN_FLIGHT bytes
+        # (one request whatever its size) hashed or queued at once: past either, a
+        # refusal for now (``retry``), counted (a peer's input: under no engine's label).
+        nbytes = int(length.sum())
+        if self._digests_open >= MAX_DIGESTS_IN_FLIGHT or (
+                self._digests_open and self._digest_bytes + nbytes > MAX_DIGEST_BYTES_IN_FLIGHT):
+            self.metrics.limit_refusals.labels("", "digests").inc()
+            return ControlReply(granted=False, retry=True, reason=(
+                f"{self._digests_open} digests of {self._digest_bytes} B are being hashed here "
+                f"(at most {MAX_DIGESTS_IN_FLIGHT}, {MAX_DIGEST_BYTES_IN_FLIGHT} B); retry later"))
+        self._digests_open += 1
+        self._digest_bytes += nbytes
+        try:
+            out = await self._hashing.run(eng.engine_id, digester,
+                                          [r.numpy() for r in eng.regions], region, offset,
+                                          length, msg.chunk_bytes, threads=1)
+        finally:
+            self._digests_open -= 1
+            self._digest_bytes -= nbytes
+        if eng.holds.blocks(msg.engine_id, msg.request_id) is None:
+            return ControlReply(granted=False, reason=(
+                f"the hold of {msg.request_id[:200]!r} ended while its bytes were hashed"))
+        return ControlReply(granted=True, digest=out)
+
+    def _control_reply(self, msg: ControlRequest) -> ControlReply:
+        eng = self._linked_engine(msg)
+        if isinstance(eng, ControlReply):
+            return eng
         now = time.monotonic()
         if isinstance(msg, Claim):
             lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
@@ -1212,6 +1310,7 @@ class Sidecar:
         eng.wake_pollers()
         self._hs_server.invalidate(engine_id)
         await self._quiesce(eng, why)
+        await self._hashing.drain(engine_id)  # no hash reads its memory any more
         for lane in eng.lanes:  # every lane: its thread, agent and registrations
             try:
                 await lane.stop()

@@ -77,6 +77,8 @@ class Settings:
     #: D side: NIXL agents (each on its own worker thread) per engine rank that
     #: post reads; a hetero read's P ranks are posted on lanes in parallel
     post_lanes: int = 1
+    #: digest what each read moved on both sides and fail a read whose bytes differ
+    verify_bytes: bool = False
 
     @property
     def bind_host(self) -> str:
@@ -329,6 +331,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "naming them all (a failed transfer fails each read in it); 0 asks "
                         "for one transfer and notification per read, 0..64 "
                         "(env KVSIDECAR_NOTIF_BATCH_READS)")
+    p.add_argument("--verify-bytes", action="store_true",
+                   default=_env("VERIFY_BYTES", "") not in ("", "0", "false"),
+                   help="D side: verify every read's bytes: P's sidecar digests the pieces the "
+                        "read's plan takes from it, this sidecar what landed, and a read whose "
+                        "bytes differ fails (host memory only; a read may also ask alone, "
+                        "read(verify=True)) (env KVSIDECAR_VERIFY_BYTES=1)")
     p.add_argument("--max-peer-connections", type=_number(int, "MAX_PEER_CONNECTIONS"),
                    default=_env("MAX_PEER_CONNECTIONS", "1024"),
                    help="handshake port connections kept; more are shut "
@@ -395,6 +403,13 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not 1 <= ns.post_lanes <= MAX_POST_LANES:
         raise ConfigError(f"--post-lanes (env KVSIDECAR_POST_LANES) must be "
                           f"1..{MAX_POST_LANES}, got {ns.post_lanes}")
+    if ns.verify_bytes and ns.device.startswith("cuda"):
+        from kvsidecar.daemon.digest import DigestUnavailable, digester_for
+
+        try:
+            digester_for("VRAM")
+        except DigestUnavailable as e:
+            raise ConfigError(f"--verify-bytes with --device {ns.device}: {e}") from None
     if ns.staging_bytes < 0:
         raise ConfigError(f"--staging-bytes (env KVSIDECAR_STAGING_BYTES) must be >= 0, "
                           f"got {ns.staging_bytes}")
@@ -440,4 +455,5 @@ def from_args(ns: argparse.Namespace) -> Settings:
         post_during_claim_s=ns.post_during_claim,
         notif_batch_reads=ns.notif_batch_reads,
         post_lanes=ns.post_lanes,
+        verify_bytes=ns.verify_bytes,
     )

@@ -225,6 +225,8 @@ class ReadSpec:
     remote_request_id: str | None = None
     skip_tokens: int | None = None
     num_tokens: int | None = None
+    #: verify its bytes (see :meth:`SidecarClient.read`)
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -443,10 +445,10 @@ class ClientCore:
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike,
              remote_request_id: str | None, skip_tokens: int | None,
-             num_tokens: int | None) -> Ask[Ok]:
+             num_tokens: int | None, verify: bool = False) -> Ask[Ok]:
         return Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
                     block_id_lists(remote_block_ids), remote_request_id, skip_tokens,
-                    num_tokens, id=next(self._ids)), Ok
+                    num_tokens, verify, id=next(self._ids)), Ok
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
              timeout_s: float | None) -> Ask[Held]:
@@ -461,7 +463,7 @@ class ClientCore:
         reqs: list[Read | Hold | Release] = [
             Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
                  block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
-                 s.num_tokens, id=self._next_id())
+                 s.num_tokens, s.verify, id=self._next_id())
             for s in specs]
         out = yield from self._batch(reqs)
         return [o if isinstance(o, SidecarError) else None for o in out]
@@ -650,7 +652,7 @@ class SidecarClient:
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
              remote_request_id: str | None = None, skip_tokens: int | None = None,
-             num_tokens: int | None = None) -> None:
+             num_tokens: int | None = None, verify: bool = False) -> None:
         """Ask the sidecar to pull ``remote_block_ids`` of ``remote`` into local blocks.
 
         Errors, one rule: what the local sidecar can judge from the request
@@ -677,9 +679,15 @@ class SidecarClient:
         ``num_tokens``: the prompt length. It only trims kernel blocks past the
         last token; leaving it out reads whole blocks (more bytes, never fewer),
         so the default is the safe side.
+        ``verify``: prove the bytes (as ``--verify-bytes`` does for every read):
+        P's sidecar digests exactly what this read's plan takes from it, this
+        sidecar what landed, and a difference makes the read ``failed`` (its
+        blocks invalid), never ``received``. Host memory only (refused here
+        for GPU memory); a sidecar of protocol minor < 6 ignores it.
         """
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
-                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens)
+                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens,
+                                    verify)
         _expect(self._exchange(req), kind)
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
@@ -989,9 +997,12 @@ class AsyncSidecarClient:
     async def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
                    remote_request_id: str | None = None,
-                   skip_tokens: int | None = None, num_tokens: int | None = None) -> None:
+                   skip_tokens: int | None = None, num_tokens: int | None = None,
+                   verify: bool = False) -> None:
+        """As :meth:`SidecarClient.read`."""
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
-                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens)
+                                    remote_block_ids, remote_request_id, skip_tokens, num_tokens,
+                                    verify)
         _expect(await self._exchange(req), kind)
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,

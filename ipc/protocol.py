@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 6
+PROTOCOL_MINOR: Final = 7
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -55,6 +55,8 @@ PROTOCOL_MINOR: Final = 6
   answered by :class:`Replies` (one reply per item, in order).
 * 6: :class:`Status`, answered by :class:`StatusReport` (``kvsidecar status``;
   an older daemon answers ``bad_message`` "unknown op 'status'").
+* 7: ``Read.verify``: verify the read's bytes (``--verify-bytes`` for one
+  read); a daemon of an older minor ignores the field and does not verify.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -309,6 +311,9 @@ class Read(_RequestBase, tag="read", frozen=True):
     remote_request_id: RequestId | None = None
     skip_tokens: NonNegative | None = None
     num_tokens: NonNegative | None = None
+    #: verify the bytes (minor 7): P's sidecar digests what this read's plan takes
+    #: from it, this sidecar what landed; a difference fails the read
+    verify: bool = False
 
 
 class Hold(_RequestBase, tag="hold", frozen=True):

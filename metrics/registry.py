@@ -130,6 +130,13 @@ class Metrics:
             "kvsidecar_reads_batched_total", "Reads carried by a batch task: reads of one "
             "engine message to one remote engine over links already made share one task "
             "(one wait for their claims and plans, one post)", ENGINE)
+        self.verified_bytes = lc(
+            "kvsidecar_verified_bytes_total", "Bytes of reads whose digest matched P's "
+            "(--verify-bytes, read(verify=True))", ENGINE)
+        self.verify_failures = c(
+            "kvsidecar_verify_failures_total", "Verified reads failed by their verification: "
+            "mismatch (the bytes that landed differ from P's), refused or unanswered (P "
+            "gave no digest)", (*ENGINE, "reason"))
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
             "that posted scattered descriptors, by reason (full: no room in the pool; "
@@ -221,8 +228,9 @@ class Metrics:
         self.build_info.labels(version=__version__, python=platform.python_version(),
                                nixl=_version("nixl")).set(1)
         self.lease_requests = lc(
-            "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims "
-            "and abandons, by result (granted, refused, bad), each item of a batch counted",
+            "kvsidecar_lease_requests_total", "Peer control requests answered (P side): claims, "
+            "abandons and digests (--verify-bytes), by result (granted, refused, bad), each "
+            "item of a batch counted",
             ("op", "result"))
         self.control_items = lh(
             "kvsidecar_control_items_per_message", "Claims/renewals/abandons carried by one "

@@ -375,13 +375,14 @@ class SimEngine:
 
     def start_read(self, sent: Sent, *, request_id: str | None = None, skip_blocks: int = 0,
                    full_hit: bool = False, explicit_skip: bool = True,
-                   trim: bool = True) -> Receiving:
+                   trim: bool = True, verify: bool = False) -> Receiving:
         rec = self._receive(sent, request_id, skip_blocks, full_hit)
         for rank in range(self.tp):
             self.clients[rank].read(self.engine_id, rec.request_id, rec.block_ids, sent.remote,
                                     sent.block_ids, remote_request_id=sent.request_id,
                                     skip_tokens=rec.skip_tokens if explicit_skip else None,
-                                    num_tokens=sent.req.prompt_tokens if trim else None)
+                                    num_tokens=sent.req.prompt_tokens if trim else None,
+                                    verify=verify)
         return rec
 
     def start_reads(self, sents: Sequence[Sent]) -> list[Receiving]:

@@ -45,8 +45,9 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path: Path) -> None:
     assert "failed in this run" not in text
     for name in suite.BENCHES:
         assert f"== {name} ..." in stdout
-    for needle in ("load average", "commit:", "bulk", "hetero-TP 1→2", "hetero-TP 2→1",
-                   "latency", "sustained", "engine CPU per `read`", "`hold`", "`poll`",
+    for needle in ("load average", "commit:", "bulk", "byte verification", "hetero-TP 1→2",
+                   "hetero-TP 2→1", "latency", "sustained", "engine CPU per `read`", "`hold`",
+                   "`poll`",
                    "start-up", "idle sidecar", "descriptors per request", "descriptor economy",
                    "GPU figures"):
         assert needle in text, needle

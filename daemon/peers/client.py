@@ -34,6 +34,7 @@ from kvsidecar.daemon.peers.control import (
     ControlBatchReply,
     ControlReply,
     ControlRequest,
+    Digest,
 )
 from kvsidecar.daemon.peers.messages import (
     HANDSHAKE_VERSION,
@@ -239,7 +240,7 @@ class HandshakeClient:
                 self._evicted("handshake")
         return info
 
-    async def control(self, address: str, msg: ControlRequest) -> ControlAnswer:
+    async def control(self, address: str, msg: ControlRequest | Digest) -> ControlAnswer:
         """One control request (claim, abandon) to the sidecar at ``address``.
 
         Requests to one address that meet in its outbox travel as one batch when
@@ -247,10 +248,10 @@ class HandshakeClient:
         Raises :class:`HandshakeFailed` when no valid reply comes: within
         ``timeout_s`` of its message's send (the connection is then replaced, as
         for a handshake), after at most ``timeout_s`` waiting behind earlier
-        messages to the same address.
+        messages to the same address. A :class:`Digest` always travels alone.
         """
         addr, what, req_id, frame = self._encode_control(address, msg)
-        if self._batching.get(addr, 0) < 2:
+        if self._batching.get(addr, 0) < 2 or type(msg) is Digest:
             return await self._control_one(addr, what, req_id, frame)
         return await self._enqueue(addr, what, req_id, frame)
 
@@ -271,7 +272,8 @@ class HandshakeClient:
             return asyncio.ensure_future(self._control_one(addr, what, req_id, frame))
         return self._enqueue(addr, what, req_id, frame)
 
-    def _encode_control(self, address: str, msg: ControlRequest) -> tuple[str, str, int, bytes]:
+    def _encode_control(self, address: str, msg: ControlRequest | Digest
+                        ) -> tuple[str, str, int, bytes]:
         """(address, what, req_id, frame) of one control request."""
         addr = normalise(address)
         if self._closed:

@@ -21,6 +21,9 @@ Wire (msgpack)::
                         [reason], req_id, v}
     ROUTER -> DEALER   {"type": "control", granted, lease_s, reason, req_id, v}
 
+    DEALER -> ROUTER   {"op": "digest", <claim's fields>, ranges, chunk_bytes}
+    ROUTER -> DEALER   {"type": "control", granted, reason, digest, req_id, v}
+
     DEALER -> ROUTER   {"op": "batch", items: [claim|abandon, ...], req_id, v}
     ROUTER -> DEALER   {"type": "control_batch", replies: [control, ...], req_id, v}
 
@@ -63,6 +66,11 @@ MAX_BATCH_BYTES = 32 << 10
 #: A batch message's bytes besides its items (map, op, items header, req_id, v).
 BATCH_OVERHEAD_BYTES = 40
 
+#: Bounds of a :class:`Digest` (see :mod:`~kvsidecar.daemon.digest`).
+MAX_DIGEST_RANGES = 2048
+MIN_DIGEST_CHUNK = 64 << 10
+MAX_DIGEST_CHUNK = 1 << 30
+
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Rank = Annotated[int, Meta(ge=0, le=1 << 16)]
 Tp = Annotated[int, Meta(ge=1, le=1 << 16)]
@@ -93,6 +101,17 @@ class Abandon(_Control, tag="abandon", frozen=True, kw_only=True):
     reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
+class Digest(_Control, tag="digest", frozen=True, kw_only=True):
+    """Byte verification (:mod:`~kvsidecar.daemon.digest`): the chunk hashes of
+    the pieces of this P rank that the reader's plan read, for a hold that
+    pins every page they touch. Sent alone, never in a batch: P hashes on a
+    thread and answers when done (:class:`ControlReply` ``digest``)."""
+
+    #: ``(region, offset, length)`` int64 LE triples, region-relative on P
+    ranges: Annotated[bytes, Meta(min_length=24, max_length=MAX_DIGEST_RANGES * 24)]
+    chunk_bytes: Annotated[int, Meta(ge=MIN_DIGEST_CHUNK, le=MAX_DIGEST_CHUNK)]
+
+
 ControlRequest: TypeAlias = Claim | Abandon
 
 
@@ -113,7 +132,7 @@ class _RawBatch(msgspec.Struct, tag_field="op", tag="batch", frozen=True, kw_onl
     v: int = CONTROL_VERSION
 
 
-AnyControl: TypeAlias = Claim | Abandon | ControlBatch
+AnyControl: TypeAlias = Claim | Abandon | Digest | ControlBatch
 
 
 class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
@@ -128,6 +147,11 @@ class ControlReply(msgspec.Struct, tag="control", frozen=True, kw_only=True):
     linked to: the reader should re-link before it tries again."""
     req_id: int = 0
     v: int = CONTROL_VERSION
+    #: the answer to a :class:`Digest`: its chunk hashes (u64 LE), else empty
+    digest: bytes = b""
+    #: a :class:`Digest` refused for now: the request's hold is not placed yet (its
+    #: claim came early) or P hashes as many digests as it will; ask again shortly
+    retry: bool = False
 
 
 class ControlBatchReply(msgspec.Struct, tag="control_batch", frozen=True, kw_only=True):
@@ -148,7 +172,7 @@ _request_decoder: msgspec.msgpack.Decoder[AnyControl] = msgspec.msgpack.Decoder(
 _reply_decoder = msgspec.msgpack.Decoder(ControlReply)
 _op_decoder = msgspec.msgpack.Decoder(_Op)
 
-Op = Literal["claim", "abandon", "batch"]
+Op = Literal["claim", "abandon", "digest", "batch"]
 
 
 class BadControl(ValueError):

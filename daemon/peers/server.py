@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import msgspec
 import zmq
@@ -79,7 +80,7 @@ class HandshakeServer:
         max_message_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         on_refuse: Callable[[str], None] | None = None,
-        control: Callable[[bytes], bytes] | None = None,
+        control: Callable[[bytes], bytes | Awaitable[bytes]] | None = None,
     ) -> None:
         self._host, self._port = split_address(bind)
         self._lookup = lookup
@@ -91,8 +92,10 @@ class HandshakeServer:
         self._on_refuse = on_refuse
         self._zap: ZapHandler | None = None
         self.guard: ConnectionGuard | None = None
-        #: answers control messages (claims, abandons; see peers/control.py)
+        #: answers control messages (claims, abandons; see peers/control.py): at
+        #: once, or later (a digest is hashed on a thread; its reply goes when done)
         self._control = control
+        self._later: set[asyncio.Task[None]] = set()
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self._sock: LoopSocket | None = None
@@ -146,6 +149,8 @@ class HandshakeServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for later in list(self._later):
+            later.cancel()
         guard, self.guard = self.guard, None
         if guard is not None:
             guard.stop()
@@ -191,6 +196,11 @@ class HandshakeServer:
                 out = [frames[0], self._error(0, "internal", type(e).__name__)]
             if out is None:
                 continue
+            if not isinstance(out[-1], bytes):
+                task = asyncio.ensure_future(self._reply_later(sock, out[:-1], out[-1]))
+                self._later.add(task)
+                task.add_done_callback(self._later.discard)
+                continue
             try:
                 await sock.send_multipart(out)
             except zmq.ZMQError as e:
@@ -198,7 +208,17 @@ class HandshakeServer:
                     return
                 log.warning("handshake server reply failed: %s", e)
 
-    def _handle(self, frames: list[bytes]) -> list[bytes] | None:
+    async def _reply_later(self, sock: LoopSocket, envelope: list[bytes],
+                           answer: Awaitable[bytes]) -> None:
+        """Send an answer that was not ready at once (its awaitable never raises)."""
+        body = await answer
+        try:
+            await sock.send_multipart([*envelope, body])
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
+                log.warning("handshake server reply failed: %s", e)
+
+    def _handle(self, frames: list[bytes]) -> list[Any] | None:
         # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter
         # we must echo. Everything after that is the payload.
         if len(frames) < 2:
@@ -214,7 +234,7 @@ class HandshakeServer:
             return [*envelope, self._error(0, "bad_message", too_large)]
         return [*envelope, self._answer(body[0])]
 
-    def _answer(self, frame: bytes) -> bytes:
+    def _answer(self, frame: bytes) -> bytes | Awaitable[bytes]:
         if self._control is not None and control.op_of(frame):
             return self._control(frame)
         try:

@@ -85,13 +85,21 @@ PEER_TEMPLATES: list[dict[str, Any]] = [
      "reader_engine": "fz-reader", "reader_rank": 0, "reader_tp": 1, "reason": "fz",
      "req_id": 4, "v": 1},
 ]
+#: A digest request (--verify-bytes; answered once hashed, never in a batch):
+#: one page of region 0, of a request no claim template names (a digest for a
+#: claimed request whose hold never comes waits for it, a second per input).
+PEER_TEMPLATES.append({"op": "digest", "engine_id": TARGET, "tp_rank": 0, "agent_name": "",
+                       "request_id": "hd", "reader_engine": "fz-reader", "reader_rank": 0,
+                       "reader_tp": 1, "ranges": (0).to_bytes(16, "little")
+                       + (4096).to_bytes(8, "little"), "chunk_bytes": 8 << 20, "req_id": 6,
+                       "v": 1})
 #: A control batch (issue #12) of the claim and the abandon above, and of a
 #: third item the fuzzer's values make out of anything.
 PEER_TEMPLATES.append({"op": "batch", "items": [PEER_TEMPLATES[2], PEER_TEMPLATES[3]],
                        "req_id": 5, "v": 1})
 FROZEN = {"remote", "op"}  # "op" is mutated by the op-name strategy instead
 OPS = ["ping", "poll", "hold", "release", "read", "register", "deregister", "claim", "abandon",
-       "batch", "status"]
+       "batch", "status", "digest"]
 
 
 def _with_agent(template: dict[str, Any], agent: str) -> dict[str, Any]:
