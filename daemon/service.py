@@ -938,20 +938,28 @@ class Sidecar:
         eng = next((r for r in self._ranks_of(msg.engine_id)
                     if r.worker.agent_name == msg.agent_name), None) if msg.agent_name else None
         eng = eng or holder
+        # An abandon of a draining generation's hold ends it whatever the reader
+        # linked to: the reader has nothing in flight on it (its claim was refused).
+        drained_abandon = isinstance(msg, Abandon) and holder is not current
+        if drained_abandon:
+            eng = holder
         if eng is not None and eng is not holder and holder is not current:
             return ControlReply(granted=False, reason=(
                 f"request {msg.request_id[:200]!r} is held by an earlier registration of "
                 f"engine {msg.engine_id[:200]!r} (draining), not the one the reader linked to"))
         if eng is not None and eng is not current and (msg.engine_id,
                                                          msg.request_id) not in eng.holds:
-            return ControlReply(granted=False, reason=(
+            # Linked to what an ended engine left: a new registration of the id (if
+            # any) may hold it, so the reader re-links (stale) when there is one.
+            return ControlReply(granted=False, stale_link=current is not None, reason=(
                 f"engine {msg.engine_id[:200]!r} ended; request {msg.request_id[:200]!r} is "
-                "not held (any more) by what it left"))
+                "not held by what it left" + ("; it registered again since" if current
+                                              else "")))
         if eng is None or eng.tp_rank != msg.tp_rank:
             return ControlReply(granted=False, stale_link=True,
                                 reason=f"engine {msg.engine_id[:200]!r} rank {msg.tp_rank} is "
                                        "not registered here")
-        unlinked_abandon = isinstance(msg, Abandon) and not msg.agent_name
+        unlinked_abandon = isinstance(msg, Abandon) and (not msg.agent_name or drained_abandon)
         if msg.agent_name != eng.worker.agent_name and not unlinked_abandon:
             return ControlReply(granted=False, stale_link=True, reason=(
                 f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.ipc.client import SidecarClient, UnknownEngine
+from kvsidecar.ipc.client import SidecarClient, Unavailable, UnknownEngine
 from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.oracle import Request
@@ -200,3 +202,96 @@ def test_holds_outlive_their_engine(pool, end: str, p_tp: int, d_tp: int, memory
         for side in ps:
             assert f"engine {engine_id!r} generation" in side.read_log()
             assert "drained in" in side.read_log()
+
+
+def test_a_new_registration_of_the_id_never_frees_memory_under_a_transfer(pool) -> None:
+    """The engine comes back with the same id while its old holds drain: it gets a
+    new registration (new memory, new agent); the old generation's memory stays
+    until its holds end. A reader linked to the old generation still reads its
+    holds exactly; a reader that links now reaches the new registration and is
+    refused the old holds (never given the new memory's bytes for them); a read
+    of the new registration is exact."""
+    side = pool.p[0]
+    engine_id = pool.uid("drain-gen-")
+    rids = [f"{engine_id}-r{i}" for i in range(3)]
+    proc, info = _start_p([side], engine_id, 1, "shm", rids, "exit")
+    assert proc.wait(30) == 0
+    old = _sents(engine_id, 1, info, rids)
+    _until("not draining", lambda: side.metric("kvsidecar_engines_draining") == 1)
+    kept = side.metric("kvsidecar_drain_bytes")
+    from kvsidecar.sim.models import hybrid
+    with _d_engine(pool, 1, pool.d[:1]) as D1, _d_engine(pool, 1, pool.d[1:2]) as D2:
+        D1.start_read(old[0])
+        assert {c.kind for c in D1.wait_for(rids[:1])[rids[0]].values()} == {"received"}
+        assert not D1.verify(rids[0])
+        P2 = SimEngine(engine_id, hybrid, 1, 96, [side])  # the engine is back
+        try:
+            new = P2.prefill(f"{engine_id}-new", Request(seed=7, prompt_tokens=TOKENS))
+            assert side.metric("kvsidecar_drain_bytes") == kept  # the old memory stays
+            D1.start_read(old[1])  # over D1's link to the old generation
+            assert {c.kind for c in D1.wait_for(rids[1:2])[rids[1]].values()} == {"received"}
+            assert not D1.verify(rids[1])
+            D2.start_read(old[2])  # a new link reaches the new registration
+            (c2,) = D2.wait_for(rids[2:])[rids[2]].values()
+            assert c2.kind == "failed" and "earlier registration" in c2.reason, c2
+            _until("old generation not freed",
+                   lambda: side.metric("kvsidecar_engines_draining") == 0)
+            assert side.metric("kvsidecar_drain_bytes") == 0
+            D1.start_read(new)  # D1 re-links to the new registration: exact
+            assert {c.kind for c in D1.wait_for([new.request_id])[new.request_id].values()
+                    } == {"received"}
+            assert not D1.verify(new.request_id)
+        finally:
+            P2.close()
+    _released([side], engine_id)
+
+
+def _readyz(side: SidecarProcess) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{side.metrics_port}/readyz",
+                                    timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_sigterm_drains_open_holds_within_the_drain_timeout(pool, tmp_path) -> None:
+    """SIGTERM: the sidecar refuses new work, says 'draining' on /readyz, serves the
+    open holds until they end (D reads them exactly) and exits as soon as they did;
+    a hold nobody reads is dropped at --drain-timeout (here from the environment)."""
+    from kvsidecar.sim.models import hybrid
+    side = SidecarProcess(tmp_path, "dr-term", args=["--metrics-port", "0",
+                                                     "--drain-timeout", "120"]).start()
+    bounded = SidecarProcess(tmp_path, "dr-bounded", args=["--metrics-port", "0"],
+                             env={"KVSIDECAR_DRAIN_TIMEOUT": "1"}).start()
+    try:
+        P = SimEngine(pool.uid("P"), hybrid, 1, 96, [side])
+        Q = SimEngine(pool.uid("Q"), hybrid, 1, 96, [bounded])
+        sents = [P.prefill(f"term-{i}", Request(seed=30 + i, prompt_tokens=TOKENS))
+                 for i in range(2)]
+        Q.prefill("never-read", Request(seed=40, prompt_tokens=TOKENS))
+        t0 = time.monotonic()
+        side.terminate()
+        bounded.terminate()
+        _until("/readyz not draining", lambda: "draining" in _readyz(side)[1])
+        assert _readyz(side)[0] == 503
+        with pytest.raises(Unavailable):
+            P.prefill("refused", Request(seed=1, prompt_tokens=TOKENS))
+        with _d_engine(pool, 1) as D:
+            for s in sents:
+                D.start_read(s)
+            got = D.wait_for([s.request_id for s in sents])
+            for s in sents:
+                assert {c.kind for c in got[s.request_id].values()} == {"received"}
+                assert not D.verify(s.request_id)
+        assert side.proc is not None and bounded.proc is not None
+        assert side.proc.wait(60) == 0  # once its holds ended, not at --drain-timeout
+        assert time.monotonic() - t0 < 60
+        assert bounded.proc.wait(60) == 0
+        assert "drain cut short: 1 hold(s) still open" in bounded.read_log()
+        assert "drain done: 0 hold(s) still open" in side.read_log()
+        for c in P.clients + Q.clients:
+            c.close()
+    finally:
+        side.stop()
+        bounded.stop()
