@@ -1289,6 +1289,14 @@ class Sidecar:
                         "(%s): the holds end now, as the memory goes with its process",
                         eng.engine_id, len(eng.holds), ", ".join(sorted(kinds)))
             return None
+        if len(self._drain) >= self.settings.max_engines:
+            # Each generation keeps an agent (a thread) and its memory: bounded like
+            # registrations (a loop of register, hold, deregister would grow it).
+            self.metrics.limit_refusals.labels("", "draining").inc()
+            log.warning("engine %r ended with %d hold(s) open, but %d ended engines drain "
+                        "already (--max-engines): its holds end now", eng.engine_id,
+                        len(eng.holds), len(self._drain))
+            return None
         nbytes = len(eng.regions) * eng.layout.region_bytes
         gen = self._drain.start(eng.engine_id, eng, why, nbytes, time.monotonic())
         reservation = self._reservations.pop(eng.engine_id)

@@ -295,3 +295,31 @@ def test_sigterm_drains_open_holds_within_the_drain_timeout(pool, tmp_path) -> N
     finally:
         side.stop()
         bounded.stop()
+
+
+def test_ended_engines_drain_at_most_max_engines_at_once(pool, tmp_path) -> None:
+    """Each draining generation keeps an agent and its memory: at most --max-engines
+    drain at once. Past it an ended engine's holds end at once (counted), and the
+    ones already draining are still served."""
+    from kvsidecar.sim.models import hybrid
+    side = SidecarProcess(tmp_path, "dr-max", args=["--metrics-port", "0",
+                                                    "--max-engines", "1"]).start()
+    try:
+        sents = []
+        for name in ("A", "B"):
+            E = SimEngine(pool.uid(name), hybrid, 1, 96, [side])
+            sents.append(E.prefill(f"{E.engine_id}-r", Request(seed=50, prompt_tokens=TOKENS)))
+            E.clients[0].deregister(E.engine_id, "drain")
+            E.clients[0].close()
+        assert side.metric("kvsidecar_limit_refusals_total", limit="draining") == 1
+        _until("A not draining", lambda: side.metric("kvsidecar_engines_draining") == 1)
+        with _d_engine(pool, 1) as D:
+            for s in sents:
+                D.start_read(s)
+            got = D.wait_for([s.request_id for s in sents])
+            assert {c.kind for c in got[sents[0].request_id].values()} == {"received"}
+            assert not D.verify(sents[0].request_id)
+            assert {c.kind for c in got[sents[1].request_id].values()} == {"failed"}
+        _until("A never freed", lambda: side.metric("kvsidecar_engines_draining") == 0)
+    finally:
+        assert side.stop() == 0
