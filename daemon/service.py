@@ -1377,11 +1377,14 @@ class Sidecar:
         its draining generations, newest first."""
         current = self._engines.get(engine_id)
         ranks = [current] if current is not None else []
-        return ranks + [g.rank for g in self._drain.of_engine(engine_id)]
+        return ranks + [g.rank for g in self._drain.of_engine(engine_id)] if len(
+            self._drain) else ranks
 
     def _holder(self, engine_id: str, request_id: str) -> EngineRank | None:
         """The rank (registered or draining) whose holds include this request, else
         the registered rank (early notifications and claims wait there)."""
+        if not len(self._drain):  # the common case: one lookup per claim or notification
+            return self._engines.get(engine_id)
         for eng in self._ranks_of(engine_id):
             if (engine_id, request_id) in eng.holds:
                 return eng

@@ -185,6 +185,8 @@ def test_holds_outlive_their_engine(pool, end: str, p_tp: int, d_tp: int, memory
             _until("not draining", lambda s=side: s.metric("kvsidecar_engines_draining") == 1)
             assert side.metric("kvsidecar_drain_bytes") > 0
             assert _mapped(side, f"-{engine_id}-"), "its memory was not kept"
+            status, body = _readyz(side)  # still ready: it serves, and says what drains
+            assert status == 200 and "1 ended engine(s) draining 1 hold(s)" in body, body
         with SidecarClient(ps[0].socket) as c, pytest.raises(UnknownEngine):
             c.hold(engine_id, "new", [[0]] + [[] for _ in sent.block_ids[1:]])  # no new work
     with _d_engine(pool, d_tp) as D:
