@@ -37,6 +37,7 @@ from kvsidecar import __version__
 from kvsidecar.daemon import digest, memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
+from kvsidecar.daemon.drain import DrainBook, Generation, keepable
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines import (
@@ -265,6 +266,12 @@ class Sidecar:
         #: series per refused id would grow the registry with every new id sent
         self._reservations = Reservations(on_limit=lambda _engine_id: self.metrics
                                           .limit_refusals.labels("", "reservations").inc())
+        #: registrations whose engine ended with holds open, served until they end
+        self._drain: DrainBook[EngineRank] = DrainBook()
+        #: the reservation each draining generation's regions are views of (if any)
+        self._drain_reserved: dict[int, Reservation] = {}
+        self.metrics.engines_draining.set_function(lambda: len(self._drain))
+        self.metrics.drain_bytes.set_function(lambda: self._drain.nbytes)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -327,6 +334,7 @@ class Sidecar:
         deadline = time.monotonic() + self._drain_timeout
         while self._registering and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # a registration half-way would leak its memory
+        await self._drain_holds(self.settings.drain_timeout_s)
         deadline = time.monotonic() + drain_s
         while time.monotonic() < deadline and any(e.completions for e in self._engines.values()):
             await asyncio.sleep(0.01)
@@ -338,6 +346,10 @@ class Sidecar:
             await asyncio.wait(list(self._background), timeout=60)
         for engine_id in list(self._engines):
             await self._drop_engine(engine_id, "daemon shutting down")
+        for gen in self._drain:  # --drain-timeout passed with holds still open
+            self._cut_drain(gen, "the sidecar stopped (--drain-timeout)")
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=60)
         for engine_id in self._reservations.engine_ids():
             await self._drop_reservation(engine_id)
         await self._hs_server.stop()
@@ -462,8 +474,9 @@ class Sidecar:
         self._engine(req.engine_id)
         # Shielded: a caller that gives up (or a shutdown) must not cut the
         # release short between forgetting the engine and freeing its memory.
-        await asyncio.shield(self._spawn(
-            self._drop_engine(req.engine_id, "deregistered by the engine")))
+        await asyncio.shield(self._spawn(self._drop_engine(
+            req.engine_id, f"deregistered by the engine ({req.mode})",
+            drain=req.mode == "drain")))
         return Ok()
 
     async def _ping(self, req: Ping) -> Reply:
@@ -484,7 +497,8 @@ class Sidecar:
             uptime_s=round(now - self._created, 3), socket=self.settings.socket,
             handshake_address=self.handshake_address, ready=all(c.ok for c in checks),
             draining=self._stopping, transport=path, transport_detail=detail,
-            checks=checks_of(checks), engines=engines)
+            checks=checks_of(checks), engines=engines, engines_draining=len(self._drain),
+            drain_bytes=self._drain.nbytes)
 
     def _engine(self, engine_id: str) -> EngineRank:
         """The engine a request names; any request renews its liveness lease."""
@@ -776,8 +790,9 @@ class Sidecar:
     def _on_agent_reset(self, engine_id: str, reset: AgentReset) -> None:
         """The engine's NIXL agent was destroyed and created again (a read failed):
         publish its new name and metadata and drop every link loaded into the old one."""
-        eng = self._engines.get(engine_id)
-        if eng is None:
+        eng = next((r for r in self._ranks_of(engine_id)
+                    if r.worker.agent_name == reset.agent_name), None)
+        if eng is None:  # the agent of a rank already freed
             return
         eng.info = make_handshake_info(
             engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
@@ -809,10 +824,12 @@ class Sidecar:
         self.metrics.handshakes.labels(side="client", result="ok" if ok else "failed").inc()
 
     def _lookup(self, engine_id: str, rank: int) -> HandshakeInfo | None:
-        eng = self._engines.get(engine_id)
-        if eng is None or eng.tp_rank != rank:
-            return None
-        return eng.info
+        """The registered rank's handshake; while none is registered, the newest
+        draining generation's (its holds are still read)."""
+        for eng in self._ranks_of(engine_id):
+            if eng.tp_rank == rank:
+                return eng.info
+        return None
 
     def _deliver(self, eng: EngineRank, c: Completion) -> None:
         current = self._engines.get(eng.engine_id)
@@ -895,7 +912,7 @@ class Sidecar:
                 self._on_read_done(agent, item)
 
     def _on_read_done(self, agent: str, note: notifications.ReadDone) -> None:
-        eng = self._engines.get(note.target_engine)
+        eng = self._holder(note.target_engine, note.request_id)
         if eng is None:
             self.metrics.notifications_received.labels(outcome="unknown_engine").inc()
             log.warning("notification for unknown engine %r (request %r) from %s",
@@ -961,13 +978,37 @@ class Sidecar:
 
     def _linked_engine(self, msg: ControlRequest | Digest) -> EngineRank | ControlReply:
         """The engine rank a control item names, or the refusal when it is not the
-        one the reader linked to."""
-        eng = self._engines.get(msg.engine_id)
+        one the reader linked to: the registered rank or a draining generation, by
+        the agent the reader linked to (see daemon/drain.py)."""
+        current = self._engines.get(msg.engine_id)
+        holder = self._holder(msg.engine_id, msg.request_id)
+        # The agent the reader linked to names the memory it reads: the registered
+        # rank's or a draining generation's (see daemon/drain.py).
+        eng = next((r for r in self._ranks_of(msg.engine_id)
+                    if r.worker.agent_name == msg.agent_name), None) if msg.agent_name else None
+        eng = eng or holder
+        # An abandon of a draining generation's hold ends it whatever the reader
+        # linked to: the reader has nothing in flight on it (its claim was refused).
+        drained_abandon = isinstance(msg, Abandon) and holder is not current
+        if drained_abandon:
+            eng = holder
+        if eng is not None and eng is not holder and holder is not current:
+            return ControlReply(granted=False, reason=(
+                f"request {msg.request_id[:200]!r} is held by an earlier registration of "
+                f"engine {msg.engine_id[:200]!r} (draining), not the one the reader linked to"))
+        if eng is not None and eng is not current and (msg.engine_id,
+                                                         msg.request_id) not in eng.holds:
+            # Linked to what an ended engine left: a new registration of the id (if
+            # any) may hold it, so the reader re-links (stale) when there is one.
+            return ControlReply(granted=False, stale_link=current is not None, reason=(
+                f"engine {msg.engine_id[:200]!r} ended; request {msg.request_id[:200]!r} is "
+                "not held by what it left" + ("; it registered again since" if current
+                                              else "")))
         if eng is None or eng.tp_rank != msg.tp_rank:
             return ControlReply(granted=False, stale_link=True,
                                 reason=f"engine {msg.engine_id[:200]!r} rank {msg.tp_rank} is "
                                        "not registered here")
-        unlinked_abandon = isinstance(msg, Abandon) and not msg.agent_name
+        unlinked_abandon = isinstance(msg, Abandon) and (not msg.agent_name or drained_abandon)
         if msg.agent_name != eng.worker.agent_name and not unlinked_abandon:
             return ControlReply(granted=False, stale_link=True, reason=(
                 f"engine {msg.engine_id[:200]!r} registered again since the reader linked to "
@@ -1175,8 +1216,12 @@ class Sidecar:
                                 "still running" if v is None else
                                 f"path {v.path}, {v.bandwidth_bytes_s / 1e9:.2f} GB/s: "
                                 f"{v.detail}"))
+        draining = (f"; {len(self._drain)} ended engine(s) draining "
+                    f"{sum(len(g.rank.holds) for g in self._drain)} hold(s)"
+                    if len(self._drain) else "")
         checks.append(Check("not_draining", not self._stopping,
-                            "draining: shutting down" if self._stopping else "serving"))
+                            ("draining: shutting down" if self._stopping else "serving")
+                            + draining))
         self.metrics.ready.set(all(c.ok for c in checks))
         return checks
 
@@ -1208,7 +1253,7 @@ class Sidecar:
         and a walk over every hold) cost P several µs per read."""
         last_liveness_check = 0.0
         while True:
-            expiring = any(len(e.holds) or e.holds.early for e in self._engines.values())
+            expiring = any(len(e.holds) or e.holds.early for e in self._ranks())
             self._tidy_busy = expiring
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._tidy_wake.wait(),
@@ -1216,7 +1261,7 @@ class Sidecar:
             self._tidy_wake.clear()
             now = time.monotonic()
             try:
-                for eng in list(self._engines.values()):
+                for eng in self._ranks():
                     before = eng.holds.unclaimed
                     eng.holds.expire(now)
                     if eng.holds.unclaimed != before:
@@ -1236,6 +1281,10 @@ class Sidecar:
             except Exception:  # housekeeping must outlive any single bad entry
                 log.exception("housekeeping pass failed; continuing")
 
+    def _ranks(self) -> list[EngineRank]:
+        """Every rank with holds to serve: registered ones, then draining ones."""
+        return list(self._engines.values()) + [g.rank for g in self._drain]
+
     def _check_liveness(self, now: float) -> None:
         for eng in list(self._engines.values()):
             if eng.orphaned or eng.engine_id in self._registering:
@@ -1252,7 +1301,8 @@ class Sidecar:
             else:
                 log.warning("engine %r is gone (%s); releasing its resources", eng.engine_id,
                             why)
-                self._spawn(self._drop_engine(eng.engine_id, f"engine gone: {why}"))
+                self._spawn(self._drop_engine(eng.engine_id, f"engine gone: {why}",
+                                              drain=True))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -1303,13 +1353,29 @@ class Sidecar:
                                   m.staging_bytes_mapped.labels(e).set, lanes=eng.lanes)
         eng.staging.prepare()  # now, in the background: reads then find it ready
 
-    async def _drop_engine(self, engine_id: str, why: str) -> None:
+    async def _drop_engine(self, engine_id: str, why: str, drain: bool = False) -> None:
+        """Forget an engine rank and free what it had. ``drain``: if it has holds
+        open and its memory can be kept (see :mod:`~kvsidecar.daemon.drain`), its
+        memory, agent and holds stay and keep serving readers until the holds
+        end; only then is everything freed. Its own reads are aborted either way."""
         eng = self._engines.pop(engine_id, None)
         if eng is None:
             return
         eng.wake_pollers()
         self._hs_server.invalidate(engine_id)
+        gen = self._start_drain(eng, why) if drain else None
+        if gen is not None:
+            await self._reads.abort_all(eng.engine_id, why, self._drain_timeout)
+            gen.quiet = True  # nothing of its own reads writes into its memory any more
+            self._maybe_free(gen)
+            return
         await self._quiesce(eng, why)
+        await self._free_rank(eng, self._reservations.pop(engine_id), why)
+
+    async def _free_rank(self, eng: EngineRank, reservation: Reservation | None,
+                         why: str) -> None:
+        """Stop a forgotten rank's workers, free its memory and its reservation."""
+        engine_id = eng.engine_id
         await self._hashing.drain(engine_id)  # no hash reads its memory any more
         for lane in eng.lanes:  # every lane: its thread, agent and registrations
             try:
@@ -1324,11 +1390,127 @@ class Sidecar:
             eng.staging.close()  # its workers (and every transfer into it) are gone
         self._fds.withdraw(eng.fd_token)
         await self._release_regions(eng.regions, eng.owned)
-        await self._drop_reservation(engine_id)  # views into it were just released
+        if reservation is not None:  # views into it were just released
+            self._fds.withdraw(reservation.fd_token)
+            await self._release_regions([reservation.region], True)
         self.metrics.engines.set(len(self._engines))
-        self.metrics.forget_engine(engine_id)
+        if engine_id not in self._engines:
+            self.metrics.forget_engine(engine_id)
         log.info("engine %r released (%s)", engine_id, why)
 
+    # ------------------------------------------------------------ draining
+
+    def _start_drain(self, eng: EngineRank, why: str) -> Generation[EngineRank] | None:
+        """Keep ``eng`` (already forgotten as a registration) serving its open holds,
+        when it has any and its memory stays valid without its engine; None otherwise."""
+        if not len(eng.holds):
+            return None
+        kinds = frozenset(_kind(r) for r in eng.regions) if not eng.owned else frozenset()
+        if not keepable(eng.owned, kinds):
+            log.warning("engine %r ended with %d hold(s) open on memory it allocated itself "
+                        "(%s): the holds end now, as the memory goes with its process",
+                        eng.engine_id, len(eng.holds), ", ".join(sorted(kinds)))
+            return None
+        if len(self._drain) >= self.settings.max_engines:
+            # Each generation keeps an agent (a thread) and its memory: bounded like
+            # registrations (a loop of register, hold, deregister would grow it).
+            self.metrics.limit_refusals.labels("", "draining").inc()
+            log.warning("engine %r ended with %d hold(s) open, but %d ended engines drain "
+                        "already (--max-engines): its holds end now", eng.engine_id,
+                        len(eng.holds), len(self._drain))
+            return None
+        nbytes = len(eng.regions) * eng.layout.region_bytes
+        gen = self._drain.start(eng.engine_id, eng, why, nbytes, time.monotonic())
+        reservation = self._reservations.pop(eng.engine_id)
+        if reservation is not None:  # a new registration of the id reserves anew
+            self._drain_reserved[gen.number] = reservation
+        self._fds.withdraw(eng.fd_token)  # nobody may map it again
+        eng.fd_token = ""
+        counted = eng.on_complete
+
+        def ended(engine_id: str, c: Completion) -> None:
+            if counted is not None:
+                counted(engine_id, c)
+            if c.kind in ("sent", "aborted", "expired"):
+                self._drain.ended(gen, c.kind)
+                self.metrics.drained_holds.labels(outcome=c.kind).inc()
+                eng.completions.clear()  # nobody polls them
+                self._maybe_free(gen)
+
+        eng.on_complete = ended
+        eng.completions.clear()
+        self.metrics.engines.set(len(self._engines))
+        if eng.engine_id not in self._engines:
+            self.metrics.forget_engine(eng.engine_id)
+        if not self._tidy_busy:  # housekeeping expires its holds
+            self._tidy_wake.set()
+        log.warning("engine %r rank %d ended (%s) with %d hold(s) open: its memory (%d B) "
+                    "stays registered and serves them until they end (generation %d)",
+                    eng.engine_id, eng.tp_rank, why, len(eng.holds), nbytes, gen.number)
+        return gen
+
+    def _maybe_free(self, gen: Generation[EngineRank]) -> None:
+        """Free a draining generation once its reads are over and its last hold ended."""
+        if self._drain.may_free(gen, len(gen.rank.holds)):
+            self._spawn(self._free_generation(gen))
+
+    def _cut_drain(self, gen: Generation[EngineRank], why: str) -> None:
+        """End a generation's drain now: its open holds are dropped (counted)."""
+        eng = gen.rank
+        dropped = eng.holds.drop_engine(eng.engine_id)
+        if dropped:
+            gen.outcomes["dropped"] += dropped
+            self.metrics.drained_holds.labels(outcome="dropped").inc(dropped)
+            log.warning("engine %r generation %d: %d hold(s) still open dropped: %s",
+                        gen.engine_id, gen.number, dropped, why)
+        gen.quiet = True
+        self._maybe_free(gen)
+
+    async def _free_generation(self, gen: Generation[EngineRank]) -> None:
+        eng = gen.rank
+        eng.worker.set_hot(False)
+        try:
+            await self._free_rank(eng, self._drain_reserved.pop(gen.number, None),
+                                  f"drained: {gen.why}")
+        finally:
+            self._drain.finish(gen)
+            self._hs_server.invalidate(gen.engine_id)
+        log.info("%s", gen.summary(time.monotonic()))
+
+    async def _drain_holds(self, timeout_s: float) -> None:
+        """SIGTERM: let every open hold (registered engines' and draining ones') end,
+        for at most ``timeout_s``; new holds are refused meanwhile."""
+        def open_holds() -> int:
+            return (sum(len(e.holds) for e in self._engines.values())
+                    + sum(len(g.rank.holds) for g in self._drain))
+        left = open_holds()
+        if not left or timeout_s <= 0:
+            return
+        log.info("draining %d open hold(s) for up to %g s (--drain-timeout)", left, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            left = open_holds()
+        (log.warning if left else log.info)(
+            "drain %s: %d hold(s) still open", "cut short" if left else "done", left)
+
+    def _ranks_of(self, engine_id: str) -> list[EngineRank]:
+        """Every rank object serving ``engine_id``: the registered one first, then
+        its draining generations, newest first."""
+        current = self._engines.get(engine_id)
+        ranks = [current] if current is not None else []
+        return ranks + [g.rank for g in self._drain.of_engine(engine_id)] if len(
+            self._drain) else ranks
+
+    def _holder(self, engine_id: str, request_id: str) -> EngineRank | None:
+        """The rank (registered or draining) whose holds include this request, else
+        the registered rank (early notifications and claims wait there)."""
+        if not len(self._drain):  # the common case: one lookup per claim or notification
+            return self._engines.get(engine_id)
+        for eng in self._ranks_of(engine_id):
+            if (engine_id, request_id) in eng.holds:
+                return eng
+        return self._engines.get(engine_id)
 
     async def _release_regions(self, regions: list[Region], owned: bool) -> None:
         """Give the memory back off the event loop (hundreds of ms per GB)."""
@@ -1379,6 +1561,11 @@ def _retrieve(f: asyncio.Future[Reply]) -> None:
     """Mark a registration's outcome as seen (its first caller raised it already)."""
     if not f.cancelled():
         f.exception()
+
+
+def _kind(r: Region) -> str:
+    """A region's kind, as its reference is tagged (shm, reserved, cuda_ipc, ...)."""
+    return str(type(r.ref()).__struct_config__.tag)
 
 
 def _own_pid_namespace() -> str:

@@ -31,6 +31,9 @@ class Settings:
     engine_lease_s: float = 30.0
     hold_lease_s: float = 10.0
     hold_max_life_s: float = 600.0
+    #: on SIGTERM, how long the sidecar lets open holds (of live and of ended
+    #: engines) end before it drops them and exits (0: drop at once)
+    drain_timeout_s: float = 30.0
     max_reads_per_engine: int = 4096
     max_holds_per_engine: int = 65536
     max_completions_per_engine: int = 65536
@@ -210,6 +213,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds after which no renewal keeps a hold alive any more, whatever "
                         "its readers do (a hold with a longer timeout_s keeps that) "
                         "(env KVSIDECAR_HOLD_MAX_LIFE)")
+    p.add_argument("--drain-timeout", type=_number(float, "DRAIN_TIMEOUT"),
+                   default=_env("DRAIN_TIMEOUT", "30"),
+                   help="on SIGTERM, seconds open holds may still be read before the sidecar "
+                        "drops them and exits; 0 = at once (env KVSIDECAR_DRAIN_TIMEOUT)")
     p.add_argument("--max-reads-per-engine", type=_number(int, "MAX_READS_PER_ENGINE"),
                    default=_env("MAX_READS_PER_ENGINE", "4096"),
                    help="reads one engine rank may have in flight (env "
@@ -357,6 +364,9 @@ def from_args(ns: argparse.Namespace) -> Settings:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
                               f"be a finite number of seconds in (0, {MAX_SECONDS:g}], "
                               f"got {value}")
+    if not math.isfinite(ns.drain_timeout) or not 0 <= ns.drain_timeout <= MAX_SECONDS:
+        raise ConfigError(f"--drain-timeout (env KVSIDECAR_DRAIN_TIMEOUT) must be a finite "
+                          f"number of seconds in [0, {MAX_SECONDS:g}], got {ns.drain_timeout}")
     for name in ("max_message_bytes", "max_engine_connections", "max_peer_connections"):
         if getattr(ns, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
@@ -427,6 +437,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         engine_lease_s=ns.engine_lease,
         hold_lease_s=ns.hold_lease,
         hold_max_life_s=ns.hold_max_life,
+        drain_timeout_s=ns.drain_timeout,
         max_reads_per_engine=ns.max_reads_per_engine,
         max_holds_per_engine=ns.max_holds_per_engine,
         max_completions_per_engine=ns.max_completions_per_engine,

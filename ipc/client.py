@@ -57,6 +57,7 @@ from .protocol import (
     Completion,
     Completions,
     Deregister,
+    DrainMode,
     Error,
     Held,
     Hold,
@@ -433,8 +434,8 @@ class ClientCore:
                             engine_id, e)
             raise
 
-    def deregister(self, engine_id: str) -> Ask[Ok]:
-        return Deregister(engine_id, id=next(self._ids)), Ok
+    def deregister(self, engine_id: str, mode: DrainMode = "drop") -> Ask[Ok]:
+        return Deregister(engine_id, mode, id=next(self._ids)), Ok
 
     def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind) -> Call[Region]:
         reply = _expect((yield Reserve(engine_id, nbytes, memory, id=self._next_id())),
@@ -638,8 +639,11 @@ class SidecarClient:
         return self._run(self._core.register(engine_id, tp_rank, layout, regions, allocate,
                                              keep_on_exit, memory))
 
-    def deregister(self, engine_id: str) -> None:
-        req, kind = self._core.deregister(engine_id)
+    def deregister(self, engine_id: str, mode: DrainMode = "drop") -> None:
+        """Forget the engine. ``mode="drain"``: its open holds are still served
+        (memory kept) until they end, then freed; ``"drop"``: ended and freed now
+        (see :class:`~kvsidecar.ipc.protocol.Deregister`)."""
+        req, kind = self._core.deregister(engine_id, mode)
         _expect(self._exchange(req), kind)
 
     def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind = "memfd") -> Region:
@@ -986,8 +990,9 @@ class AsyncSidecarClient:
         return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
                                                    allocate, keep_on_exit, memory))
 
-    async def deregister(self, engine_id: str) -> None:
-        req, kind = self._core.deregister(engine_id)
+    async def deregister(self, engine_id: str, mode: DrainMode = "drop") -> None:
+        """See :meth:`SidecarClient.deregister`."""
+        req, kind = self._core.deregister(engine_id, mode)
         _expect(await self._exchange(req), kind)
 
     async def reserve(self, engine_id: str, nbytes: int,

@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 7
+PROTOCOL_MINOR: Final = 8
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -57,6 +57,9 @@ PROTOCOL_MINOR: Final = 7
   an older daemon answers ``bad_message`` "unknown op 'status'").
 * 7: ``Read.verify``: verify the read's bytes (``--verify-bytes`` for one
   read); a daemon of an older minor ignores the field and does not verify.
+* 8: :class:`Deregister` ``mode`` (``drain`` or ``drop``); an engine that exits
+  or dies with holds open has them served until they end (a daemon of an older
+  minor ignores the field and drops).
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -211,6 +214,8 @@ class ReservedRef(_RegionRefBase, tag="reserved", frozen=True, forbid_unknown_fi
 RegionRef: TypeAlias = ShmRef | MemfdRef | CudaIpcRef | CudaVmmRef | ReservedRef
 #: What ``Register.memory`` may ask a sidecar to allocate (allocate mode).
 MemoryKind: TypeAlias = Literal["shm", "memfd", "cuda_malloc", "cuda_vmm"]
+DrainMode: TypeAlias = Literal["drain", "drop"]
+"""What :class:`Deregister` does with the engine's open holds."""
 MEMORY_KINDS: Final = ("shm", "memfd", "cuda_malloc", "cuda_vmm")
 
 
@@ -275,9 +280,18 @@ class Reserve(_RequestBase, tag="reserve", frozen=True):
 
 
 class Deregister(_RequestBase, tag="deregister", frozen=True):
-    """Forget an engine rank: aborts its reads and holds, unmaps its memory."""
+    """Forget an engine rank: aborts its reads, refuses new work for it.
+
+    ``mode`` ``drop`` (the default: the old behaviour) ends its holds and frees
+    its memory now. ``drain`` keeps its memory registered and serving the open
+    holds until each ends (``sent``, ``aborted``, ``expired``, bounded by the
+    hold's deadline and ``--hold-max-life``), then frees it; the reply comes at
+    once and the engine may exit. Memory the engine allocated itself on the GPU
+    (``cuda_ipc`` attach) cannot outlive it: its holds end at once either way.
+    """
 
     engine_id: EngineId
+    mode: DrainMode = "drop"
 
 
 class RemoteEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -590,6 +604,9 @@ class StatusReport(_ReplyBase, tag="status_report"):
     transport_detail: str = ""
     checks: list[StatusCheck] = []
     engines: list[EngineStatus] = []
+    #: ended engines whose open holds are still served, and the bytes kept for them
+    engines_draining: int = 0
+    drain_bytes: int = 0
 
 
 Reply: TypeAlias = (Ok | Registered | Held | Completions | Pong | Error | Reserved | Replies

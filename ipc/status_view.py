@@ -56,6 +56,9 @@ def render(r: StatusReport) -> str:
     lines.append(f"{len(r.engines)} engine rank(s); {reads} read(s) in flight (oldest "
                  f"{_age(oldest_read, reads)}); {holds} hold(s) open (oldest "
                  f"{_age(oldest_hold, holds)}); {peers} peer link(s)")
+    if r.engines_draining:
+        lines.append(f"{r.engines_draining} ended engine(s) draining their holds "
+                     f"({r.drain_bytes} B kept for them)")
     if r.engines:
         lines.append("")
         lines += _table(["ENGINE", "RANK", "PID", "LANES", "READS", "OLDEST", "HOLDS",

@@ -756,14 +756,16 @@ class _WorkerSide:
         # A dead sidecar must not stall exit.
         self.client.timeout_s = min(self.client.timeout_s, 2.0)
         with contextlib.suppress(SidecarError):
-            self.client.deregister(self.engine_id)
+            # Drain: requests held for decode but not yet read are still served from
+            # the sidecar's memory after this process exits, then freed.
+            self.client.deregister(self.engine_id, "drain")
         self.client.close()
         for r in self.regions:
             r.close()
         if self._pool is not None and self._pool.region is not None:
             self._pool.region.unlink()
         if self._kvpool is not None:
-            self._kvpool.region.close()  # the deregistration dropped the reservation
+            self._kvpool.region.close()  # the sidecar keeps (or freed) its own
 
 
 _ONE_RANK = " (one sidecar serves one rank of an engine: give every tp rank its own)"

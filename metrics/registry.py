@@ -257,6 +257,17 @@ class Metrics:
             "kvsidecar_agent_reset_seconds", "Time to destroy a NIXL agent and create it "
             "again (added to a failed read's time to its completion)", ENGINE,
             buckets=LATENCY_BUCKETS)
+        self.engines_draining = g(
+            "kvsidecar_engines_draining", "Engine registrations whose engine ended (exited, "
+            "died, deregistered with drain) while holds were open: their memory stays "
+            "registered and serves those holds until they end")
+        self.drain_bytes = g(
+            "kvsidecar_drain_bytes", "Memory kept registered for engines that ended, until "
+            "their open holds end")
+        self.drained_holds = c(
+            "kvsidecar_drained_holds_total", "Holds that ended after their engine ended, by "
+            "outcome (sent, aborted, expired; dropped: cut short by the sidecar's own "
+            "shutdown past --drain-timeout)", ("outcome",))
         self.engines_gone = c(
             "kvsidecar_engines_gone_total", "Engines taken for dead, by signal (pid, lease)",
             ("signal",))

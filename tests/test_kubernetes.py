@@ -69,8 +69,11 @@ def test_pod_runs_kvsidecar_as_native_sidecar_with_probes() -> None:
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
     assert int(ann["prometheus.io/port"]) == ports["metrics"]
-    # Longer than the sidecar's drain (read timeout 60 s + 15 s + 2 s).
-    assert pod["spec"]["terminationGracePeriodSeconds"] > 77
+    # Longer than the sidecar's drain (read timeout 60 s + 15 s, open holds
+    # --drain-timeout 30 s, 2 s of polls); the engine stops first, in the same period.
+    s = settings_mod.Settings(socket="x")
+    drain = s.read_timeout_s + 15 + s.drain_timeout_s + 2
+    assert pod["spec"]["terminationGracePeriodSeconds"] > drain
 
 
 def test_pod_shares_shm_socket_gpu_and_keys() -> None:

@@ -231,6 +231,19 @@ def test_a_minor_4_poll_decodes_in_a_minor_3_daemon_as_a_plain_poll() -> None:
     assert isinstance(again, Poll) and again.wait_s == 2.5
 
 
+def test_deregister_mode_defaults_to_drop_and_refuses_other_words() -> None:
+    """Minor 6: ``Deregister.mode``. A minor-5 client's deregister (no mode) means
+    what it always meant (drop); anything but drain or drop is a bad_message."""
+    old = decode_request(msgspec.msgpack.encode(
+        {"op": "deregister", "id": 1, "v": PROTOCOL_VERSION, "engine_id": "p0"}))
+    assert isinstance(old, Deregister) and old.mode == "drop"
+    assert decode_request(encode_request(Deregister("p0", "drain", id=3))) == Deregister(
+        "p0", "drain", id=3)
+    e = _bad(_raw({"op": "deregister", "id": 2, "v": PROTOCOL_VERSION, "engine_id": "p0",
+                   "mode": "later"}))
+    assert e.code == BAD_MESSAGE and "$.mode" in e.message, e.message
+
+
 def test_a_batch_carries_reads_holds_and_releases_only() -> None:
     """No empty batch, no batch over MAX_BATCH, and nothing but reads, holds and
     releases inside (no nesting, no polls): each is a readable bad_message."""

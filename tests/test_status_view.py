@@ -52,6 +52,12 @@ def test_draining_is_said_first() -> None:
     assert render(r).splitlines()[0].endswith("  draining")
 
 
+def test_ended_engines_draining_their_holds_are_counted() -> None:
+    lines = render(_report(engines_draining=2, drain_bytes=6291456)).splitlines()
+    assert lines[3] == "2 ended engine(s) draining their holds (6291456 B kept for them)"
+    assert not any("draining their holds" in x for x in render(_report()).splitlines())
+
+
 def test_json_is_the_reports_fields() -> None:
     doc = json.loads(as_json(_report()))
     assert "id" not in doc and "op" not in doc

@@ -76,7 +76,8 @@ def test_unit_promises() -> None:
     assert u["Type"] == ["notify"] and u["NotifyAccess"] == ["main"]
     assert int(u["WatchdogSec"][0]) > 0
     s = Settings(socket="x")
-    drain = s.read_timeout_s + 15 + 2  # Sidecar.stop: posted reads, then engine polls
+    # Sidecar.stop: posted reads, open holds (--drain-timeout), then engine polls
+    drain = s.read_timeout_s + 15 + s.drain_timeout_s + 2
     assert int(u["TimeoutStopSec"][0]) > drain
     assert u["LimitMEMLOCK"] == ["infinity"]
     assert u["RuntimeDirectory"] == ["kvsidecar/%i"]
