@@ -441,8 +441,19 @@ class Sidecar:
         return Ok()
 
     async def _ping(self, req: Ping) -> Reply:
+        """Version, this uid's engines, and the keepalive of ``req.engines``: each
+        of them registered here by this uid has its liveness lease renewed (an
+        engine idle between requests stays alive for as long as its process
+        pings; one that is gone is simply not listed back)."""
+        if req.engines:
+            now = time.monotonic()
+            for engine_id in req.engines:
+                eng = self._engines.get(engine_id)
+                if eng is not None and _mine(eng):
+                    eng.last_seen = now
         return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
-                    engines=sorted(e for e, eng in self._engines.items() if _mine(eng)))
+                    engines=sorted(e for e, eng in self._engines.items() if _mine(eng)),
+                    engine_lease_s=self.settings.engine_lease_s)
 
     def _engine(self, engine_id: str) -> EngineRank:
         """The engine a request names; any request renews its liveness lease."""

@@ -510,8 +510,8 @@ class ClientCore:
         self.acks[engine_id] = (reply.epoch, reply.last)
         return reply.items
 
-    def ping(self) -> Ask[Pong]:
-        return Ping(id=next(self._ids)), Pong
+    def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
+        return Ping(engines=list(engines), id=next(self._ids)), Pong
 
     # ---- wire
 
@@ -716,8 +716,10 @@ class SidecarClient:
         req, kind = core.poll(engine_id, wait_s)
         return core.polled(engine_id, _expect(self._exchange(req), kind))
 
-    def ping(self) -> Pong:
-        req, kind = self._core.ping()
+    def ping(self, engines: Sequence[str] = ()) -> Pong:
+        """Version and this uid's registered engines; ``engines`` (protocol minor
+        6) also renews their liveness lease (see :mod:`kvsidecar.ipc.keepalive`)."""
+        req, kind = self._core.ping(engines)
         return _expect(self._exchange(req), kind)
 
     def close(self) -> None:
@@ -1016,8 +1018,9 @@ class AsyncSidecarClient:
             req, kind = core.poll(engine_id, wait_s)
             return core.polled(engine_id, _expect(await self._exchange(req), kind))
 
-    async def ping(self) -> Pong:
-        req, kind = self._core.ping()
+    async def ping(self, engines: Sequence[str] = ()) -> Pong:
+        """As :meth:`SidecarClient.ping`."""
+        req, kind = self._core.ping(engines)
         return _expect(await self._exchange(req), kind)
 
     async def close(self) -> None:

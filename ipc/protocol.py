@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 5
+PROTOCOL_MINOR: Final = 6
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -53,6 +53,9 @@ PROTOCOL_MINOR: Final = 5
   the field and answers at once, so a client loses nothing but the wait).
 * 5: :class:`Batch`: several reads, holds and releases in one message,
   answered by :class:`Replies` (one reply per item, in order).
+* 6: :class:`Ping` ``engines``: a ping naming engine ranks renews their
+  liveness lease (an idle engine's keepalive, independent of its steps), and
+  :class:`Pong` ``engine_lease_s`` says how long that lease is.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -349,8 +352,22 @@ class Poll(_RequestBase, tag="poll", frozen=True):
     wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 0.0
 
 
+#: Most engine ranks one :class:`Ping` may keep alive (a sidecar serves at most
+#: 64 by default; one process keeps its own rank, or a few).
+MAX_PING_ENGINES: Final = 256
+
+
 class Ping(_RequestBase, tag="ping", frozen=True):
-    """Liveness and version check; answered with :class:`Pong`."""
+    """Liveness and version check; answered with :class:`Pong`.
+
+    ``engines`` (minor 6): the engine ranks the sender keeps alive. Each one
+    registered here by the sender's uid has its liveness lease renewed, as any
+    request naming it does; the others are ignored (the reply's ``engines``
+    then lacks them: registered no more, e.g. the sidecar restarted). A
+    daemon of an older minor ignores the field.
+    """
+
+    engines: Annotated[list[EngineId], Meta(max_length=MAX_PING_ENGINES)] = []
 
 
 MAX_BATCH: Final = 256
@@ -492,11 +509,15 @@ class Completions(_ReplyBase, tag="completions"):
 
 
 class Pong(_ReplyBase, tag="pong"):
-    """``minor``: the daemon's :data:`PROTOCOL_MINOR` (0 from a daemon older than it)."""
+    """``minor``: the daemon's :data:`PROTOCOL_MINOR` (0 from a daemon older than it).
+    ``engines``: the engine ranks registered here by the sender's uid.
+    ``engine_lease_s`` (minor 6; 0 from an older daemon): how long an engine
+    rank that sends nothing stays registered (``--engine-lease``)."""
 
     version: int
     engines: list[str] = []
     minor: int = 0
+    engine_lease_s: float = 0.0
 
 
 class Error(_ReplyBase, tag="error"):

@@ -213,6 +213,7 @@ class Engine:
                 failed_recving=r.failed_recving,
                 invalid_block_ids=w.get_block_ids_with_load_errors(),
                 kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
             )
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(
