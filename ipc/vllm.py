@@ -117,8 +117,8 @@ KEEPALIVE_MINOR = 6
 """The minor that brought keepalive pings (``Ping.engines``): before it an idle
 worker is released after the sidecar's ``--engine-lease``."""
 REPAIR_PAUSE_S = 1.0
-"""After a sidecar did not answer, or refused to register the rank again: asked
-again this long after (doubling, up to REPAIR_MAX_S, while it does not answer)."""
+"""After a sidecar did not answer, or the rank could not register again: tried
+again this long after (doubling, up to REPAIR_MAX_S, while it keeps failing)."""
 REPAIR_MAX_S = 30.0
 
 
@@ -674,10 +674,11 @@ class _WorkerSide:
     #   whether it took the request is unknown, and a request it took may still
     #   read or write our blocks, so nothing of it is reported yet: the request
     #   is *uncertain* until the sidecar answers again (:meth:`_settle`).
-    #   Meanwhile the sidecar is *unreachable*: new holds and reads fail at once
-    #   (nothing was asked of it), and it is asked again after a pause that
-    #   doubles up to REPAIR_MAX_S, so a stuck sidecar costs vLLM one client
-    #   timeout per pause, not one per call.
+    #   Meanwhile the sidecar is *unreachable*: it is asked again after a pause
+    #   that doubles up to REPAIR_MAX_S, so a stuck sidecar costs vLLM one client
+    #   timeout per pause, not one per call; new holds wait (uncertain) to be
+    #   placed when it answers, new reads fail at once (D recomputes rather than
+    #   wait on a silent sidecar; nothing was asked of it).
 
     def preempted(self, meta: KvSidecarMetadata) -> None:
         """Preemption frees a request's blocks for reuse at once, so no transfer
@@ -729,9 +730,15 @@ class _WorkerSide:
         if not holds:
             return
         outcomes: list[Held | SidecarError] = []
-        if self._down:
+        if self._lost:
             for h in holds:
-                self._hold_failed(h.request_id, self._down)
+                self._hold_failed(h.request_id, self._lost)
+            return
+        if self._unreachable:
+            for h in holds:
+                log.warning("kvsidecar: request %s: held once the sidecar answers again (%s)",
+                            h.request_id, self._unreachable)
+                self._hold_later(h)
             return
         if self._batches and len(holds) > 1:
             for i in range(0, len(holds), MAX_BATCH):
@@ -757,13 +764,19 @@ class _WorkerSide:
         if not isinstance(outcome, SidecarError):
             self._holding.add(rid)
         elif isinstance(outcome, SidecarTimeout):
-            self._holding.add(rid)
-            self._hold_blocks[rid] = h.block_ids
+            self._hold_later(h)
             self._no_answer(rid, "hold", outcome)
         else:
             if isinstance(outcome, UnknownEngine):
                 self._lose(str(outcome))
             self._hold_failed(rid, self._lost or f"refused: {outcome}")
+
+    def _hold_later(self, h: HoldJob) -> None:
+        """Place ``h`` when the sidecar answers again (:meth:`_settle`); its blocks
+        stay vLLM's until its send ends."""
+        self._holding.add(h.request_id)
+        self._hold_blocks[h.request_id] = h.block_ids
+        self._uncertain.add(h.request_id)
 
     def _hold_failed(self, rid: str, why: str) -> None:
         """P cannot keep ``rid``'s blocks for its reader: its send ends now (vLLM
@@ -871,6 +884,7 @@ class _WorkerSide:
                                               job.local_block_ids))
         self._uncertain.clear()
         self._next_repair = 0.0
+        self._pause = REPAIR_PAUSE_S
 
     def _ended_kind(self, rid: str) -> Literal["aborted", "failed"]:
         """How a read that ends without a transfer ends: aborted if released."""
@@ -955,7 +969,6 @@ class _WorkerSide:
         keep their pointers. GPU reservations cannot be moved that way: the rank
         stays unregistered (each request fails, logged) until the engine restarts.
         """
-        self._next_repair = time.monotonic() + REPAIR_PAUSE_S
         try:
             if self._kvpool is not None:
                 self._move_reservation()
@@ -963,11 +976,13 @@ class _WorkerSide:
                                        regions=self.regions)
         except (SidecarError, RegionError, OSError) as e:
             log.error("kvsidecar: engine %s rank %d: registering again with the sidecar at "
-                      "%s failed (%s); its requests fail until it succeeds (tried again "
-                      "every %g s)", self.engine_id, self.tp_rank, self.socket, e,
-                      REPAIR_PAUSE_S)
+                      "%s failed (%s); its requests fail until it succeeds (tried again in "
+                      "%g s)", self.engine_id, self.tp_rank, self.socket, e, self._pause)
+            self._next_repair = time.monotonic() + self._pause
+            self._pause = min(2 * self._pause, REPAIR_MAX_S)
             return
         self._lost = ""
+        self._pause = REPAIR_PAUSE_S
         self.registrations += 1
         self._unpublished = True
         if self._keepalive is not None:

@@ -237,8 +237,9 @@ class Engine:
 
 def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str],
                 num_blocks: int, hybrid: bool, *, mamba_prefix_caching: bool = False,
-                memory: str | None = None) -> Engine:
-    extra = {} if memory is None else {"memory": memory}
+                memory: str | None = None, **settings: Any) -> Engine:
+    """``settings``: more ``kv_connector_extra_config`` keys."""
+    extra = {**settings, **({} if memory is None else {"memory": memory})}
     cfg = vllm_config(model, role, name, tp, sockets, hybrid,
                       mamba_prefix_caching=mamba_prefix_caching, **extra)
     mode = "align" if hybrid and mamba_prefix_caching else "none"
