@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from kvsidecar.daemon import memory_kinds, notifications
+from kvsidecar.daemon import keeps, memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
@@ -97,6 +97,7 @@ from kvsidecar.ipc.protocol import (
     Error,
     Held,
     Hold,
+    Keep,
     Ok,
     Ping,
     Poll,
@@ -230,7 +231,7 @@ class Sidecar:
         self._handlers: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
             Register: self._register, Deregister: self._deregister, Read: self._read,
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
-            Reserve: self._reserve, Batch: self._batch,
+            Reserve: self._reserve, Batch: self._batch, Keep: self._keep,
         }
         #: the requests counter's series per (request type, error code): both closed
         #: sets, looked up once instead of labels() for every item of every batch
@@ -378,6 +379,24 @@ class Sidecar:
                     self.settings.max_reads_per_engine, "reads in flight")
         self._reads.accept(eng, req)
         return Ok()
+
+    async def _keep(self, req: Keep) -> Reply:
+        """Keep the holds of requests the engine admitted (see daemon/keeps.py):
+        the claims go out in the background; answered at once."""
+        eng = self._engine(req.engine_id)
+        for item in req.items:
+            for address in item.remote.handshake:
+                if address not in self._dialable:
+                    self._check_address(address)
+        if req.items:
+            self._spawn(self._keep_claims(eng, req))
+        return Ok()
+
+    async def _keep_claims(self, eng: EngineRank, req: Keep) -> None:
+        granted = await keeps.keep(self._hs_client, req.items, eng.engine_id, eng.tp_rank,
+                                   eng.layout.tp_size)
+        log.debug("engine %r kept %d request(s): %d claim(s) granted", eng.engine_id,
+                  len(req.items), granted)
 
     def _check_address(self, address: str) -> None:
         """Refuse a read naming a peer address that is not ``host:port`` in
@@ -939,7 +958,7 @@ class Sidecar:
         now = time.monotonic()
         if isinstance(msg, Claim):
             lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
-            if lease.granted:
+            if lease.granted and not msg.keep:
                 # The reader posts its READ when this reply arrives: progress tightly
                 # while its lease runs (wire-up, its READ's closing flush, and over
                 # TCP the bytes, need us). Told once this reply has left: waking the

@@ -60,6 +60,8 @@ from .protocol import (
     Error,
     Held,
     Hold,
+    Keep,
+    KeepItem,
     MemoryKind,
     Ok,
     Ping,
@@ -513,6 +515,9 @@ class ClientCore:
     def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
         return Ping(engines=list(engines), id=next(self._ids)), Pong
 
+    def keep(self, engine_id: str, items: Sequence[KeepItem]) -> Ask[Ok]:
+        return Keep(engine_id, list(items), id=next(self._ids)), Ok
+
     # ---- wire
 
     def decode(self, data: Buffer) -> tuple[int, Reply | SidecarError]:
@@ -715,6 +720,12 @@ class SidecarClient:
         core = self._core
         req, kind = core.poll(engine_id, wait_s)
         return core.polled(engine_id, _expect(self._exchange(req), kind))
+
+    def keep(self, engine_id: str, items: Sequence[KeepItem]) -> None:
+        """Keep P's holds of requests this engine admitted and reads later
+        (protocol minor 7; see :class:`~kvsidecar.ipc.protocol.Keep`)."""
+        req, kind = self._core.keep(engine_id, items)
+        _expect(self._exchange(req), kind)
 
     def ping(self, engines: Sequence[str] = ()) -> Pong:
         """Version and this uid's registered engines; ``engines`` (protocol minor

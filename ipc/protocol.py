@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 6
+PROTOCOL_MINOR: Final = 7
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -56,6 +56,8 @@ PROTOCOL_MINOR: Final = 6
 * 6: :class:`Ping` ``engines``: a ping naming engine ranks renews their
   liveness lease (an idle engine's keepalive, independent of its steps), and
   :class:`Pong` ``engine_lease_s`` says how long that lease is.
+* 7: :class:`Keep`: a decode engine keeps the holds of the requests it has
+  admitted alive at their prefill sidecars while they wait to be read.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -388,9 +390,31 @@ class Batch(_RequestBase, tag="batch", frozen=True):
     requests: Annotated[list[Read | Hold | Release], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
+class KeepItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One admitted request: the prefill engine holding its blocks, and its id there."""
+
+    remote: RemoteEngine
+    remote_request_id: RequestId
+
+
+class Keep(_RequestBase, tag="keep", frozen=True):
+    """Keep the holds of requests this engine admitted but has not started reading
+    (minor 7): for each item, the sidecar claims a lease on the hold at the P
+    ranks this rank answers for (P rank ``p`` by D rank ``p % D_tp``), as a read
+    would, without reading. Sent every few seconds while the requests wait, it
+    keeps P's blocks for as long as a live reader wants them; when it stops (the
+    decode engine is gone), P frees them one ``--hold-lease`` later. Answered
+    ``Ok`` at once; the claims go out in the background (a refused or
+    unanswered one is logged: the read then finds out for itself)."""
+
+    engine_id: EngineId
+    items: Annotated[list[KeepItem], Meta(max_length=MAX_BATCH)]
+
+
 Request: TypeAlias = (Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
-                      | Batch)
-REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch)
+                      | Batch | Keep)
+REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch,
+                        Keep)
 
 
 # --------------------------------------------------------------------------

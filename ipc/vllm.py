@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -79,7 +80,7 @@ from .keepalive import Keepalive
 from .kv_pool import SidecarKVPool
 from .memfd import MemfdRegion
 from .memory import ENGINE_SHM_PREFIX, RegionError, ShmRegion, unique_name
-from .protocol import MAX_BATCH, Completion, Held, MemoryKind, RemoteEngine
+from .protocol import MAX_BATCH, Completion, Held, KeepItem, MemoryKind, RemoteEngine
 from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
@@ -120,6 +121,14 @@ REPAIR_PAUSE_S = 1.0
 """After a sidecar did not answer, or the rank could not register again: tried
 again this long after (doubling, up to REPAIR_MAX_S, while it keeps failing)."""
 REPAIR_MAX_S = 30.0
+KEEP_MINOR = 7
+"""The minor that brought ``Keep``: before it D does not keep P's holds while
+its requests wait (they then live P's hold timeout)."""
+DEFAULT_HOLD_TIMEOUT_S = 30.0
+"""How long P's sidecar keeps blocks no reader claimed (vLLM NixlConnector's
+``kv_lease_duration``): the time for D to admit the request; from then on D
+keeps them (``keep_every_s``) until it reads, and a D that is gone lets them
+go one ``--hold-lease`` after its last claim."""
 
 
 # --------------------------------------------------------------------------
@@ -134,8 +143,10 @@ class Settings:
     ``sidecar_socket``: the rank's sidecar socket; ``{rank}`` / ``{local_rank}``
     are filled in (default: the sidecar's own default for the device).
     ``sidecar_sockets``: one socket per tp rank instead.
-    ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
-    sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
+    ``hold_timeout_s``: how long P's sidecar keeps blocks no reader claimed
+    (default DEFAULT_HOLD_TIMEOUT_S; a D that admitted the request keeps
+    claiming it every ``keep_every_s`` until it reads). ``client_timeout_s``:
+    per call (10 s).
     ``memory``: where the KV cache lives (:func:`_memory_for`): ``memfd``
     (CPU default), ``shm``, or on a GPU ``cuda_vmm`` / ``cuda_malloc``.
     ``kernel_block_size``: tokens per attention kernel block. Not needed: the
@@ -147,6 +158,7 @@ class Settings:
     sidecar_sockets: tuple[str, ...] = ()
     hold_timeout_s: float | None = None
     client_timeout_s: float = 10.0
+    keep_every_s: float = 3.0
     kernel_block_size: int | None = None
     memory: str | None = None
 
@@ -163,8 +175,9 @@ class Settings:
         kbs = extra.get("kernel_block_size")
         memory = extra.get("memory")
         return cls(extra.get("sidecar_socket"), tuple(str(s) for s in socks),
-                   None if hold is None else float(hold),
+                   DEFAULT_HOLD_TIMEOUT_S if hold is None else float(hold),
                    float(extra.get("client_timeout_s", 10.0)),
+                   float(extra.get("keep_every_s", 3.0)),
                    None if kbs is None else int(kbs),
                    None if memory is None else str(memory))
 
@@ -243,6 +256,8 @@ class KvSidecarMetadata(KVConnectorMetadata):
     releases: list[str] = field(default_factory=list)
     #: requests the scheduler preempted since the last step (their blocks are free)
     preempted: list[str] = field(default_factory=list)
+    #: D: admitted requests waiting for their read, whose P holds to keep alive
+    keeps: list[KeepItem] = field(default_factory=list)
 
 
 def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
@@ -292,6 +307,10 @@ class _SchedulerSide:
         self._holds: dict[str, HoldJob] = {}
         self._releases: set[str] = set()
         self._reading: set[str] = set()  # awaited reads handed to the workers
+        #: D: admitted requests not read yet (their P holds are kept alive)
+        self._waiting: dict[str, KeepItem] = {}
+        self._keep_every_s = float((kt.kv_connector_extra_config or {}).get("keep_every_s", 3.0))
+        self._last_keep = -math.inf
 
     # ------------------------------------------------------------ handshake
 
@@ -310,9 +329,15 @@ class _SchedulerSide:
     # ------------------------------------------------------------ P side
 
     def on_new_request(self, request: Request) -> None:
-        """Mamba: P computes the state of token N-1 only; D recomputes token N
-        from it (the rule of vLLM's NixlConnector). P drops the last prompt token."""
+        """D: an admitted request P holds blocks for is kept alive until its read
+        starts (:class:`~kvsidecar.ipc.protocol.Keep`). Mamba: P computes the
+        state of token N-1 only; D recomputes token N from it (the rule of
+        vLLM's NixlConnector). P drops the last prompt token."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            item = _keep_item(params)
+            if item is not None:
+                self._waiting[request.request_id] = item
         if not (self.has_mamba and params and params.get("do_remote_decode")):
             return
         if params.get("_kvsidecar_truncated") or request.num_prompt_tokens <= 1:
@@ -331,6 +356,7 @@ class _SchedulerSide:
 
         params = request.kv_transfer_params
         rid = request.request_id
+        self._waiting.pop(rid, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -392,6 +418,7 @@ class _SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         rid = request.request_id
+        self._waiting.pop(rid, None)  # its read claims from now on
         ids = self.kv_cache_config.select_transfer_block_ids(
             blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else None
         local: list[list[int]]
@@ -443,10 +470,25 @@ class _SchedulerSide:
     def build_meta(self, preempted: set[str] | None = None) -> KvSidecarMetadata:
         meta = KvSidecarMetadata(list(self._reads.values()), list(self._holds.values()),
                                  sorted(self._releases), sorted(preempted or ()))
+        now = time.monotonic()
+        if self._waiting and now - self._last_keep >= self._keep_every_s:
+            meta.keeps = list(self._waiting.values())
+            self._last_keep = now
         self._reads.clear()
         self._holds.clear()
         self._releases.clear()
         return meta
+
+
+def _keep_item(params: dict[str, Any]) -> KeepItem | None:
+    """What keeps P's hold of a request (None: params that are not kvsidecar's;
+    the read reports that)."""
+    try:
+        return KeepItem(RemoteEngine(str(params["remote_engine_id"]), int(params["tp_size"]),
+                                     [str(a) for a in params["remote_handshake"]]),
+                        str(params["remote_request_id"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _group_kind(spec: object) -> str:
@@ -560,6 +602,7 @@ class _WorkerSide:
         self._pause = REPAIR_PAUSE_S
         self._keepalive: Keepalive | None = None
         self._keepalive_minor = pong.minor >= KEEPALIVE_MINOR
+        self._keeps = pong.minor >= KEEP_MINOR  # the sidecar keeps P's holds for us
         #: registrations of this rank with its sidecar (more than 1: it registered again)
         self.registrations = 0
         self._unpublished = False  # registered again: the scheduler must learn the address
@@ -718,6 +761,8 @@ class _WorkerSide:
 
     def start(self, meta: KvSidecarMetadata) -> None:
         self._repair()
+        if meta.keeps:
+            self._keep(meta.keeps)
         self._start_holds(meta.holds)
         for rid in meta.releases:
             if rid in self._reading:
@@ -770,6 +815,22 @@ class _WorkerSide:
             if isinstance(outcome, UnknownEngine):
                 self._lose(str(outcome))
             self._hold_failed(rid, self._lost or f"refused: {outcome}")
+
+    def _keep(self, items: Sequence[KeepItem]) -> None:
+        """Have the sidecar keep P's holds of the requests waiting for their read
+        (best effort: a sidecar that cannot is logged; the read finds out)."""
+        if self._down or not self._keeps:
+            return
+        for i in range(0, len(items), MAX_BATCH):
+            try:
+                self.client.keep(self.engine_id, items[i:i + MAX_BATCH])
+            except UnknownEngine as e:
+                self._lose(str(e))
+                return
+            except SidecarError as e:
+                log.warning("kvsidecar: keeping %d waiting request(s) alive at the prefill "
+                            "side failed: %s", len(items), e)
+                return
 
     def _hold_later(self, h: HoldJob) -> None:
         """Place ``h`` when the sidecar answers again (:meth:`_settle`); its blocks

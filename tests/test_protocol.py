@@ -25,6 +25,8 @@ from kvsidecar.ipc.protocol import (
     Error,
     Held,
     Hold,
+    Keep,
+    KeepItem,
     Ok,
     Ping,
     Poll,
@@ -67,6 +69,7 @@ REQUESTS: list[Request] = [
     Ping(id=2**40),
     Batch([Read("d0", "req-3", [[0]], REMOTE, [[1]], id=11), Hold("p0", "h", [[2]], id=12),
            Release("d0", "req-1", id=13)], id=10),
+    Keep("d0", [KeepItem(REMOTE, "req-1"), KeepItem(REMOTE, "p-req-2")], id=14),
 ]
 
 REPLIES: list[Reply] = [
