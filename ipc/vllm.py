@@ -25,9 +25,15 @@ Request flow (pull, as vLLM's NixlConnector)::
                                                   failed   => finished_recving + failed_recving
                                                               (+ invalid blocks, one group only)
 
-Errors take one route: a read the sidecar refuses at once (an exception from
-the client) is turned into the same failed completion a failed transfer gives,
-so the scheduler sees every failure as "finished receiving, failed".
+Errors never leave a connector call (vLLM takes any exception for a fatal
+engine error): a refused read is the same failed completion a failed transfer
+gives ("finished receiving, failed"), a refused hold ends the request's send,
+a sidecar that lost the rank's registration (it restarted) fails what was in
+flight and is registered with again, and a sidecar that does not answer
+leaves its requests waiting for its answer (see "transfers" in
+:class:`_WorkerSide`). A keepalive thread keeps an idle worker registered
+(:mod:`kvsidecar.ipc.keepalive`); D keeps P's holds of the requests it
+admitted until it reads them (``Keep``).
 
 Memory: :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one KV
 allocation land where the sidecar can reach it: a reservation the sidecar
