@@ -612,6 +612,7 @@ class _WorkerSide:
         #: registrations of this rank with its sidecar (more than 1: it registered again)
         self.registrations = 0
         self._unpublished = False  # registered again: the scheduler must learn the address
+        self._reserved_again = False  # lost: the KV memory moved into a new reservation
 
     # ------------------------------------------------------------ memory
 
@@ -1037,11 +1038,16 @@ class _WorkerSide:
         stays unregistered (each request fails, logged) until the engine restarts.
         """
         try:
-            if self._kvpool is not None:
+            if self._kvpool is not None and not self._reserved_again:
                 self._move_reservation()
+                self._reserved_again = True
             reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
                                        regions=self.regions)
         except (SidecarError, RegionError, OSError) as e:
+            # Unanswered: the next try joins the registration it began, in the same
+            # reservation. Refused: reserve again first (the sidecar may have
+            # restarted once more).
+            self._reserved_again &= isinstance(e, SidecarTimeout)
             log.error("kvsidecar: engine %s rank %d: registering again with the sidecar at "
                       "%s failed (%s); its requests fail until it succeeds (tried again in "
                       "%g s)", self.engine_id, self.tp_rank, self.socket, e, self._pause)
@@ -1049,6 +1055,7 @@ class _WorkerSide:
             self._pause = min(2 * self._pause, REPAIR_MAX_S)
             return
         self._lost = ""
+        self._reserved_again = False
         self._pause = REPAIR_PAUSE_S
         self.registrations += 1
         self._unpublished = True

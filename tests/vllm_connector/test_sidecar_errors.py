@@ -55,11 +55,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engines(model: str, p_side: SidecarProcess, d_side: SidecarProcess,
             seeds: dict[str, int]) -> tuple[Engine, Engine]:
     n = next(_ids)
-    P = make_engine(f"P{n}", model, "kv_producer", 1, [p_side.socket], 32, False,
-                    client_timeout_s=CLIENT_TIMEOUT_S)
-    D = make_engine(f"D{n}", model, "kv_consumer", 1, [d_side.socket], 32, False,
-                    client_timeout_s=CLIENT_TIMEOUT_S)
+    P = make_engine(f"P{n}", model, "kv_producer", 1, [p_side.socket], 32, False)
+    D = make_engine(f"D{n}", model, "kv_consumer", 1, [d_side.socket], 32, False)
     P.fill = oracle_fill(lambda rid: seeds[rid])
+    # Registered (a NIXL agent can take seconds to make on a loaded machine):
+    # from now on each call waits CLIENT_TIMEOUT_S, as client_timeout_s sets it.
+    for eng in (P, D):
+        for c in eng.workers:
+            assert c.worker is not None
+            c.worker.client.timeout_s = CLIENT_TIMEOUT_S
     return P, D
 
 
