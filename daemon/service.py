@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from kvsidecar import __version__
-from kvsidecar.daemon import digest, memory_kinds, notifications
+from kvsidecar.daemon import digest, keeps, memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.drain import DrainBook, Generation, keepable
@@ -107,6 +107,7 @@ from kvsidecar.ipc.protocol import (
     Error,
     Held,
     Hold,
+    Keep,
     Ok,
     Ping,
     Poll,
@@ -255,6 +256,7 @@ class Sidecar:
             Register: self._register, Deregister: self._deregister, Read: self._read,
             Hold: self._hold, Release: self._release, Poll: self._poll, Ping: self._ping,
             Reserve: self._reserve, Batch: self._batch, Status: self._status,
+            Keep: self._keep,
         }
         #: the requests counter's series per (request type, error code): both closed
         #: sets, looked up once instead of labels() for every item of every batch
@@ -417,6 +419,24 @@ class Sidecar:
         self._reads.accept(eng, req)
         return Ok()
 
+    async def _keep(self, req: Keep) -> Reply:
+        """Keep the holds of requests the engine admitted (see daemon/keeps.py):
+        the claims go out in the background; answered at once."""
+        eng = self._engine(req.engine_id)
+        for item in req.items:
+            for address in item.remote.handshake:
+                if address not in self._dialable:
+                    self._check_address(address)
+        if req.items:
+            self._spawn(self._keep_claims(eng, req))
+        return Ok()
+
+    async def _keep_claims(self, eng: EngineRank, req: Keep) -> None:
+        granted = await keeps.keep(self._hs_client, req.items, eng.engine_id, eng.tp_rank,
+                                   eng.layout.tp_size)
+        log.debug("engine %r kept %d request(s): %d claim(s) granted", eng.engine_id,
+                  len(req.items), granted)
+
     def _check_address(self, address: str) -> None:
         """Refuse a read naming a peer address that is not ``host:port`` in
         printable ASCII (see check_address); remember good ones (bounded), so
@@ -480,8 +500,19 @@ class Sidecar:
         return Ok()
 
     async def _ping(self, req: Ping) -> Reply:
+        """Version, this uid's engines, and the keepalive of ``req.engines``: each
+        of them registered here by this uid has its liveness lease renewed (an
+        engine idle between requests stays alive for as long as its process
+        pings; one that is gone is simply not listed back)."""
+        if req.engines:
+            now = time.monotonic()
+            for engine_id in req.engines:
+                eng = self._engines.get(engine_id)
+                if eng is not None and _mine(eng):
+                    eng.last_seen = now
         return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
-                    engines=sorted(e for e, eng in self._engines.items() if _mine(eng)))
+                    engines=sorted(e for e, eng in self._engines.items() if _mine(eng)),
+                    engine_lease_s=self.settings.engine_lease_s)
 
     async def _status(self, req: Status) -> Reply:
         """``kvsidecar status``: one snapshot, built on the loop (daemon/status.py)."""
@@ -1088,7 +1119,7 @@ class Sidecar:
         now = time.monotonic()
         if isinstance(msg, Claim):
             lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
-            if lease.granted:
+            if lease.granted and not msg.keep:
                 # The reader posts its READ when this reply arrives: progress tightly
                 # while its lease runs (wire-up, its READ's closing flush, and over
                 # TCP the bytes, need us). Told once this reply has left: waking the

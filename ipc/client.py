@@ -61,6 +61,8 @@ from .protocol import (
     Error,
     Held,
     Hold,
+    Keep,
+    KeepItem,
     MemoryKind,
     Ok,
     Ping,
@@ -515,8 +517,11 @@ class ClientCore:
         self.acks[engine_id] = (reply.epoch, reply.last)
         return reply.items
 
-    def ping(self) -> Ask[Pong]:
-        return Ping(id=next(self._ids)), Pong
+    def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
+        return Ping(engines=list(engines), id=next(self._ids)), Pong
+
+    def keep(self, engine_id: str, items: Sequence[KeepItem]) -> Ask[Ok]:
+        return Keep(engine_id, list(items), id=next(self._ids)), Ok
 
     def status(self) -> Ask[StatusReport]:
         return Status(id=next(self._ids)), StatusReport
@@ -687,7 +692,7 @@ class SidecarClient:
         P's sidecar digests exactly what this read's plan takes from it, this
         sidecar what landed, and a difference makes the read ``failed`` (its
         blocks invalid), never ``received``. Host memory only (refused here
-        for GPU memory); a sidecar of protocol minor < 6 ignores it.
+        for GPU memory); a sidecar of protocol minor < 7 ignores it.
         """
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
                                     remote_block_ids, remote_request_id, skip_tokens, num_tokens,
@@ -733,8 +738,16 @@ class SidecarClient:
         req, kind = core.poll(engine_id, wait_s)
         return core.polled(engine_id, _expect(self._exchange(req), kind))
 
-    def ping(self) -> Pong:
-        req, kind = self._core.ping()
+    def keep(self, engine_id: str, items: Sequence[KeepItem]) -> None:
+        """Keep P's holds of requests this engine admitted and reads later
+        (protocol minor 10; see :class:`~kvsidecar.ipc.protocol.Keep`)."""
+        req, kind = self._core.keep(engine_id, items)
+        _expect(self._exchange(req), kind)
+
+    def ping(self, engines: Sequence[str] = ()) -> Pong:
+        """Version and this uid's registered engines; ``engines`` (protocol minor
+        6) also renews their liveness lease (see :mod:`kvsidecar.ipc.keepalive`)."""
+        req, kind = self._core.ping(engines)
         return _expect(self._exchange(req), kind)
 
     def status(self) -> StatusReport:
@@ -1042,8 +1055,9 @@ class AsyncSidecarClient:
             req, kind = core.poll(engine_id, wait_s)
             return core.polled(engine_id, _expect(await self._exchange(req), kind))
 
-    async def ping(self) -> Pong:
-        req, kind = self._core.ping()
+    async def ping(self, engines: Sequence[str] = ()) -> Pong:
+        """As :meth:`SidecarClient.ping`."""
+        req, kind = self._core.ping(engines)
         return _expect(await self._exchange(req), kind)
 
     async def status(self) -> StatusReport:

@@ -12,6 +12,7 @@ serves both.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 
@@ -19,6 +20,21 @@ from .memory import RegionError, ShmRegion
 from .protocol import MemfdRef
 
 __all__ = ["MemfdRegion"]
+
+_MAP_FIXED = 0x10  # Linux (every architecture this runs on); the mmap module lacks it
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+
+
+def _map_fixed(address: int, nbytes: int, fd: int) -> None:
+    """Map ``fd`` (shared, read-write) at exactly ``address``, replacing what was there."""
+    got = _libc.mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got != address:
+        err = ctypes.get_errno()
+        raise RegionError(f"cannot map a memfd at {address:#x}: {os.strerror(err)}")
 
 
 class MemfdRegion(ShmRegion):
@@ -89,6 +105,35 @@ class MemfdRegion(ShmRegion):
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def take_over(self, other: MemfdRegion) -> None:
+        """Go on in ``other``'s memfd at this region's address, contents kept.
+
+        Copies this region's bytes into ``other``, then maps ``other``'s memfd
+        over this region's own mapping (``MAP_FIXED``: one replacement, no
+        unmapped gap), so every pointer into this region (numpy views, vLLM's
+        KV tensors) reaches ``other``'s pages from now on, with the same bytes.
+        This region's old pages go with its old fd, closed here; it keeps a
+        duplicate of ``other``'s fd, and ``other`` (mapped elsewhere) is closed.
+        What a restarted sidecar needs: it allocated ``other``, and cannot
+        reach the memfd its predecessor allocated. Nothing may write into this
+        region meanwhile (its owner calls this from the thread that uses it).
+        """
+        if other.nbytes != self.nbytes:
+            raise RegionError(f"memfd {self.name!r} is {self.nbytes} B, its replacement "
+                              f"{other.nbytes} B")
+        other.numpy()[:] = self.numpy()
+        fd = os.dup(other.fd)
+        try:
+            _map_fixed(self.address, self.nbytes, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self._fd = self._fd, fd
+        self._share = None
+        if old is not None:
+            os.close(old)
+        other.close()
 
     def unlink(self) -> None:
         """Nothing to unlink: a memfd has no name; its pages go with the last fd."""

@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 8
+PROTOCOL_MINOR: Final = 10
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -60,6 +60,11 @@ PROTOCOL_MINOR: Final = 8
 * 8: :class:`Deregister` ``mode`` (``drain`` or ``drop``); an engine that exits
   or dies with holds open has them served until they end (a daemon of an older
   minor ignores the field and drops).
+* 9: :class:`Ping` ``engines``: a ping naming engine ranks renews their
+  liveness lease (an idle engine's keepalive, independent of its steps), and
+  :class:`Pong` ``engine_lease_s`` says how long that lease is.
+* 10: :class:`Keep`: a decode engine keeps the holds of the requests it has
+  admitted alive at their prefill sidecars while they wait to be read.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -370,8 +375,22 @@ class Poll(_RequestBase, tag="poll", frozen=True):
     wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 0.0
 
 
+#: Most engine ranks one :class:`Ping` may keep alive (a sidecar serves at most
+#: 64 by default; one process keeps its own rank, or a few).
+MAX_PING_ENGINES: Final = 256
+
+
 class Ping(_RequestBase, tag="ping", frozen=True):
-    """Liveness and version check; answered with :class:`Pong`."""
+    """Liveness and version check; answered with :class:`Pong`.
+
+    ``engines`` (minor 9): the engine ranks the sender keeps alive. Each one
+    registered here by the sender's uid has its liveness lease renewed, as any
+    request naming it does; the others are ignored (the reply's ``engines``
+    then lacks them: registered no more, e.g. the sidecar restarted). A
+    daemon of an older minor ignores the field.
+    """
+
+    engines: Annotated[list[EngineId], Meta(max_length=MAX_PING_ENGINES)] = []
 
 
 MAX_BATCH: Final = 256
@@ -398,10 +417,31 @@ class Status(_RequestBase, tag="status", frozen=True):
     admits may ask (the socket's access policy is the only gate)."""
 
 
+class KeepItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One admitted request: the prefill engine holding its blocks, and its id there."""
+
+    remote: RemoteEngine
+    remote_request_id: RequestId
+
+
+class Keep(_RequestBase, tag="keep", frozen=True):
+    """Keep the holds of requests this engine admitted but has not started reading
+    (minor 10): for each item, the sidecar claims a lease on the hold at the P
+    ranks this rank answers for (P rank ``p`` by D rank ``p % D_tp``), as a read
+    would, without reading. Sent every few seconds while the requests wait, it
+    keeps P's blocks for as long as a live reader wants them; when it stops (the
+    decode engine is gone), P frees them one ``--hold-lease`` later. Answered
+    ``Ok`` at once; the claims go out in the background (a refused or
+    unanswered one is logged: the read then finds out for itself)."""
+
+    engine_id: EngineId
+    items: Annotated[list[KeepItem], Meta(max_length=MAX_BATCH)]
+
+
 Request: TypeAlias = (Register | Deregister | Read | Hold | Release | Poll | Ping | Reserve
-                      | Batch | Status)
+                      | Batch | Status | Keep)
 REQUEST_TYPES: Final = (Register, Deregister, Read, Hold, Release, Poll, Ping, Reserve, Batch,
-                        Status)
+                        Status, Keep)
 
 
 # --------------------------------------------------------------------------
@@ -520,11 +560,15 @@ class Completions(_ReplyBase, tag="completions"):
 
 
 class Pong(_ReplyBase, tag="pong"):
-    """``minor``: the daemon's :data:`PROTOCOL_MINOR` (0 from a daemon older than it)."""
+    """``minor``: the daemon's :data:`PROTOCOL_MINOR` (0 from a daemon older than it).
+    ``engines``: the engine ranks registered here by the sender's uid.
+    ``engine_lease_s`` (minor 9; 0 from an older daemon): how long an engine
+    rank that sends nothing stays registered (``--engine-lease``)."""
 
     version: int
     engines: list[str] = []
     minor: int = 0
+    engine_lease_s: float = 0.0
 
 
 class Error(_ReplyBase, tag="error"):

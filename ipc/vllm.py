@@ -25,9 +25,15 @@ Request flow (pull, as vLLM's NixlConnector)::
                                                   failed   => finished_recving + failed_recving
                                                               (+ invalid blocks, one group only)
 
-Errors take one route: a read the sidecar refuses at once (an exception from
-the client) is turned into the same failed completion a failed transfer gives,
-so the scheduler sees every failure as "finished receiving, failed".
+Errors never leave a connector call (vLLM takes any exception for a fatal
+engine error): a refused read is the same failed completion a failed transfer
+gives ("finished receiving, failed"), a refused hold ends the request's send,
+a sidecar that lost the rank's registration (it restarted) fails what was in
+flight and is registered with again, and a sidecar that does not answer
+leaves its requests waiting for its answer (see "transfers" in
+:class:`_WorkerSide`). A keepalive thread keeps an idle worker registered
+(:mod:`kvsidecar.ipc.keepalive`); D keeps P's holds of the requests it
+admitted until it reads them (``Keep``).
 
 Memory: :meth:`KvSidecarConnector.get_mem_pool_context` makes vLLM's one KV
 allocation land where the sidecar can reach it: a reservation the sidecar
@@ -43,11 +49,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -57,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
@@ -65,10 +73,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
-from .client import Duplicate, HoldSpec, ReadSpec, SidecarClient, SidecarError
+from .client import (
+    Duplicate,
+    HoldSpec,
+    ReadSpec,
+    SidecarClient,
+    SidecarError,
+    SidecarTimeout,
+    UnknownEngine,
+)
+from .keepalive import Keepalive
 from .kv_pool import SidecarKVPool
-from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
-from .protocol import MAX_BATCH, Completion, MemoryKind, RemoteEngine
+from .memfd import MemfdRegion
+from .memory import ENGINE_SHM_PREFIX, RegionError, ShmRegion, unique_name
+from .protocol import MAX_BATCH, Completion, Held, KeepItem, MemoryKind, RemoteEngine
 from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
@@ -102,6 +120,21 @@ RESERVE_MINOR = 2
 """The minor that brought reservations (``memory`` other than ``shm``)."""
 BATCH_MINOR = 5
 """The minor that brought batches: a step's holds (and reads) go in one message."""
+KEEPALIVE_MINOR = 9
+"""The minor that brought keepalive pings (``Ping.engines``): before it an idle
+worker is released after the sidecar's ``--engine-lease``."""
+REPAIR_PAUSE_S = 1.0
+"""After a sidecar did not answer, or the rank could not register again: tried
+again this long after (doubling, up to REPAIR_MAX_S, while it keeps failing)."""
+REPAIR_MAX_S = 30.0
+KEEP_MINOR = 10
+"""The minor that brought ``Keep``: before it D does not keep P's holds while
+its requests wait (they then live P's hold timeout)."""
+DEFAULT_HOLD_TIMEOUT_S = 30.0
+"""How long P's sidecar keeps blocks no reader claimed (vLLM NixlConnector's
+``kv_lease_duration``): the time for D to admit the request; from then on D
+keeps them (``keep_every_s``) until it reads, and a D that is gone lets them
+go one ``--hold-lease`` after its last claim."""
 
 
 # --------------------------------------------------------------------------
@@ -116,8 +149,10 @@ class Settings:
     ``sidecar_socket``: the rank's sidecar socket; ``{rank}`` / ``{local_rank}``
     are filled in (default: the sidecar's own default for the device).
     ``sidecar_sockets``: one socket per tp rank instead.
-    ``hold_timeout_s``: the lease P's sidecar keeps unread blocks (default: the
-    sidecar's ``--hold-timeout``). ``client_timeout_s``: per call (10 s).
+    ``hold_timeout_s``: how long P's sidecar keeps blocks no reader claimed
+    (default DEFAULT_HOLD_TIMEOUT_S; a D that admitted the request keeps
+    claiming it every ``keep_every_s`` until it reads). ``client_timeout_s``:
+    per call (10 s).
     ``memory``: where the KV cache lives (:func:`_memory_for`): ``memfd``
     (CPU default), ``shm``, or on a GPU ``cuda_vmm`` / ``cuda_malloc``.
     ``kernel_block_size``: tokens per attention kernel block. Not needed: the
@@ -129,6 +164,7 @@ class Settings:
     sidecar_sockets: tuple[str, ...] = ()
     hold_timeout_s: float | None = None
     client_timeout_s: float = 10.0
+    keep_every_s: float = 3.0
     kernel_block_size: int | None = None
     memory: str | None = None
 
@@ -145,8 +181,9 @@ class Settings:
         kbs = extra.get("kernel_block_size")
         memory = extra.get("memory")
         return cls(extra.get("sidecar_socket"), tuple(str(s) for s in socks),
-                   None if hold is None else float(hold),
+                   DEFAULT_HOLD_TIMEOUT_S if hold is None else float(hold),
                    float(extra.get("client_timeout_s", 10.0)),
+                   float(extra.get("keep_every_s", 3.0)),
                    None if kbs is None else int(kbs),
                    None if memory is None else str(memory))
 
@@ -169,6 +206,21 @@ class KvSidecarHandshake(KVConnectorHandshakeMetadata):
     engine_id: str
     tp_rank: int
     address: str
+
+
+@dataclass
+class KvSidecarAddresses(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: the new sidecar address of each tp rank that
+    registered again (its sidecar restarted: a new handshake port, unless the
+    sidecar has a fixed ``--handshake-port``). Requests that finish prefill
+    from then on name the new address to their readers."""
+
+    addresses: dict[int, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvSidecarAddresses):
+            return KvSidecarAddresses({**self.addresses, **other.addresses})
+        return self
 
 
 @dataclass
@@ -210,6 +262,8 @@ class KvSidecarMetadata(KVConnectorMetadata):
     releases: list[str] = field(default_factory=list)
     #: requests the scheduler preempted since the last step (their blocks are free)
     preempted: list[str] = field(default_factory=list)
+    #: D: admitted requests waiting for their read, whose P holds to keep alive
+    keeps: list[KeepItem] = field(default_factory=list)
 
 
 def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
@@ -259,6 +313,10 @@ class _SchedulerSide:
         self._holds: dict[str, HoldJob] = {}
         self._releases: set[str] = set()
         self._reading: set[str] = set()  # awaited reads handed to the workers
+        #: D: admitted requests not read yet (their P holds are kept alive)
+        self._waiting: dict[str, KeepItem] = {}
+        self._keep_every_s = float((kt.kv_connector_extra_config or {}).get("keep_every_s", 3.0))
+        self._last_keep = -math.inf
 
     # ------------------------------------------------------------ handshake
 
@@ -277,9 +335,15 @@ class _SchedulerSide:
     # ------------------------------------------------------------ P side
 
     def on_new_request(self, request: Request) -> None:
-        """Mamba: P computes the state of token N-1 only; D recomputes token N
-        from it (the rule of vLLM's NixlConnector). P drops the last prompt token."""
+        """D: an admitted request P holds blocks for is kept alive until its read
+        starts (:class:`~kvsidecar.ipc.protocol.Keep`). Mamba: P computes the
+        state of token N-1 only; D recomputes token N from it (the rule of
+        vLLM's NixlConnector). P drops the last prompt token."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            item = _keep_item(params)
+            if item is not None:
+                self._waiting[request.request_id] = item
         if not (self.has_mamba and params and params.get("do_remote_decode")):
             return
         if params.get("_kvsidecar_truncated") or request.num_prompt_tokens <= 1:
@@ -298,6 +362,7 @@ class _SchedulerSide:
 
         params = request.kv_transfer_params
         rid = request.request_id
+        self._waiting.pop(rid, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -359,6 +424,7 @@ class _SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         rid = request.request_id
+        self._waiting.pop(rid, None)  # its read claims from now on
         ids = self.kv_cache_config.select_transfer_block_ids(
             blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else None
         local: list[list[int]]
@@ -397,13 +463,38 @@ class _SchedulerSide:
         for rid in finished_recving or ():
             self._reading.discard(rid)
 
+    def update_addresses(self, meta: KVConnectorWorkerMetadata | None) -> None:
+        """Ranks that registered again with a restarted sidecar: their new address."""
+        if not isinstance(meta, KvSidecarAddresses):
+            return
+        for rank, address in meta.addresses.items():
+            if 0 <= rank < len(self.addresses) and self.addresses[rank] != address:
+                log.warning("kvsidecar: engine %s tp rank %d: sidecar address %s -> %s",
+                            self.engine_id, rank, self.addresses[rank], address)
+                self.addresses[rank] = address
+
     def build_meta(self, preempted: set[str] | None = None) -> KvSidecarMetadata:
         meta = KvSidecarMetadata(list(self._reads.values()), list(self._holds.values()),
                                  sorted(self._releases), sorted(preempted or ()))
+        now = time.monotonic()
+        if self._waiting and now - self._last_keep >= self._keep_every_s:
+            meta.keeps = list(self._waiting.values())
+            self._last_keep = now
         self._reads.clear()
         self._holds.clear()
         self._releases.clear()
         return meta
+
+
+def _keep_item(params: dict[str, Any]) -> KeepItem | None:
+    """What keeps P's hold of a request (None: params that are not kvsidecar's;
+    the read reports that)."""
+    try:
+        return KeepItem(RemoteEngine(str(params["remote_engine_id"]), int(params["tp_size"]),
+                                     [str(a) for a in params["remote_handshake"]]),
+                        str(params["remote_request_id"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _group_kind(spec: object) -> str:
@@ -506,6 +597,22 @@ class _WorkerSide:
         self._early: list[Completion] = []  # refusals of read(), reported like failures
         self._invalid: set[int] = set()
         self.stats = NixlKVConnectorStats()
+        #: holds that ended without a completion (refused, lost): finished_sending next
+        self._sends_ended: set[str] = set()
+        #: holds and reads whose request got no answer (see "transfers" below)
+        self._uncertain: set[str] = set()
+        self._hold_blocks: dict[str, list[list[int]]] = {}  # uncertain holds' blocks
+        self._lost = ""  # why the sidecar has no registration of this rank ('' while it has)
+        self._unreachable = ""  # why the sidecar is taken for unreachable ('' while it answers)
+        self._next_repair = 0.0
+        self._pause = REPAIR_PAUSE_S
+        self._keepalive: Keepalive | None = None
+        self._keepalive_minor = pong.minor >= KEEPALIVE_MINOR
+        self._keeps = pong.minor >= KEEP_MINOR  # the sidecar keeps P's holds for us
+        #: registrations of this rank with its sidecar (more than 1: it registered again)
+        self.registrations = 0
+        self._unpublished = False  # registered again: the scheduler must learn the address
+        self._reserved_again = False  # lost: the KV memory moved into a new reservation
 
     # ------------------------------------------------------------ memory
 
@@ -564,9 +671,17 @@ class _WorkerSide:
                                     f"{self.tp_rank}'s KV cache: {e}{hint}") from e
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
                                             reg.handshake_address)
+        self.registrations += 1
         log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
                  "(handshake %s)", self.engine_id, self.tp_rank, len(self.regions),
                  self.vl.layout.region_bytes, self.socket, reg.handshake_address)
+        if self._keepalive_minor:
+            self._keepalive = Keepalive(self.socket, [self.engine_id],
+                                        timeout_s=self.settings.client_timeout_s).start()
+        else:
+            log.warning("kvsidecar: the sidecar at %s speaks protocol minor < %d: this idle "
+                        "worker is released after its --engine-lease; upgrade the sidecar",
+                        self.socket, KEEPALIVE_MINOR)
 
     def _kernel_block_size(self, kv_caches: dict[str, Any]) -> int | None:
         """Tokens per kernel block of the attention views vLLM registered
@@ -592,6 +707,28 @@ class _WorkerSide:
         return kbs
 
     # ------------------------------------------------------------ transfers
+    #
+    # No sidecar error leaves this class as an exception: vLLM takes any
+    # exception from a connector call for a fatal engine error. Each becomes
+    # the outcome of the requests it concerns, by what it says of the
+    # sidecar's access to our memory:
+    #
+    # * refused (the sidecar answered no): that request only: a hold ends its
+    #   send, a read is a failed read;
+    # * ``UnknownEngine`` (the sidecar at our socket has no registration of
+    #   this rank: it restarted, or released it): a sidecar lets an engine's
+    #   memory go only after its transfers ended, so everything in flight ends
+    #   now as failed (:meth:`_lose`) and the rank registers again
+    #   (:meth:`_register_again`);
+    # * no answer (``SidecarTimeout``: a stopped, overloaded or dead sidecar):
+    #   whether it took the request is unknown, and a request it took may still
+    #   read or write our blocks, so nothing of it is reported yet: the request
+    #   is *uncertain* until the sidecar answers again (:meth:`_settle`).
+    #   Meanwhile the sidecar is *unreachable*: it is asked again after a pause
+    #   that doubles up to REPAIR_MAX_S, so a stuck sidecar costs vLLM one client
+    #   timeout per pause, not one per call; new holds wait (uncertain) to be
+    #   placed when it answers, new reads fail at once (D recomputes rather than
+    #   wait on a silent sidecar; nothing was asked of it).
 
     def preempted(self, meta: KvSidecarMetadata) -> None:
         """Preemption frees a request's blocks for reuse at once, so no transfer
@@ -608,53 +745,139 @@ class _WorkerSide:
                           "until the abort completes)", rid)
                 self._release(rid)
 
+    @property
+    def _down(self) -> str:
+        """Why no new work goes to the sidecar now ('' when it does)."""
+        return self._lost or self._unreachable
+
     def _release(self, rid: str) -> None:
         self._released.add(rid)
+        if self._lost:
+            return  # it failed already, with everything in flight
+        if self._unreachable:
+            self._uncertain.add(rid)  # released once the sidecar answers
+            return
         try:
             self.client.release(self.engine_id, rid)
+        except SidecarTimeout as e:
+            self._no_answer(rid, "release", e)
+        except UnknownEngine as e:
+            self._lose(str(e))
         except SidecarError as e:  # finished meanwhile: its completion says how
             log.debug("kvsidecar: release %s: %s", rid, e)
 
     def start(self, meta: KvSidecarMetadata) -> None:
-        if self._batches and len(meta.holds) > 1:
-            self._hold_batch(meta.holds)
-        else:
-            for h in meta.holds:
-                self.client.hold(self.engine_id, h.request_id, h.block_ids,
-                                 timeout_s=self.settings.hold_timeout_s)
-                self._holding.add(h.request_id)
+        self._repair()
+        if meta.keeps:
+            self._keep(meta.keeps)
+        self._start_holds(meta.holds)
         for rid in meta.releases:
             if rid in self._reading:
                 self._release(rid)
-        if self._batches and len(meta.reads) > 1:
-            self._read_batch(meta.reads)
+        self._start_reads(meta.reads)
+
+    def _start_holds(self, holds: Sequence[HoldJob]) -> None:
+        """Place a step's holds (in batches of at most MAX_BATCH where the sidecar
+        takes batches); each refused one ends its send (:meth:`_hold_failed`)."""
+        if not holds:
+            return
+        outcomes: list[Held | SidecarError] = []
+        if self._lost:
+            for h in holds:
+                self._hold_failed(h.request_id, self._lost)
+            return
+        if self._unreachable:
+            for h in holds:
+                log.warning("kvsidecar: request %s: held once the sidecar answers again (%s)",
+                            h.request_id, self._unreachable)
+                self._hold_later(h)
+            return
+        if self._batches and len(holds) > 1:
+            for i in range(0, len(holds), MAX_BATCH):
+                part = holds[i:i + MAX_BATCH]
+                try:
+                    outcomes += self.client.hold_many(self.engine_id, [
+                        HoldSpec(h.request_id, h.block_ids,
+                                 timeout_s=self.settings.hold_timeout_s) for h in part])
+                except SidecarError as e:
+                    outcomes += [e] * len(part)
         else:
-            for job in meta.reads:
+            for h in holds:
+                try:
+                    outcomes.append(self.client.hold(self.engine_id, h.request_id, h.block_ids,
+                                                     timeout_s=self.settings.hold_timeout_s))
+                except SidecarError as e:
+                    outcomes.append(e)
+        for h, o in zip(holds, outcomes):
+            self._held(h, o)
+
+    def _held(self, h: HoldJob, outcome: Held | SidecarError) -> None:
+        rid = h.request_id
+        if not isinstance(outcome, SidecarError):
+            self._holding.add(rid)
+        elif isinstance(outcome, SidecarTimeout):
+            self._hold_later(h)
+            self._no_answer(rid, "hold", outcome)
+        else:
+            if isinstance(outcome, UnknownEngine):
+                self._lose(str(outcome))
+            self._hold_failed(rid, self._lost or f"refused: {outcome}")
+
+    def _keep(self, items: Sequence[KeepItem]) -> None:
+        """Have the sidecar keep P's holds of the requests waiting for their read
+        (best effort: a sidecar that cannot is logged; the read finds out)."""
+        if self._down or not self._keeps:
+            return
+        for i in range(0, len(items), MAX_BATCH):
+            try:
+                self.client.keep(self.engine_id, items[i:i + MAX_BATCH])
+            except UnknownEngine as e:
+                self._lose(str(e))
+                return
+            except SidecarError as e:
+                log.warning("kvsidecar: keeping %d waiting request(s) alive at the prefill "
+                            "side failed: %s", len(items), e)
+                return
+
+    def _hold_later(self, h: HoldJob) -> None:
+        """Place ``h`` when the sidecar answers again (:meth:`_settle`); its blocks
+        stay vLLM's until its send ends."""
+        self._holding.add(h.request_id)
+        self._hold_blocks[h.request_id] = h.block_ids
+        self._uncertain.add(h.request_id)
+
+    def _hold_failed(self, rid: str, why: str) -> None:
+        """P cannot keep ``rid``'s blocks for its reader: its send ends now (vLLM
+        frees the blocks; D's read of them fails and D recomputes). Counted as
+        a failed transfer: the request's KV never leaves P."""
+        log.error("kvsidecar: request %s: its KV cannot be held for the decode side (%s); "
+                  "its blocks are freed and the decode side's read of them will fail",
+                  rid, why)
+        self._holding.discard(rid)
+        self._uncertain.discard(rid)
+        self._hold_blocks.pop(rid, None)
+        self.stats.record_failed_transfer()
+        self._sends_ended.add(rid)
+
+    def _start_reads(self, jobs: Sequence[ReadJob]) -> None:
+        if not jobs:
+            return
+        if self._down:
+            for job in jobs:
+                self._started(job, self._down, time.perf_counter(), 0.0)
+            return
+        if not (self._batches and len(jobs) > 1):
+            for job in jobs:
                 self._start_read(job)
-
-    def _hold_batch(self, holds: Sequence[HoldJob]) -> None:
-        """A step's holds in batches of at most MAX_BATCH. A refused hold raises,
-        as a refused single ``hold`` does, but only after every hold the sidecar
-        accepted is tracked (their completions must still be recognised)."""
-        refused: SidecarError | None = None
-        for i in range(0, len(holds), MAX_BATCH):
-            part = holds[i:i + MAX_BATCH]
-            out = self.client.hold_many(self.engine_id, [
-                HoldSpec(h.request_id, h.block_ids, timeout_s=self.settings.hold_timeout_s)
-                for h in part])
-            for h, o in zip(part, out):
-                if isinstance(o, SidecarError):
-                    refused = refused or o
-                else:
-                    self._holding.add(h.request_id)
-        if refused is not None:
-            raise refused
-
-    def _read_batch(self, jobs: Sequence[ReadJob]) -> None:
+            return
         for i in range(0, len(jobs), MAX_BATCH):
             part = jobs[i:i + MAX_BATCH]
             t0 = time.perf_counter()
-            out = self.client.read_many(self.engine_id, [_read_spec(job) for job in part])
+            out: list[SidecarError | None]
+            try:
+                out = self.client.read_many(self.engine_id, [_read_spec(job) for job in part])
+            except SidecarError as e:
+                out = [e] * len(part)
             each = (time.perf_counter() - t0) / len(part)
             for job, refused in zip(part, out):
                 self._started(job, refused, t0, each)
@@ -672,19 +895,214 @@ class _WorkerSide:
             refused = e
         self._started(job, refused, t0, time.perf_counter() - t0)
 
-    def _started(self, job: ReadJob, refused: SidecarError | None, t0: float,
+    def _started(self, job: ReadJob, refused: SidecarError | str | None, t0: float,
                  post_s: float) -> None:
-        if refused is not None:
-            # One route for errors: a refused read is a failed read.
-            log.warning("kvsidecar: read %s refused: %s", job.request_id, refused)
-            self._early.append(Completion(job.request_id, "failed", str(refused),
-                                          job.local_block_ids))
-        self._reading[job.request_id] = (job, t0, post_s)
+        """Track a read the sidecar took, or make its refusal a failed read
+        (one route for errors); a read without an answer is uncertain."""
+        rid = job.request_id
+        self._reading[rid] = (job, t0, post_s)
+        if refused is None:
+            return
+        if isinstance(refused, SidecarTimeout):
+            self._no_answer(rid, "read", refused)
+            return
+        if isinstance(refused, UnknownEngine):
+            self._lose(str(refused))
+        why = refused if isinstance(refused, str) else self._lost or f"refused: {refused}"
+        self._early.append(Completion(rid, "failed", why, job.local_block_ids))
+
+    def _no_answer(self, rid: str, what: str, e: SidecarError) -> None:
+        """``rid``'s ``what`` got no answer: uncertain until the sidecar answers."""
+        log.error("kvsidecar: request %s: no answer from the sidecar to its %s (%s); it is "
+                  "settled once the sidecar answers again", rid, what, e)
+        self._uncertain.add(rid)
+        self._unanswered(e)
+
+    def _unanswered(self, e: SidecarError) -> None:
+        """The sidecar did not answer: ask it again after a pause (doubling)."""
+        if not self._unreachable:
+            self._pause = REPAIR_PAUSE_S
+            log.error("kvsidecar: engine %s rank %d: the sidecar at %s does not answer (%s); "
+                      "new transfers fail until it does", self.engine_id, self.tp_rank,
+                      self.socket, e)
+        else:
+            self._pause = min(2 * self._pause, REPAIR_MAX_S)
+        self._unreachable = f"the sidecar at {self.socket} does not answer ({e})"
+        self._next_repair = time.monotonic() + self._pause
+
+    def _lose(self, why: str) -> None:
+        """The sidecar has no registration of this rank any more (it restarted or
+        released it). It ended our transfers before it let our memory go, so
+        nothing in flight can still touch our blocks: every hold ends its send,
+        every read fails (a released one ends aborted), all reported by the next
+        :meth:`results`; the rank registers again at the next step."""
+        if self._lost:
+            return
+        self._lost = (f"the sidecar at {self.socket} lost engine {self.engine_id!r} rank "
+                      f"{self.tp_rank}'s registration ({why})")
+        self._unreachable = ""
+        log.error("kvsidecar: %s: failing %d hold(s) and %d read(s) in flight; registering "
+                  "again", self._lost, len(self._holding), len(self._reading))
+        for rid in sorted(self._holding):
+            self._hold_failed(rid, self._lost)
+        early = {c.request_id for c in self._early}
+        for rid, (job, _, _) in self._reading.items():
+            if rid not in early:
+                self._early.append(Completion(rid, self._ended_kind(rid), self._lost,
+                                              job.local_block_ids))
+        self._uncertain.clear()
+        self._next_repair = 0.0
+        self._pause = REPAIR_PAUSE_S
+
+    def _ended_kind(self, rid: str) -> Literal["aborted", "failed"]:
+        """How a read that ends without a transfer ends: aborted if released."""
+        return "aborted" if rid in self._released else "failed"
+
+    def _repair(self) -> None:
+        """Before a step's work: notice a lost registration (the keepalive's word,
+        or an unreachable sidecar answering again), settle uncertain requests,
+        and register again once lost."""
+        ka = self._keepalive
+        due = time.monotonic() >= self._next_repair
+        if not self._lost and ((self._unreachable and due)
+                               or (ka is not None and self.engine_id in ka.missing)):
+            self._confirm_registered()
+        if self._uncertain and not self._down:
+            self._settle()
+        if self._lost and time.monotonic() >= self._next_repair:
+            self._register_again()
+
+    def _confirm_registered(self) -> None:
+        """Ask the sidecar, on our own connection, whether it still has this rank
+        (the keepalive's answer may predate our registration)."""
+        try:
+            pong = self.client.ping([self.engine_id])
+        except SidecarError as e:
+            self._unanswered(e)
+            return
+        if self._unreachable:
+            log.warning("kvsidecar: engine %s rank %d: the sidecar at %s answers again",
+                        self.engine_id, self.tp_rank, self.socket)
+            self._unreachable = ""
+        if self.engine_id not in pong.engines:
+            self._lose("it no longer lists the rank: it restarted, or released the rank")
+        elif self._keepalive is not None:
+            self._keepalive.clear(self.engine_id)
+
+    def _settle(self) -> None:
+        """Settle each uncertain request now that the sidecar answers. A read is
+        released: the sidecar either has it (``Ok``: its completion follows, as
+        for any release) or never took it (refused: it ends now, nothing of it
+        can touch our blocks). A hold is placed again: ``Held`` or
+        ``Duplicate``, it is held, and its reader may still read it."""
+        for rid in sorted(self._uncertain):
+            try:
+                if rid in self._holding:
+                    self._hold_again(rid)
+                else:
+                    self.client.release(self.engine_id, rid)
+            except SidecarTimeout as e:
+                self._unanswered(e)
+                return
+            except UnknownEngine as e:
+                self._lose(str(e))
+                return
+            except SidecarError as e:
+                self._uncertain.discard(rid)
+                if rid in self._holding:
+                    self._hold_failed(rid, f"refused: {e}")
+                elif rid in self._reading:
+                    job = self._reading[rid][0]
+                    self._early.append(Completion(
+                        rid, self._ended_kind(rid), f"the sidecar never took the read ({e})",
+                        job.local_block_ids))
+            else:
+                self._uncertain.discard(rid)
+
+    def _hold_again(self, rid: str) -> None:
+        with contextlib.suppress(Duplicate):  # Duplicate: the first one was placed
+            self.client.hold(self.engine_id, rid, self._hold_blocks[rid],
+                             timeout_s=self.settings.hold_timeout_s)
+        self._hold_blocks.pop(rid, None)
+
+    def _register_again(self) -> None:
+        """Register this rank's KV memory again (the sidecar lost it): the same
+        memory, with what it holds (vLLM's prefix cache stays valid).
+
+        Memory this connector attached (``shm``) registers as it is. Memory the
+        lost registration's sidecar allocated (``memfd``) is out of a restarted
+        sidecar's reach: the new sidecar reserves a new memfd, the KV bytes are
+        copied into it, and it is mapped at the old address
+        (:meth:`~kvsidecar.ipc.memfd.MemfdRegion.take_over`), so vLLM's tensors
+        keep their pointers. GPU reservations cannot be moved that way: the rank
+        stays unregistered (each request fails, logged) until the engine restarts.
+        """
+        try:
+            if self._kvpool is not None and not self._reserved_again:
+                self._move_reservation()
+                self._reserved_again = True
+            reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
+                                       regions=self.regions)
+        except (SidecarError, RegionError, OSError) as e:
+            # Unanswered: the next try joins the registration it began, in the same
+            # reservation. Refused: reserve again first (the sidecar may have
+            # restarted once more).
+            self._reserved_again &= isinstance(e, SidecarTimeout)
+            log.error("kvsidecar: engine %s rank %d: registering again with the sidecar at "
+                      "%s failed (%s); its requests fail until it succeeds (tried again in "
+                      "%g s)", self.engine_id, self.tp_rank, self.socket, e, self._pause)
+            self._next_repair = time.monotonic() + self._pause
+            self._pause = min(2 * self._pause, REPAIR_MAX_S)
+            return
+        self._lost = ""
+        self._reserved_again = False
+        self._pause = REPAIR_PAUSE_S
+        self.registrations += 1
+        self._unpublished = True
+        if self._keepalive is not None:
+            self._keepalive.clear(self.engine_id)
+        self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
+                                            reg.handshake_address)
+        log.warning("kvsidecar: engine %s rank %d registered again with the sidecar at %s "
+                    "(handshake %s)", self.engine_id, self.tp_rank, self.socket,
+                    reg.handshake_address)
+
+    def _move_reservation(self) -> None:
+        assert self._kvpool is not None
+        old = self._kvpool.region
+        if not isinstance(old, MemfdRegion):
+            raise RegionError(f"{self.memory!r} memory the lost sidecar allocated cannot be "
+                              "registered with another sidecar; restart the engine")
+        try:
+            new = self.client.reserve(self.engine_id, old.nbytes, self.memory)
+        except Duplicate:  # left by a registration that failed after it: drop, reserve again
+            self.client.deregister(self.engine_id)
+            new = self.client.reserve(self.engine_id, old.nbytes, self.memory)
+        if not isinstance(new, MemfdRegion):
+            new.close()
+            raise RegionError(f"the sidecar reserved {type(new).__name__}, not a memfd")
+        old.take_over(new)
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
+        self._repair()
+        items: list[Completion] = []
+        if not self._down:
+            try:
+                items = self.client.poll(self.engine_id)
+            except UnknownEngine as e:
+                self._lose(str(e))
+            except SidecarTimeout as e:  # its completions come again with a later poll
+                self._unanswered(e)
+            except SidecarError as e:
+                log.error("kvsidecar: engine %s rank %d: the sidecar at %s refused a poll "
+                          "(%s); trying again next step", self.engine_id, self.tp_rank,
+                          self.socket, e)
+        out.finished_sending.update(self._sends_ended)
+        self._sends_ended.clear()
         early, self._early = self._early, []
-        for c in [*early, *self.client.poll(self.engine_id)]:
+        for c in [*early, *items]:
+            self._uncertain.discard(c.request_id)
             if c.request_id in self._holding:
                 self._sent(c, out)
             elif c.request_id in self._reading:
@@ -696,11 +1114,15 @@ class _WorkerSide:
 
     def _sent(self, c: Completion, out: KVConnectorTransferResults) -> None:
         self._holding.discard(c.request_id)
+        self._hold_blocks.pop(c.request_id, None)
         if c.kind == "expired":
             self.stats.record_kv_expired_req()
         out.finished_sending.add(c.request_id)
 
     def _received(self, c: Completion, out: KVConnectorTransferResults) -> None:
+        """A read's outcome, in vLLM's NIXL terms: a failed read is a failed
+        transfer (finished + failed, its blocks invalid); a failed notify-only
+        read (a full prefix hit, an abort) is a failed notification."""
         job, t0, post_s = self._reading.pop(c.request_id)
         released = c.request_id in self._released
         self._released.discard(c.request_id)
@@ -709,12 +1131,17 @@ class _WorkerSide:
                 self._record_transfers(c, time.perf_counter() - t0, post_s)
                 out.finished_recving.add(c.request_id)
             return
-        if c.kind == "aborted" and released:
+        if released:
             out.finished_recving.add(c.request_id)  # the scheduler aborted it; blocks free
             return
-        self.stats.record_failed_transfer()
         if not job.awaited:
-            return  # a full hit's notification failed: the KV is local, nothing to redo
+            # The KV is local, nothing to redo; P frees its blocks at its lease.
+            self.stats.record_failed_notification()
+            log.error("kvsidecar: request %s: telling the prefill side that it may free its "
+                      "blocks failed (%s: %s); it frees them when its hold runs out",
+                      c.request_id, c.kind, c.reason)
+            return
+        self.stats.record_failed_transfer()
         out.finished_recving.add(c.request_id)
         out.failed_recving.add(c.request_id)
         if self.one_group:
@@ -722,7 +1149,8 @@ class _WorkerSide:
             # hybrid configs take failed_recving (the whole request recomputes).
             bad = c.invalid_block_ids or job.local_block_ids
             self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
-        log.warning("kvsidecar: read %s %s: %s", c.request_id, c.kind, c.reason)
+        log.error("kvsidecar: request %s: its KV read failed (%s: %s); vLLM recomputes it",
+                  c.request_id, c.kind, c.reason)
 
     def _record_transfers(self, c: Completion, seen_s: float, post_s: float) -> None:
         """vLLM's NIXL semantics: one successful transfer per remote rank read
@@ -742,6 +1170,13 @@ class _WorkerSide:
             data["bytes_transferred"].append(c.nbytes)
             data["num_descriptors"].append(c.descriptors)
 
+    def new_address(self) -> KvSidecarAddresses | None:
+        """This rank's sidecar address once it changed (registered again), once."""
+        if not self._unpublished or self.handshake is None:
+            return None
+        self._unpublished = False
+        return KvSidecarAddresses({self.tp_rank: self.handshake.address})
+
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
@@ -753,6 +1188,8 @@ class _WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.close()
         # A dead sidecar must not stall exit.
         self.client.timeout_s = min(self.client.timeout_s, 2.0)
         with contextlib.suppress(SidecarError):
@@ -950,7 +1387,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().build_meta(scheduler_output.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._sched().update_connector_output(connector_output.finished_recving)
+        sched = self._sched()
+        sched.update_addresses(connector_output.kv_connector_worker_meta)
+        sched.update_connector_output(connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -1011,6 +1450,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> NixlKVConnectorStats | None:
         return self.worker.take_stats() if self.worker is not None else None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.new_address() if self.worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

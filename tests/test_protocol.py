@@ -25,6 +25,8 @@ from kvsidecar.ipc.protocol import (
     Error,
     Held,
     Hold,
+    Keep,
+    KeepItem,
     Ok,
     Ping,
     Poll,
@@ -67,6 +69,7 @@ REQUESTS: list[Request] = [
     Ping(id=2**40),
     Batch([Read("d0", "req-3", [[0]], REMOTE, [[1]], id=11), Hold("p0", "h", [[2]], id=12),
            Release("d0", "req-1", id=13)], id=10),
+    Keep("d0", [KeepItem(REMOTE, "req-1"), KeepItem(REMOTE, "p-req-2")], id=14),
 ]
 
 REPLIES: list[Reply] = [
@@ -348,3 +351,20 @@ def test_deep_nesting_is_a_protocol_error() -> None:
     data = bytes([head[0] + 1]) + head[1:] + _raw("junk") + b"\x91" * 100_000 + b"\x00"
     e = _bad(data)
     assert e.code == BAD_MESSAGE and "recursion" in e.message
+
+
+def test_a_ping_names_the_engines_it_keeps_alive_and_an_older_pong_states_no_lease() -> None:
+    """Minor 6: ``Ping.engines`` round-trips (bounded), a minor-5 daemon ignores it
+    (requests do not forbid unknown fields), and a minor-5 Pong decodes with
+    ``engine_lease_s`` 0 (the keepalive then pings every 10 s)."""
+    from kvsidecar.ipc.keepalive import DEFAULT_PERIOD_S, period_for
+    from kvsidecar.ipc.protocol import MAX_PING_ENGINES
+
+    ping = Ping(engines=["P-0", "D-1"], id=3)
+    assert decode_request(encode_request(ping)) == ping
+    with pytest.raises(ProtocolError):
+        decode_request(encode_request(Ping(engines=["e"] * (MAX_PING_ENGINES + 1), id=4)))
+    pong = decode_reply(msgspec.msgpack.encode(_PongV1_0(5, PROTOCOL_VERSION, ["e"])))
+    assert isinstance(pong, Pong) and pong.engine_lease_s == 0.0
+    assert period_for(pong.engine_lease_s) == DEFAULT_PERIOD_S
+    assert period_for(30.0) == 10.0

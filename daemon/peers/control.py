@@ -86,6 +86,11 @@ class _Control(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     reader_engine: Name
     reader_rank: Rank
     reader_tp: Tp
+    #: a claim from a reader that admitted the request but does not read it yet
+    #: (see :mod:`kvsidecar.daemon.keeps`): the same lease, but P does not get
+    #: ready for a read (an older P ignores the field and does). Meaningless in
+    #: an abandon; here so an abandon is made from its claim's fields.
+    keep: bool = False
     req_id: int = 0
     v: int = CONTROL_VERSION
 

@@ -7,6 +7,9 @@ import asyncio
 import contextlib
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +206,44 @@ def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
                 r.close()
             c.deregister("bounded")
             silent.close()
+
+
+def test_a_keepalive_keeps_an_idle_engine_and_its_death_still_releases_it(sidecar,
+                                                                          tmp_path) -> None:
+    """An engine whose only traffic is its keepalive (ipc/keepalive.py, a thread of
+    its own process) stays registered for three leases; once that process is
+    killed, the engine is released within the lease, as any silent engine is. The
+    engine registers from another PID namespace (as a container without a shared
+    one does), so the lease is the only signal: what an idle engine keeps alive
+    is exactly what its death lets go."""
+    reg = _register_raw(sidecar.socket, "kept-alive", 1, "pid:[1]")
+    script = textwrap.dedent(f"""
+        import sys, time
+        from kvsidecar.ipc.keepalive import Keepalive
+        ka = Keepalive({sidecar.socket!r}, ["kept-alive"], timeout_s=5.0).start()
+        while not ka.answers:
+            time.sleep(0.01)
+        print(ka.period_s, flush=True)
+        time.sleep(3600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert float(child.stdout.readline()) == pytest.approx(LEASE_S / 3)
+        with SidecarClient(sidecar.socket) as c:
+            until = time.monotonic() + 3 * LEASE_S
+            while time.monotonic() < until:  # nothing but the keepalive names it
+                assert "kept-alive" in c.ping().engines
+                time.sleep(LEASE_S / 8)
+            child.kill()
+            child.wait()
+            killed = time.monotonic()
+            while "kept-alive" in c.ping().engines:
+                assert time.monotonic() - killed < LEASE_S + 30, "never released"
+                time.sleep(0.1)
+        assert time.monotonic() - killed >= LEASE_S - LEASE_S / 3 - 0.5
+    finally:
+        child.kill()
+        for r in reg.regions:
+            with contextlib.suppress(Exception):
+                os.unlink(f"/dev/shm/{r.name}")

@@ -216,6 +216,7 @@ class Engine:
                 failed_recving=r.failed_recving,
                 invalid_block_ids=w.get_block_ids_with_load_errors(),
                 kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
             )
             w.clear_connector_metadata()
             outs.append(ModelRunnerOutput(
@@ -241,11 +242,12 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
                 num_blocks: int, hybrid: bool, *, mamba_prefix_caching: bool = False,
                 memory: str | None = None, failure_policy: str = "recompute",
                 batched_tokens: int = 4096, extra: dict[str, Any] | None = None,
-                draft_tokens: int = 0) -> Engine:
-    """``extra``: more kv_connector_extra_config keys (``memory`` has its own argument).
-    ``draft_tokens``: speculative decoding with a draft model (the same config;
-    nothing runs it), so the scheduler reserves that many lookahead slots."""
-    extra = dict(extra or {}) | ({} if memory is None else {"memory": memory})
+                draft_tokens: int = 0, **settings: Any) -> Engine:
+    """``extra`` and ``settings``: more kv_connector_extra_config keys (``memory``
+    has its own argument). ``draft_tokens``: speculative decoding with a draft
+    model (the same config; nothing runs it), so the scheduler reserves that many
+    lookahead slots."""
+    extra = dict(extra or {}) | settings | ({} if memory is None else {"memory": memory})
     cfg = vllm_config(model, role, name, tp, sockets, hybrid,
                       mamba_prefix_caching=mamba_prefix_caching, failure_policy=failure_policy,
                       batched_tokens=batched_tokens, **extra)

@@ -115,7 +115,6 @@ def test_fail_policy_ends_the_request_with_an_error(sidecars: Sidecars,
         step_until(P, lambda: not P.sched.requests)
 
 
-@pytest.mark.xfail(strict=True, reason="needs #25 item 2: failed transfers logged at ERROR")
 def test_a_failed_read_is_logged_at_error_with_its_request_id(
         sidecars: Sidecars, models: dict[bool, str], caplog: pytest.LogCaptureFixture) -> None:
     """As vLLM's NixlConnector tests require of transfer failures."""
@@ -131,8 +130,6 @@ def test_a_failed_read_is_logged_at_error_with_its_request_id(
         step_until(P, lambda: not P.sched.requests)
 
 
-@pytest.mark.xfail(strict=True, reason="needs #25 item 2: a refused hold raises out of "
-                                       "start_load_kv instead of ending the send")
 def test_a_refused_hold_ends_the_send_and_frees_p_blocks(sidecars: Sidecars,
                                                          models: dict[bool, str]) -> None:
     """P's sidecar no longer knows P (it dropped its registration): the hold is
@@ -149,8 +146,6 @@ def test_a_refused_hold_ends_the_send_and_frees_p_blocks(sidecars: Sidecars,
         assert_drained(P)
 
 
-@pytest.mark.xfail(strict=True, reason="needs #25 item 2: a failed poll raises out of "
-                                       "get_transfer_results instead of failing the reads")
 def test_a_failed_poll_fails_the_reads_in_flight(sidecars: Sidecars,
                                                 models: dict[bool, str]) -> None:
     """D's sidecar drops D while its read waits on a silent P: D's poll can no
