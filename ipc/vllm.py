@@ -63,7 +63,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
     NixlPromMetrics,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .client import Duplicate, HoldSpec, ReadSpec, SidecarClient, SidecarError
 from .kv_pool import SidecarKVPool
@@ -72,6 +79,7 @@ from .protocol import MAX_BATCH, Completion, MemoryKind, RemoteEngine
 from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
+    GdnGroupSpec,
     GroupSpec,
     Mamba2GroupSpec,
     TensorPlacement,
@@ -213,17 +221,24 @@ class KvSidecarMetadata(KVConnectorMetadata):
 
 
 def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
-          spec_blocks: Sequence[int]) -> list[list[int]]:
+          spec_blocks: Sequence[int], window_blocks: Sequence[int] = ()) -> list[list[int]]:
     """The blocks a transfer names, per group.
 
     Mamba groups: only the state-bearing slot (the last real block before the
-    speculative scratch slots), as vLLM's own connector sends. Attention
-    groups: the null block never appears in a full-attention list except as
-    leading padding, which holds no token of this request; it is dropped so it
-    is neither held, read into, nor taken for a duplicate.
+    speculative scratch slots), as vLLM's own connector sends. Sliding-window
+    groups: only the last ``window_blocks`` blocks (``cdiv(window, block_size)
+    + 1``, NixlConnector's clip), the tail that holds the window; vLLM has
+    already replaced the blocks before it by the null block. Attention groups:
+    the null block never appears in a list except as leading padding (tokens
+    out of the window, or of no group), which holds no token this transfer
+    needs; it is dropped so it is neither held, read into, nor taken for a
+    duplicate.
     """
     out: list[list[int]] = []
-    for ids, kind, spec in zip(block_ids, kinds, spec_blocks):
+    windows = list(window_blocks) or [0] * len(kinds)
+    for ids, kind, spec, win in zip(block_ids, kinds, spec_blocks, windows):
+        if win:
+            ids = list(ids)[-win:]
         real = [b for b in ids if b != NULL_BLOCK]
         if kind == "mamba":
             if spec and len(real) > 1:
@@ -249,8 +264,11 @@ class _SchedulerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kv_cache_config = kv_cache_config
         groups = kv_cache_config.transfer_groups
-        self.kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+        model = str(vllm_config.model_config.model) if vllm_config.model_config else "?"
+        self.kinds = [_group_kind(g.kv_cache_spec, model) for g in groups]
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        #: blocks a sliding-window group transfers (0: every block)
+        self.window_blocks = [_window_blocks(g.kv_cache_spec) for g in groups]
         self.spec_blocks = [getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0
                             for g in groups]
         self.has_mamba = "mamba" in self.kinds
@@ -318,7 +336,7 @@ class _SchedulerSide:
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # P aborted: nothing to hand over
         blocks = _clip(self.kv_cache_config.select_transfer_block_ids(list(block_ids)),
-                       self.kinds, self.spec_blocks)
+                       self.kinds, self.spec_blocks, self.window_blocks)
         if not any(blocks):
             return False, None
         if not self.addresses:
@@ -366,11 +384,14 @@ class _SchedulerSide:
             local = [[] for _ in self.kinds]  # a full local prefix hit: notify only
             skip = num = 0
         else:
-            local = _clip(ids, self.kinds, self.spec_blocks)
+            local = _clip(ids, self.kinds, self.spec_blocks, self.window_blocks)
             groups = self.kv_cache_config.select_transfer_block_ids(blocks.blocks)
             skip = 0
-            for g, kind, bs in zip(groups, self.kinds, self.block_sizes):
-                if kind == "attention":
+            # The local prefix hit, from a group that keeps every block (a
+            # sliding-window group nulls the hit's blocks out of its window).
+            for g, kind, bs, win in zip(groups, self.kinds, self.block_sizes,
+                                        self.window_blocks):
+                if kind == "attention" and not win:
                     skip = bs * sum(b.block_hash is not None and not b.is_null for b in g)
                     break
             num = skip + num_external_tokens
@@ -406,17 +427,32 @@ class _SchedulerSide:
         return meta
 
 
-def _group_kind(spec: object) -> str:
+def _group_kind(spec: object, model: str = "") -> str:
+    """``attention`` or ``mamba``; :class:`UnsupportedConfig` naming the model
+    and the spec for any other KV-cache spec (by exact type: a subclass such as
+    ``SlidingWindowMLASpec`` or ``RSWASpec`` has its own page semantics)."""
     kind = _SPEC_KINDS.get(type(spec))
     if kind is None:
+        of = f" of model {model}" if model else ""
         raise UnsupportedConfig(
-            f"KV-cache group spec {type(spec).__name__} is not supported by kvsidecar "
-            f"(supported: {', '.join(t.__name__ for t in _SPEC_KINDS)})"
+            f"KV-cache group spec {type(spec).__name__}{of} is not supported by kvsidecar "
+            f"(supported: {', '.join(t.__name__ for t in _SPEC_KINDS)}; see the README, "
+            "'Model families')"
         )
     return kind
 
 
-_SPEC_KINDS: dict[type, str] = {FullAttentionSpec: "attention", MambaSpec: "mamba"}
+_SPEC_KINDS: dict[type, str] = {FullAttentionSpec: "attention", MLAAttentionSpec: "attention",
+                                SlidingWindowSpec: "attention", MambaSpec: "mamba"}
+
+
+def _window_blocks(spec: object) -> int:
+    """Blocks a sliding-window group transfers: ``cdiv(window, block_size) + 1``
+    (the window need not start on a block boundary), as NixlConnector; 0 for
+    every other group."""
+    if not isinstance(spec, SlidingWindowSpec) or type(spec) is not SlidingWindowSpec:
+        return 0
+    return -(-int(spec.sliding_window) // int(spec.block_size)) + 1
 
 
 # --------------------------------------------------------------------------
@@ -578,7 +614,9 @@ class _WorkerSide:
             for name in g.layer_names:
                 t = kv_caches.get(name)
                 if isinstance(t, torch.Tensor) and t.dim() == 4:
-                    sizes.add(int(t.shape[2]))
+                    sizes.add(int(t.shape[2]))  # [kernel blocks, heads, tokens, K|V]
+                elif isinstance(t, torch.Tensor) and t.dim() == 3:
+                    sizes.add(int(t.shape[1]))  # MLA: [kernel blocks, tokens, latent]
         if not sizes:
             return self.settings.kernel_block_size
         if len(sizes) > 1:
@@ -716,12 +754,16 @@ class _WorkerSide:
         if not job.awaited:
             return  # a full hit's notification failed: the KV is local, nothing to redo
         out.finished_recving.add(c.request_id)
-        out.failed_recving.add(c.request_id)
-        if self.one_group:
+        bad = c.invalid_block_ids or job.local_block_ids
+        if self.one_group and any(bad):
+            # One group: the blocks the sidecar names are reported alone, so vLLM
+            # keeps the request's valid prefix (its local prefix-cache hit and any
+            # page before the first bad one) and recomputes from there.
+            self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
+        else:
             # vLLM 0.33 maps block-level errors to requests for one group only;
             # hybrid configs take failed_recving (the whole request recomputes).
-            bad = c.invalid_block_ids or job.local_block_ids
-            self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
+            out.failed_recving.add(c.request_id)
         log.warning("kvsidecar: read %s %s: %s", c.request_id, c.kind, c.reason)
 
     def _record_transfers(self, c: Completion, seen_s: float, post_s: float) -> None:
@@ -832,20 +874,23 @@ def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     model_config = vllm_config.model_config
     assert model_config is not None
     hf = model_config.hf_text_config
+    model = str(model_config.model)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise UnsupportedConfig(
+            f"model {model}: pipeline_parallel_size "
+            f"{vllm_config.parallel_config.pipeline_parallel_size} is not supported by "
+            "kvsidecar (one sidecar per tp rank of a single pipeline stage); use tp only, "
+            "as NixlConnector's pull mode requires for hybrid models")
     groups: list[GroupSpec] = []
     for g in kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
-        kind = _group_kind(spec)
+        kind = _group_kind(spec, model)
         layers = tuple(g.layer_names)
         if kind == "attention":
-            if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None \
-                    or spec.state_content_bytes is not None:
-                raise UnsupportedConfig("quantised or packed attention KV pages are not "
-                                        "supported by kvsidecar")
-            groups.append(AttentionGroupSpec(
-                layers, spec.block_size, kernel_block_size or spec.block_size,
-                spec.num_kv_heads, model_config.get_total_num_kv_heads(), spec.head_size,
-                spec.head_size_v, spec.dtype.itemsize, spec.page_size_bytes))
+            groups.append(_attention_group(spec, layers, model_config, model,
+                                           kernel_block_size))
+        elif spec.mamba_type == _gdn_type():
+            groups.append(_gdn_group(spec, layers, hf, tp))
         else:
             groups.append(_mamba_group(spec, layers, hf, tp))
     tensors = [TensorPlacement(tuple(t.layers), t.offset, t.layer_stride, t.block_stride,
@@ -856,23 +901,68 @@ def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                         dtype=dtype)
 
 
-def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
-    from vllm import envs
+def _attention_group(spec: Any, layers: tuple[str, ...], model_config: Any, model: str,
+                     kernel_block_size: int | None) -> AttentionGroupSpec:
+    """Full attention, MLA (one latent per token, replicated over tp) or
+    sliding window; refuses quantised, packed or sparse (DeepSeek-V3.2/V4) pages."""
+    if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None \
+            or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        raise UnsupportedConfig(f"model {model}: quantised, packed or compressed attention KV "
+                                f"pages ({type(spec).__name__}) are not supported by kvsidecar")
+    latent = type(spec) is MLAAttentionSpec
+    if latent and (spec.model_version is not None or spec.topk_buffer_width is not None):
+        raise UnsupportedConfig(f"model {model}: sparse MLA ({spec.model_version or 'top-k'}) "
+                                "is not supported by kvsidecar; dense MLA is")
+    window = int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
+    total = 1 if latent else model_config.get_total_num_kv_heads()
+    return AttentionGroupSpec(layers, spec.block_size, kernel_block_size or spec.block_size,
+                              spec.num_kv_heads, total, spec.head_size, spec.head_size_v,
+                              spec.dtype.itemsize, spec.page_size_bytes, window, latent)
+
+
+def _gdn_type() -> Any:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2:
-        raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
-                                "(Mamba2 is)")
+    return MambaAttentionBackendEnum.GDN_ATTN
+
+
+def _state_shapes(spec: Any, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv, temporal) shapes of a recurrent state in the DS conv layout."""
+    from vllm import envs
+
     if envs.VLLM_SSM_CONV_STATE_LAYOUT != "DS":
         raise UnsupportedConfig("kvsidecar needs the DS conv-state layout: set "
                                 "VLLM_SSM_CONV_STATE_LAYOUT=DS on P and D")
     if len(spec.shapes) != 2:
-        raise UnsupportedConfig(f"Mamba2 state with {len(spec.shapes)} arrays (expected conv "
+        raise UnsupportedConfig(f"{what} state with {len(spec.shapes)} arrays (expected conv "
                                 "and temporal)")
     conv, temporal = (tuple(int(d) for d in s) for s in spec.shapes)
     if len(conv) != 2 or len(temporal) != 3:
-        raise UnsupportedConfig(f"Mamba2 state shapes {spec.shapes} are not (conv_dim, rows), "
-                                "(heads, head_dim, d_state)")
+        raise UnsupportedConfig(f"{what} state shapes {spec.shapes} are not (conv_dim, rows), "
+                                "(heads, dim, dim)")
+    return conv, temporal
+
+
+def _gdn_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> GdnGroupSpec:
+    conv, temporal = _state_shapes(spec, "GDN")
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
+    vals = [_hf_int(hf, (n,)) for n in names]
+    if any(v is None for v in vals):
+        raise UnsupportedConfig(f"GDN layers, but the model config lacks {list(names)}")
+    nk, nv, hk, hv = (int(v) for v in vals if v is not None)
+    return GdnGroupSpec(layers, (conv[0], conv[1]), (temporal[0], temporal[1], temporal[2]),
+                        spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, nk, nv, hk, hv,
+                        spec.page_size_bytes)
+
+
+def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2:
+        raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
+                                "(Mamba2 and GDN are)")
+    conv, temporal = _state_shapes(spec, "Mamba2")
     heads, head_dim, d_state = temporal
     n_groups = _hf_int(hf, ("n_groups", "mamba_n_groups"))
     num_heads = _hf_int(hf, ("mamba_num_heads", "mamba_n_heads"))
@@ -892,6 +982,10 @@ def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mam
 
 class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the rank's kvsidecar (pull: D reads from P)."""
+
+    #: the prefix-cache hits it delivers come from a peer engine, as NixlConnector's
+    #: (vLLM labels them ``p2p`` in its connector prefix-cache metrics)
+    _cache_hit_source = CacheHitSource.P2P
 
     @property
     def requires_kv_delivery(self) -> bool:

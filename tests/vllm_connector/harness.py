@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,10 @@ from kvsidecar.sim.oracle import Request as OracleRequest
 
 BLOCK = 16
 MAX_LEN = 2048
+#: the forward context of a step in which no model runs: no attention metadata
+#: (a connector that loads inside the forward pass, as vLLM's ExampleConnector,
+#: then has nothing to do; ours ignores it)
+NO_FORWARD = SimpleNamespace(attn_metadata=None, no_compile_layers={})
 EOS = 2
 init_none_hash(sha256)
 
@@ -164,6 +169,7 @@ class Engine:
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # pages earlier reads wrote
     stats: list[Any] = field(default_factory=list)  # aggregated KV connector stats per step
+    sched_stats: list[Any] = field(default_factory=list)  # SchedulerStats per step
 
     @property
     def connector(self) -> KvSidecarConnector:
@@ -204,7 +210,7 @@ class Engine:
         for w in self.workers:
             w.handle_preemptions(so.kv_connector_metadata)  # as vLLM's runner, first
             w.bind_connector_metadata(so.kv_connector_metadata)
-            w.start_load_kv(None)
+            w.start_load_kv(NO_FORWARD)
             w.wait_for_save()
             r = w.get_transfer_results(set(so.finished_req_ids))
             kv_out = KVConnectorOutput(
@@ -225,6 +231,8 @@ class Engine:
             self.stats.append(agg.kv_connector_output.kv_connector_stats)
         eco = self.sched.update_from_output(so, agg)
         for client_outs in eco.values():
+            if client_outs.scheduler_stats is not None:
+                self.sched_stats.append(client_outs.scheduler_stats)
             for o in client_outs.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
         return so, agg
