@@ -240,3 +240,39 @@ def test_mla_d_ranks_each_read_the_whole_latent_from_one_p_rank(
     finally:
         P.shutdown()
         D.shutdown()
+
+
+def test_failed_read_keeps_the_local_prefix(
+        sidecars: tuple[SidecarProcess, ...],
+        family_specs: tuple[dict[str, str], dict[str, dict[str, KVCacheSpec]]]) -> None:
+    """One KV-cache group: a read that fails (here D's sidecar refuses P blocks
+    that do not exist) is reported as finished with its blocks invalid, not as a
+    failed request, so vLLM recomputes only the tokens after D's local prefix
+    hit; NixlConnector's failed_recving would recompute the whole prompt."""
+    models, specs = family_specs
+    fam = "llama-3-8b"
+    P = make_family_engine(fam, models[fam], specs[fam], "kv_producer", "FL-P",
+                           [sidecars[0].socket], 64)
+    D = make_family_engine(fam, models[fam], specs[fam], "kv_consumer", "FL-D",
+                           [sidecars[1].socket], 64)
+    P.fill = family_fill({"a": 3, "b": 3})
+    try:
+        params = prefill(P, "a", 70, 3)
+        D.sched.add_request(request(D, "a", 70, params, seed=3))
+        run_until(D, lambda: "a" in D.outputs and D.outputs["a"][-1].finished)
+        params = prefill(P, "b", 120, 3)
+        params["remote_block_ids"] = [[10**6 + b for b in g] for g in params["remote_block_ids"]]
+        req = request(D, "b", 120, params, seed=3)
+        hit = D.sched.kv_cache_manager.get_computed_blocks(req)[1]
+        assert hit == 64  # a's 4 whole pages
+        D.sched.add_request(req)
+        _, agg = D.step()  # schedules the read; the sidecar refuses it at once
+        out = agg.kv_connector_output
+        assert out is not None and out.finished_recving == {"b"}
+        assert not out.failed_recving
+        assert out.invalid_block_ids == set(D.block_ids("b")[0][hit // 16:])
+        so, _ = D.step()
+        assert so.num_scheduled_tokens == {"b": 120 - hit}
+    finally:
+        P.shutdown()
+        D.shutdown()
