@@ -92,7 +92,7 @@ class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: tuple[int, ...] = ()
 
 
-class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One KV-cache group: how its block ids view a page.
 
     Attention groups see a page as ``sub_blocks`` kernel blocks of
@@ -104,6 +104,8 @@ class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     of this group names the *tail* of the request's pages (it ends with the
     page of the request's last token, ``num_tokens``) on both sides, and a read
     pairs the two tails by token (:func:`kvsidecar.daemon.planner.pair_group`).
+    Fields at their defaults stay off the wire: a group without a window
+    encodes as before ``window_tokens`` existed, so older peers still accept it.
     """
 
     kind: GroupKind

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from kvsidecar.daemon.planner import PairingError, plan_read
-from kvsidecar.ipc.layout import Layout, mamba2_hybrid_layout
+from kvsidecar.ipc.layout import (
+    Group,
+    IncompatibleLayout,
+    Layout,
+    check_compatible,
+    mamba2_hybrid_layout,
+)
 from kvsidecar.sim.hostcopy import apply_plan
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard
 
@@ -84,3 +90,16 @@ def test_window_read_needs_num_tokens_and_fitting_tails() -> None:
         plan_read(D, 0, P, [[3], [21]], [[1], [20]], skip_tokens=0)
     with pytest.raises(PairingError, match="tokens span only"):
         plan_read(D, 0, P, [[3, 4, 5, 6], [21]], [[1], [20]], num_tokens=5)
+
+
+def test_window_is_a_model_fact_and_absent_from_the_wire_when_zero() -> None:
+    """P and D must agree on the window (check_compatible names it); a group
+    without one encodes as before the field existed (older peers accept it)."""
+    lay = windowed(1)
+    plain = msgspec.structs.replace(lay, groups=(
+        msgspec.structs.replace(lay.groups[0], window_tokens=0), lay.groups[1]))
+    with pytest.raises(IncompatibleLayout, match=r"group\[0\].window_tokens"):
+        check_compatible(lay, plain)
+    assert b"window_tokens" not in msgspec.msgpack.encode(plain.groups[0])
+    wire = msgspec.msgpack.encode(lay.groups[0])
+    assert msgspec.msgpack.decode(wire, type=Group).window_tokens == WINDOW
