@@ -34,21 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvsidecar.ipc.vllm import KvSidecarConnector
-from kvsidecar.sim.oracle import POISON
-
-from .harness import Engine, vllm_config
+from .harness import Engine, start_engine, vllm_config
 
 # Published config.json values (layer counts cut as the module docstring says).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -269,32 +258,8 @@ def make_family_engine(name: str, model: str, specs: dict[str, KVCacheSpec], rol
     specs are the tp-1 ones (MLA: one latent, every rank holds it whole)."""
     cfg = family_config(name, model, role, engine_id, sockets, tp)
     kcc = family_kv_cache_config(cfg, specs, num_blocks)
-    workers, caches = [], []
-    for rank in range(tp):
-        wcfg = copy.deepcopy(cfg)
-        wcfg.parallel_config.rank = rank
-        conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
-        # Kernel blocks as the backend cuts them: the group's block size (the
-        # CPU backend's), one kernel block per page.
-        kernel = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
-        with conn.get_mem_pool_context():
-            kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel)
-        conn.register_kv_caches(kv)
-        workers.append(conn)
-        caches.append(kv)
-    cfg.cache_config.num_gpu_blocks = kcc.num_blocks
-    block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)
-    sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
-                      structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=block, hash_block_size=hash_block, log_stats=True)
-    meta = {}
-    for rank, w in enumerate(workers):
-        hs = w.get_handshake_metadata()
-        assert hs is not None
-        meta[rank] = hs
-    sched.connector.set_xfer_handshake_metadata(meta)
-    eng = Engine(engine_id, sched, workers, caches, KVOutputAggregator(tp), hash_block)
-    for rank in range(tp):
-        for b in eng.buffers(rank):
-            b[:] = POISON
+    # Kernel blocks as the backend cuts them: the group's block size (the CPU
+    # backend's), one kernel block per page.
+    kernel = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+    eng: Engine = start_engine(engine_id, cfg, kcc, kernel, tp)
     return eng

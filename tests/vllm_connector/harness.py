@@ -249,22 +249,31 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
     cfg = vllm_config(model, role, name, tp, sockets, hybrid,
                       mamba_prefix_caching=mamba_prefix_caching, **extra)
     mode = "align" if hybrid and mamba_prefix_caching else "none"
+    kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
+    # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
+    kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
+              else g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+    return start_engine(name, cfg, kcc, kernel, tp)
+
+
+def start_engine(name: str, cfg: VllmConfig, kcc: KVCacheConfig, kernel: list[int],
+                 tp: int, worker_cls: Any = KvSidecarConnector, engine_cls: Any = Engine
+                 ) -> Any:
+    """What vLLM's engine core and workers do at start-up: per rank a worker
+    connector (``worker_cls``), the KV cache allocated by vLLM inside its memory
+    pool (kernel blocks ``kernel`` per group) and registered; the real
+    Scheduler; the ranks' handshake metadata handed to it. Pages start poisoned."""
     workers, caches = [], []
     for rank in range(tp):
         wcfg = copy.deepcopy(cfg)
         wcfg.parallel_config.rank = rank
-        kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
-        conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
-        # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
-        kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
-                  else g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+        conn = worker_cls(wcfg, KVConnectorRole.WORKER, copy.deepcopy(kcc))
         with conn.get_mem_pool_context():
             kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel)
         conn.register_kv_caches(kv)
         workers.append(conn)
         caches.append(kv)
-    kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
-    cfg.cache_config.num_gpu_blocks = num_blocks
+    cfg.cache_config.num_gpu_blocks = kcc.num_blocks
     block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)  # as vLLM's engine core
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                       structured_output_manager=StructuredOutputManager(cfg),
@@ -275,7 +284,7 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
         assert hs is not None
         meta[rank] = hs
     sched.connector.set_xfer_handshake_metadata(meta)  # what the engine core does
-    eng = Engine(name, sched, workers, caches, KVOutputAggregator(tp), hash_block)
+    eng = engine_cls(name, sched, workers, caches, KVOutputAggregator(tp), hash_block)
     for rank in range(tp):
         for b in eng.buffers(rank):
             b[:] = POISON

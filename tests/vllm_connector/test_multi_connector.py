@@ -10,7 +10,6 @@ workers, so they cannot run on this CPU-only machine.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,23 +22,23 @@ if os.environ.get("KVSIDECAR_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm==0.33.0)")
 
-import torch
 from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvsidecar.ipc.vllm import KvSidecarConnector
 from kvsidecar.sim.cluster import SidecarProcess
-from kvsidecar.sim.oracle import POISON
 
-from .harness import BLOCK, Engine, kv_cache_config, oracle_fill, request, vllm_config, write_model
+from .harness import (
+    BLOCK,
+    Engine,
+    kv_cache_config,
+    oracle_fill,
+    request,
+    start_engine,
+    vllm_config,
+    write_model,
+)
 from .test_connector import FAST, prefill, run_until, start_all, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -93,24 +92,8 @@ def make_multi_engine(name: str, model: str, role: str, socket: str, storage: Pa
             {"kv_connector": "ExampleConnector", "kv_role": role,
              "kv_connector_extra_config": {"shared_storage_path": str(storage)}},
         ]})
-    kcc = kv_cache_config(1, num_blocks, False)
-    worker = MultiConnector(copy.deepcopy(cfg), KVConnectorRole.WORKER, kcc)
-    ctx = worker.get_mem_pool_context()  # ours: the one child that places the KV cache
-    assert ctx is not None
-    with ctx:
-        kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
-    worker.register_kv_caches(kv)
-    cfg.cache_config.num_gpu_blocks = num_blocks
-    block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)
-    sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
-                      structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=block, hash_block_size=hash_block, log_stats=True)
-    hs = worker.get_handshake_metadata()
-    assert hs is not None
-    sched.connector.set_xfer_handshake_metadata({0: hs})
-    eng = MultiEngine(name, sched, [worker], [kv], KVOutputAggregator(1), hash_block)  # type: ignore[list-item]
-    for b in eng.buffers(0):
-        b[:] = POISON
+    eng: MultiEngine = start_engine(name, cfg, kv_cache_config(1, num_blocks, False), [BLOCK],
+                                    1, worker_cls=MultiConnector, engine_cls=MultiEngine)
     return eng
 
 
