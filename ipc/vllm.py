@@ -45,7 +45,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ from .vllm_layout import (
     AttentionGroupSpec,
     GdnGroupSpec,
     GroupSpec,
+    Mamba1GroupSpec,
     Mamba2GroupSpec,
     TensorPlacement,
     UnsupportedConfig,
@@ -889,10 +890,8 @@ def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         if kind == "attention":
             groups.append(_attention_group(spec, layers, model_config, model,
                                            kernel_block_size))
-        elif spec.mamba_type == _gdn_type():
-            groups.append(_gdn_group(spec, layers, hf, tp))
         else:
-            groups.append(_mamba_group(spec, layers, hf, tp))
+            groups.append(_state_group(spec, layers, hf, tp))
     tensors = [TensorPlacement(tuple(t.layers), t.offset, t.layer_stride, t.block_stride,
                                t.host_resident) for t in kv_cache_config.kv_cache_tensors]
     dtype = _DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype))
@@ -920,13 +919,34 @@ def _attention_group(spec: Any, layers: tuple[str, ...], model_config: Any, mode
                               spec.dtype.itemsize, spec.page_size_bytes, window, latent)
 
 
-def _gdn_type() -> Any:
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+def _state_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> GroupSpec:
+    """A recurrent-state group by its Mamba type: Mamba2, GDN or Mamba1."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as T
 
-    return MambaAttentionBackendEnum.GDN_ATTN
+    builders: dict[Any, Callable[..., GroupSpec]] = {
+        T.MAMBA2: _mamba_group, T.GDN_ATTN: _gdn_group, T.MAMBA1: _mamba1_group}
+    build = builders.get(spec.mamba_type)
+    if build is None:
+        raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
+                                "(Mamba1, Mamba2 and GDN are)")
+    group: GroupSpec = build(spec, layers, hf, tp)
+    return group
 
 
-def _state_shapes(spec: Any, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _mamba1_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int
+                  ) -> Mamba1GroupSpec:
+    conv, temporal = _state_shapes(spec, "Mamba1", temporal_dims=2)
+    total = _hf_int(hf, ("intermediate_size_mamba",))
+    if total is None:
+        expand, hidden = _hf_int(hf, ("mamba_expand", "expand")), _hf_int(hf, ("hidden_size",))
+        total = expand * hidden if expand and hidden else conv[0] * tp
+    return Mamba1GroupSpec(layers, (conv[0], conv[1]), (temporal[0], temporal[1]),
+                           spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, total,
+                           spec.page_size_bytes)
+
+
+def _state_shapes(spec: Any, what: str, temporal_dims: int = 3
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv, temporal) shapes of a recurrent state in the DS conv layout."""
     from vllm import envs
 
@@ -937,9 +957,9 @@ def _state_shapes(spec: Any, what: str) -> tuple[tuple[int, ...], tuple[int, ...
         raise UnsupportedConfig(f"{what} state with {len(spec.shapes)} arrays (expected conv "
                                 "and temporal)")
     conv, temporal = (tuple(int(d) for d in s) for s in spec.shapes)
-    if len(conv) != 2 or len(temporal) != 3:
+    if len(conv) != 2 or len(temporal) != temporal_dims:
         raise UnsupportedConfig(f"{what} state shapes {spec.shapes} are not (conv_dim, rows), "
-                                "(heads, dim, dim)")
+                                f"and a {temporal_dims}-d temporal state")
     return conv, temporal
 
 
@@ -957,11 +977,6 @@ def _gdn_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> GdnGr
 
 
 def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2:
-        raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
-                                "(Mamba2 and GDN are)")
     conv, temporal = _state_shapes(spec, "Mamba2")
     heads, head_dim, d_state = temporal
     n_groups = _hf_int(hf, ("n_groups", "mamba_n_groups"))

@@ -95,7 +95,21 @@ class GdnGroupSpec:
     page_bytes: int
 
 
-GroupSpec = AttentionGroupSpec | Mamba2GroupSpec | GdnGroupSpec
+@dataclass(frozen=True)
+class Mamba1GroupSpec:
+    """A Mamba1 group (vLLM ``MambaSpec`` of type MAMBA1: Jamba, Falcon-Mamba):
+    conv state ``x`` per channel, temporal state ``[channels][d_state]``."""
+
+    layers: tuple[str, ...]
+    conv_shape: tuple[int, int]  # (channels_local, conv_rows)
+    temporal_shape: tuple[int, int]  # (channels_local, d_state)
+    conv_dtype_bytes: int
+    ssm_dtype_bytes: int
+    intermediate_size: int  # model total channels
+    page_bytes: int
+
+
+GroupSpec = AttentionGroupSpec | Mamba2GroupSpec | GdnGroupSpec | Mamba1GroupSpec
 
 
 @dataclass(frozen=True)
@@ -247,6 +261,22 @@ def _gdn(g: GdnGroupSpec, tp: int, regions: tuple[int, ...],
     return Group("mamba", tuple(segs)), 0
 
 
+def _mamba1(g: Mamba1GroupSpec, tp: int, regions: tuple[int, ...],
+            num_regions: int) -> tuple[Group, int]:
+    channels, rows = g.conv_shape
+    if g.temporal_shape[0] != channels or channels != _local(g.intermediate_size, tp,
+                                                               "Mamba1 channels"):
+        raise UnsupportedConfig(f"Mamba1 state {g.conv_shape}, {g.temporal_shape} does not "
+                                f"hold {g.intermediate_size} channels over tp {tp}")
+    row, ub = rows * g.conv_dtype_bytes, g.temporal_shape[1] * g.ssm_dtype_bytes
+    only = () if len(regions) == num_regions else regions
+    segs = (Segment("x", 0, channels * row, g.intermediate_size, regions=only),
+            Segment("ssm", channels * row, channels * ub, g.intermediate_size, regions=only))
+    if channels * (row + ub) > g.page_bytes:
+        raise UnsupportedConfig("the Mamba1 state exceeds its page")
+    return Group("mamba", segs), 0
+
+
 def _mamba2(g: Mamba2GroupSpec, tp: int, regions: tuple[int, ...],
             num_regions: int) -> tuple[Group, int]:
     conv_dim, rows = g.conv_shape
@@ -282,10 +312,14 @@ def _build_group(g: GroupSpec, tp: int, regions: tuple[int, ...],
     return out
 
 
-_BUILDERS = {AttentionGroupSpec: _attention, Mamba2GroupSpec: _mamba2, GdnGroupSpec: _gdn}
+_BUILDERS = {AttentionGroupSpec: _attention, Mamba2GroupSpec: _mamba2, GdnGroupSpec: _gdn,
+             Mamba1GroupSpec: _mamba1}
 
 
 def _family(g: GroupSpec) -> str:
     if isinstance(g, AttentionGroupSpec):
         return "mla" if g.latent else "swa" if g.window else "attention"
-    return "gdn" if isinstance(g, GdnGroupSpec) else "mamba2"
+    return _STATE_FAMILY[type(g)]
+
+
+_STATE_FAMILY = {GdnGroupSpec: "gdn", Mamba2GroupSpec: "mamba2", Mamba1GroupSpec: "mamba1"}

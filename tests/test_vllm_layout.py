@@ -8,6 +8,7 @@ from kvsidecar.ipc.layout import unit_range
 from kvsidecar.ipc.vllm_layout import (
     AttentionGroupSpec,
     GdnGroupSpec,
+    Mamba1GroupSpec,
     Mamba2GroupSpec,
     TensorPlacement,
     UnsupportedConfig,
@@ -121,4 +122,20 @@ def test_gdn_state_is_q_k_v_channels_and_value_heads() -> None:
     bad = GdnGroupSpec(("l0",), (conv[0] - 128, 3), temporal, 2, 4, 16, 32, 128, 128, state)
     with pytest.raises(UnsupportedConfig, match=r"is not Q\|K\|V"):
         build_layout(model="m", tp_size=2, num_blocks=NB, tensors=[t], groups=[bad],
+                     dtype="bfloat16")
+
+
+def test_mamba1_state_is_channels_of_conv_and_temporal_state() -> None:
+    """Jamba at tp 2: 8192 channels, conv kernel 4 (3 rows, bf16), d_state 16 (fp32)."""
+    state = 4096 * 3 * 2 + 4096 * 16 * 4
+    g = Mamba1GroupSpec(("m0",), (4096, 3), (4096, 16), 2, 4, 8192, state)
+    t = TensorPlacement(("m0",), 0, NB * state, state)
+    vl = build_layout(model="m", tp_size=2, num_blocks=NB, tensors=[t], groups=[g],
+                      dtype="bfloat16")
+    segs = {s.name: (s.offset, s.nbytes_local, s.units_total)
+            for s in vl.layout.groups[0].segments}
+    assert segs == {"x": (0, 4096 * 6, 8192), "ssm": (4096 * 6, 4096 * 64, 8192)}
+    assert vl.layout.family == "mamba1"
+    with pytest.raises(UnsupportedConfig, match="does not hold 8192 channels over tp 4"):
+        build_layout(model="m", tp_size=4, num_blocks=NB, tensors=[t], groups=[g],
                      dtype="bfloat16")

@@ -115,6 +115,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "bos_token_id": 1,
         "eos_token_id": 12, "pad_token_id": 0, "tie_word_embeddings": False,
     },
+    # ai21labs/Jamba-v0.1: Mamba1 (d_state 16, expand 2: 8192 channels) with one
+    # attention layer in 8 (offset 4), MoE every other layer. 32 layers -> 5
+    # (four Mamba1, the first attention layer).
+    "jamba-v0.1": {
+        "architectures": ["JambaForCausalLM"], "model_type": "jamba", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_hidden_layers": 5, "attn_layer_period": 8, "attn_layer_offset": 4,
+        "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 16,
+        "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+        "mamba_dt_rank": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+        "use_mamba_kernels": True, "vocab_size": 65536, "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
     # Qwen/Qwen3-Next-80B-A3B-Instruct: gated delta net (16 key / 32 value heads of
     # 128) with one full-attention layer in 4, MoE. 48 layers -> 4 (one interval).
     "qwen3-next-80b-a3b": {
@@ -133,10 +147,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-HYBRID = {"nemotron-nano-9b-v2", "qwen3-next-80b-a3b"}
+HYBRID = {"nemotron-nano-9b-v2", "qwen3-next-80b-a3b", "jamba-v0.1"}
 #: long enough for a prompt past gemma-3's 1024-token window; the rest stay short
 #: (the hybrids' attention pages are padded to the Mamba state's MiBs)
-MAX_MODEL_LEN = {"gemma-3-4b": 1536, "nemotron-nano-9b-v2": 128, "qwen3-next-80b-a3b": 128}
+MAX_MODEL_LEN = {"gemma-3-4b": 1536, "nemotron-nano-9b-v2": 128, "qwen3-next-80b-a3b": 128,
+                 "jamba-v0.1": 128}
 DEFAULT_MAX_LEN = 512
 
 _SPECS_SCRIPT = r'''

@@ -135,6 +135,7 @@ CASES = [
     ("gemma-3-4b", 1100, 1200),  # past the 1024-token window
     ("nemotron-nano-9b-v2", 70, 0),  # Mamba2 hybrid: N-1 tokens, no prefix caching
     ("qwen3-next-80b-a3b", 70, 0),  # GDN hybrid
+    ("jamba-v0.1", 70, 0),  # Mamba1 hybrid
 ]
 
 
@@ -200,12 +201,17 @@ def test_pages_are_vllms(family_specs: tuple[dict[str, str], dict[str, dict[str,
         "gpt-oss-20b": ["FullAttentionSpec", "SlidingWindowSpec"],
         "nemotron-nano-9b-v2": ["FullAttentionSpec", "MambaSpec"],
         "qwen3-next-80b-a3b": ["FullAttentionSpec", "MambaSpec"],
+        "jamba-v0.1": ["FullAttentionSpec", "MambaSpec"],
     }
     mla = next(iter(specs["deepseek-v2-lite"].values()))
     assert (mla.num_kv_heads, mla.head_size) == (1, 576)  # type: ignore[attr-defined]
     windows = {s.sliding_window for n in ("gemma-3-4b", "gpt-oss-20b")  # type: ignore[attr-defined]
                for s in specs[n].values() if isinstance(s, SlidingWindowSpec)}
     assert windows == {1024, 128}
+    types = {name: {s.mamba_type.name for s in specs[name].values() if isinstance(s, MambaSpec)}
+             for name in ("nemotron-nano-9b-v2", "qwen3-next-80b-a3b", "jamba-v0.1")}
+    assert types == {"nemotron-nano-9b-v2": {"MAMBA2"}, "qwen3-next-80b-a3b": {"GDN_ATTN"},
+                     "jamba-v0.1": {"MAMBA1"}}
     gdn = next(s for s in specs["qwen3-next-80b-a3b"].values() if isinstance(s, MambaSpec))
     assert gdn.shapes == ((8192, 3), (32, 128, 128))
     assert np.prod(gdn.shapes[1]) == 32 * 128 * 128
