@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -166,16 +167,17 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.v1.worker.utils import customize_attention_spec
 sys.path.insert(0, sys.argv[3])
 from vllm_connector_families_cfg import spec_config
+tp, rank, port = (int(a) for a in sys.argv[4:7])
 out = {}
 for i, (path, hybrid) in enumerate(json.loads(sys.argv[2])):
-    cfg = spec_config(path, hybrid)
+    cfg = spec_config(path, hybrid, tp)
     with set_current_vllm_config(cfg):
         if i == 0:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                distributed_init_method="tcp://127.0.0.1:0", backend="gloo")
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         else:
             destroy_model_parallel()
-        initialize_model_parallel(1, 1)  # per model: MoE models get an EP group
+        initialize_model_parallel(tp, 1)  # per model: MoE models get an EP group
         with torch.device("meta"):
             initialize_model(vllm_config=cfg)
     specs = {}
@@ -187,8 +189,9 @@ for i, (path, hybrid) in enumerate(json.loads(sys.argv[2])):
             specs[name] = spec
     out[path] = specs
     cfg.compilation_config.static_forward_context.clear()
-with open(sys.argv[1], "wb") as f:
-    pickle.dump(out, f)
+if rank == 0:
+    with open(sys.argv[1], "wb") as f:
+        pickle.dump(out, f)
 '''
 
 # The VllmConfig both processes build for a model (the spec depends on the cache
@@ -198,7 +201,7 @@ _CFG_MODULE = '''
 from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
     SchedulerConfig, VllmConfig)
 
-def spec_config(path, hybrid, max_len=512):
+def spec_config(path, hybrid, tp, max_len=512):
     mc = ModelConfig(model=path, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                      max_model_len=max_len)
     cc = CacheConfig(block_size=16, enable_prefix_caching=not hybrid,
@@ -206,7 +209,8 @@ def spec_config(path, hybrid, max_len=512):
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=max_len,
                          is_encoder_decoder=False, enable_chunked_prefill=True)
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig())
+                      device_config=DeviceConfig("cpu"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp))
 '''
 
 
@@ -221,17 +225,26 @@ def write_models(d: Path) -> dict[str, str]:
     return out
 
 
-def build_specs(models: dict[str, str], workdir: Path) -> dict[str, dict[str, KVCacheSpec]]:
-    """name -> {layer: KVCacheSpec}, as vLLM's CPU model runner reports them."""
+def build_specs(models: dict[str, str], workdir: Path, tp: int = 1
+                ) -> dict[str, dict[str, KVCacheSpec]]:
+    """name -> {layer: KVCacheSpec} of one rank, as vLLM's CPU model runner
+    reports them; at ``tp`` > 1 from ``tp`` processes that form vLLM's tp group
+    (gloo), rank 0's (every rank's spec is the same)."""
     (workdir / "vllm_connector_families_cfg.py").write_text(_CFG_MODULE)
     script = workdir / "family_specs.py"
     script.write_text(_SPECS_SCRIPT)
-    out = workdir / "specs.pkl"
+    out = workdir / f"specs-tp{tp}.pkl"
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
     args = json.dumps([[p, name in HYBRID] for name, p in models.items()])
-    r = subprocess.run([sys.executable, str(script), str(out), args, str(workdir)], env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script), str(out), args, str(workdir),
+                               str(tp), str(rank), str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(tp)]
+    errs = [p.communicate(timeout=900)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-3000:] for e in errs]
     with open(out, "rb") as f:
         by_path = pickle.load(f)
     return {name: by_path[p] for name, p in models.items()}

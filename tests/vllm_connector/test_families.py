@@ -286,3 +286,49 @@ def test_failed_read_keeps_the_local_prefix(
     finally:
         P.shutdown()
         D.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_specs(tmp_path_factory: pytest.TempPathFactory,
+              family_specs: tuple[dict[str, str], dict[str, dict[str, KVCacheSpec]]]
+              ) -> dict[str, dict[str, KVCacheSpec]]:
+    """A tp-2 rank's specs of the sliding-window and GDN families (vLLM built
+    by two processes forming its tp group)."""
+    models, _ = family_specs
+    pick = {n: models[n] for n in ("gpt-oss-20b", "qwen3-next-80b-a3b")}
+    return build_specs(pick, tmp_path_factory.mktemp("families-tp2"), tp=2)
+
+
+@pytest.mark.parametrize("family,tokens", [("gpt-oss-20b", 300), ("qwen3-next-80b-a3b", 70)])
+def test_family_p_tp1_to_d_tp2(sidecars: tuple[SidecarProcess, ...],
+                               family_specs: tuple[dict[str, str],
+                                                   dict[str, dict[str, KVCacheSpec]]],
+                               tp2_specs: dict[str, dict[str, KVCacheSpec]], family: str,
+                               tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heterogeneous tp with vLLM's tp-2 specs: D's two ranks each read their
+    half of the KV heads (sliding window: of the window's pages only) or of
+    the GDN Q, K, V channels and value-head state, from P's one rank."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    models, specs = family_specs
+    n = next(_ids)
+    blocks = 8 if family in HYBRID else 64
+    P = make_family_engine(family, models[family], specs[family], "kv_producer", f"HP{n}",
+                           [sidecars[0].socket], blocks)
+    D = make_family_engine(family, models[family], tp2_specs[family], "kv_consumer",
+                           f"HD{n}", [s.socket for s in sidecars[1:3]], blocks, tp=2)
+    P.fill = family_fill({"h": 8})
+    try:
+        computed = tokens - 1 if family in HYBRID else tokens
+        params = prefill(P, "h", tokens, 8)
+        D.sched.add_request(request(D, "h", tokens, params, seed=8))
+        D.step()
+        tables = tuple(list(g) for g in D.block_ids("h"))
+        run_until(D, lambda: D.sched.requests["h"].status == RequestStatus.RUNNING)
+        assert verify(D, "h", tables, computed, 8, 0) > 0
+        # every segment (KV heads; Q, K, V channels and state heads) is split in two
+        for r in range(2):
+            assert [[x.nbytes_local * 2 for x in g.segments] for g in D.layout_of(r).groups] \
+                == [[x.nbytes_local for x in g.segments] for g in P.layout.groups]
+    finally:
+        P.shutdown()
+        D.shutdown()
