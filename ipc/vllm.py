@@ -22,8 +22,9 @@ Request flow (pull, as vLLM's NixlConnector)::
     D scheduler  get_num_new_matched_tokens / update_state_after_alloc -> read job
     D worker     start_load_kv           -> read(local, remote, skip_tokens, num_tokens)
                  get_transfer_results    <- poll: received => finished_recving
-                                                  failed   => finished_recving + failed_recving
-                                                              (+ invalid blocks, one group only)
+                                                  failed   => finished_recving + invalid blocks
+                                                              (one group: vLLM keeps the valid
+                                                              prefix), or + failed_recving
 
 Errors take one route: a read the sidecar refuses at once (an exception from
 the client) is turned into the same failed completion a failed transfer gives,
@@ -451,8 +452,8 @@ def _window_blocks(spec: object) -> int:
     """Blocks a sliding-window group transfers: ``cdiv(window, block_size) + 1``
     (the window need not start on a block boundary), as NixlConnector; 0 for
     every other group."""
-    if not isinstance(spec, SlidingWindowSpec) or type(spec) is not SlidingWindowSpec:
-        return 0
+    if not (isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec):
+        return 0  # (a subclass, e.g. SlidingWindowMLASpec, is refused by _group_kind)
     return -(-int(spec.sliding_window) // int(spec.block_size)) + 1
 
 
