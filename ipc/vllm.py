@@ -396,6 +396,11 @@ class _SchedulerSide:
                 if kind == "attention" and not win:
                     skip = bs * sum(b.block_hash is not None and not b.is_null for b in g)
                     break
+            else:
+                if any(self.window_blocks):
+                    # Sliding window only (Mistral-style): the read ends where P's
+                    # tokens end, which its window tails are aligned to.
+                    skip = max(0, self.num_remote_tokens(request) - num_external_tokens)
             num = skip + num_external_tokens
         awaited = num_external_tokens > 0
         self._reads[rid] = self._read_job(rid, params, local, skip, num, awaited=awaited)

@@ -286,6 +286,9 @@ def make_family_engine(name: str, model: str, specs: dict[str, KVCacheSpec], rol
     specs are the tp-1 ones (MLA: one latent, every rank holds it whole)."""
     cfg = family_config(name, model, role, engine_id, sockets, tp)
     kcc = family_kv_cache_config(cfg, specs, num_blocks)
+    # as vLLM's engine core: the block size is the smallest group's
+    cfg.cache_config.block_size = min(g.kv_cache_spec.block_size for g in kcc.kv_cache_groups
+                                      if g.kv_cache_spec.prefix_cacheable)
     # Kernel blocks as the backend cuts them: the group's block size (the CPU
     # backend's), one kernel block per page.
     kernel = [g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]

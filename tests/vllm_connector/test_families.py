@@ -136,6 +136,8 @@ CASES = [
     ("nemotron-nano-9b-v2", 70, 0),  # Mamba2 hybrid: N-1 tokens, no prefix caching
     ("qwen3-next-80b-a3b", 70, 0),  # GDN hybrid
     ("jamba-v0.1", 70, 0),  # Mamba1 hybrid
+    # only gpt-oss's sliding layers (a Mistral-style model: one sliding-window group)
+    ("gpt-oss-20b:sliding-only", 300, 420),
 ]
 
 
@@ -145,13 +147,16 @@ def test_family_p_to_d(sidecars: tuple[SidecarProcess, SidecarProcess],
                        family: str, first: int, second: int,
                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    models, specs = family_specs
+    models, all_specs = family_specs
+    family, _, only = family.partition(":")
+    specs = {k: v for k, v in all_specs[family].items()
+             if not only or isinstance(v, SlidingWindowSpec)}
     n = next(_ids)
     seeds = {"a": 21, "b": 21}  # the same seed: b's prompt starts with a's
     blocks = 8 if family in HYBRID else 160
-    P = make_family_engine(family, models[family], specs[family], "kv_producer", f"FP{n}",
+    P = make_family_engine(family, models[family], specs, "kv_producer", f"FP{n}",
                            [sidecars[0].socket], blocks)
-    D = make_family_engine(family, models[family], specs[family], "kv_consumer", f"FD{n}",
+    D = make_family_engine(family, models[family], specs, "kv_consumer", f"FD{n}",
                            [sidecars[1].socket], blocks)
     P.fill = family_fill(seeds)
     try:
