@@ -27,7 +27,10 @@ Attention blocks are paired by token, not by block id: each side's logical
 blocks are expanded into kernel blocks (``sub_blocks`` per page, which differ
 between P and D when their tp differs), the i-th local kernel block pairs with
 remote kernel block ``skip / block_tokens + i``, and pairing stops at the
-shorter list. Mamba pages pair one to one and are never trimmed.
+shorter list. A sliding-window group (``window_tokens``) names the tails of
+both sides' pages, each ending with the page of token ``num_tokens - 1``: the
+two tails pair by token where they overlap. Mamba pages pair one to one and
+are never trimmed.
 
 Descriptors come out in (region, block, offset) order, so descriptors that
 touch on both sides are merged in one vectorised pass (:func:`coalesce`).
@@ -293,11 +296,42 @@ def pair_group(
                 "Mamba state pairs page to page and is never trimmed"
             )
         return view_offsets(local, lg, lids), view_offsets(remote, rg, rids)
+    if lg.window_tokens:
+        l0, r0, n = _window_pairs(gi, lg, rg, int(lids.size), int(rids.size), num_tokens)
+        lk = view_offsets(local, lg, lids)
+        rk = view_offsets(remote, rg, rids)
+        return lk[l0:l0 + n], rk[r0:r0 + n]
     skip_k, n = _attention_pairs(gi, lg, rg, int(lids.size), int(rids.size), skip_tokens,
                                  num_tokens)
     lk = view_offsets(local, lg, lids)
     rk = view_offsets(remote, rg, rids)
     return lk[:n], rk[skip_k : skip_k + n]
+
+
+def _window_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
+                  num_tokens: int | None) -> tuple[int, int, int]:
+    """For a sliding-window group with ``nl`` local and ``nr`` remote pages
+    (nl > 0), both the tails of the request's pages: (first local kernel block
+    paired, first remote kernel block paired, kernel blocks paired).
+
+    Each side's tail ends with the page holding token ``num_tokens - 1``, so
+    its first kernel block is token ``(pages_spanned - n) * page_tokens``; the
+    pairs are the kernel blocks both tails hold, up to the last token."""
+    if num_tokens is None or num_tokens < 1:
+        raise PairingError(f"group {gi} (sliding window): a read into it needs num_tokens "
+                           "(its block lists are tails ending at the last token)")
+    kbs = lg.block_tokens
+    firsts = []
+    for side, g, n in (("local", lg, nl), ("remote", rg, nr)):
+        spanned = -(-num_tokens // (g.sub_blocks * kbs))
+        if n > spanned:
+            raise PairingError(f"group {gi} (sliding window): {n} {side} pages, but "
+                               f"{num_tokens} tokens span only {spanned}")
+        firsts.append((spanned - n) * g.sub_blocks)
+    lfirst, rfirst = firsts
+    start = max(lfirst, rfirst)
+    end = min(lfirst + nl * lg.sub_blocks, rfirst + nr * rg.sub_blocks, -(-num_tokens // kbs))
+    return start - lfirst, start - rfirst, max(0, end - start)
 
 
 def _attention_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
@@ -653,8 +687,9 @@ def _attention_pairs_many(local: Layout, remote: Layout, requests: Sequence[Many
     check (the caller then plans one by one and so names the request)."""
     ngroups = len(local.groups)
     nreq = len(requests)
-    if nreq < 2 or any(g.kind != "attention" for g in (*local.groups, *remote.groups)):
-        return None
+    if nreq < 2 or any(g.kind != "attention" or g.window_tokens
+                       for g in (*local.groups, *remote.groups)):
+        return None  # Mamba and sliding-window groups pair one request at a time
     for lb, rb, _, _ in requests:
         if (type(lb) is not list or type(rb) is not list or len(lb) != ngroups
                 or len(rb) != ngroups):

@@ -92,12 +92,20 @@ class Segment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: tuple[int, ...] = ()
 
 
-class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One KV-cache group: how its block ids view a page.
 
     Attention groups see a page as ``sub_blocks`` kernel blocks of
     ``kernel_block_bytes``, each holding ``block_tokens`` tokens; mamba groups
     see the whole page (``sub_blocks`` 1, ``block_tokens`` 0).
+
+    ``window_tokens`` > 0 marks a sliding-window attention group: the engine
+    keeps only the pages of the last ``window_tokens`` tokens, so a block list
+    of this group names the *tail* of the request's pages (it ends with the
+    page of the request's last token, ``num_tokens``) on both sides, and a read
+    pairs the two tails by token (:func:`kvsidecar.daemon.planner.pair_group`).
+    Fields at their defaults stay off the wire: a group without a window
+    encodes as before ``window_tokens`` existed, so older peers still accept it.
     """
 
     kind: GroupKind
@@ -105,6 +113,7 @@ class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sub_blocks: int = 1
     kernel_block_bytes: int = 0
     block_tokens: int = 0
+    window_tokens: int = 0
 
 
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -210,6 +219,8 @@ def validate(layout: Layout) -> Layout:
         if g.kind == "attention":
             if g.sub_blocks > layout.page_bytes:
                 raise LayoutError(f"{where}: {g.sub_blocks} kernel blocks cannot fit a page")
+            if g.window_tokens < 0:
+                raise LayoutError(f"{where}: window_tokens must be >= 0")
             if g.sub_blocks < 1 or g.kernel_block_bytes < 1 or g.block_tokens < 1:
                 raise LayoutError(
                     f"{where}: sub_blocks, kernel_block_bytes and block_tokens must be >= 1"
@@ -221,8 +232,8 @@ def validate(layout: Layout) -> Layout:
                     f"exceed the page ({layout.page_bytes} B)"
                 )
         elif g.kind == "mamba":
-            if g.sub_blocks != 1:
-                raise LayoutError(f"{where}: mamba groups have sub_blocks 1")
+            if g.sub_blocks != 1 or g.window_tokens:
+                raise LayoutError(f"{where}: mamba groups have sub_blocks 1 and no window")
             view = layout.page_bytes
         else:  # pragma: no cover - msgspec enforces the literal
             raise LayoutError(f"{where}: unknown kind {g.kind!r}")
@@ -279,6 +290,8 @@ def fingerprint_fields(layout: Layout) -> dict[str, object]:
     for gi, g in enumerate(layout.groups):
         out[f"group[{gi}].kind"] = g.kind
         out[f"group[{gi}].block_tokens"] = g.block_tokens
+        if g.window_tokens:  # absent for full attention: older fingerprints stay valid
+            out[f"group[{gi}].window_tokens"] = g.window_tokens
         out[f"group[{gi}].segments"] = tuple(s.name for s in g.segments)
         for s in g.segments:
             p = f"group[{gi}].{s.name}"

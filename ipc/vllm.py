@@ -22,8 +22,9 @@ Request flow (pull, as vLLM's NixlConnector)::
     D scheduler  get_num_new_matched_tokens / update_state_after_alloc -> read job
     D worker     start_load_kv           -> read(local, remote, skip_tokens, num_tokens)
                  get_transfer_results    <- poll: received => finished_recving
-                                                  failed   => finished_recving + failed_recving
-                                                              (+ invalid blocks, one group only)
+                                                  failed   => finished_recving + invalid blocks
+                                                              (one group: vLLM keeps the valid
+                                                              prefix), or + failed_recving
 
 Errors never leave a connector call (vLLM takes any exception for a fatal
 engine error): a refused read is the same failed completion a failed transfer
@@ -52,7 +53,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -71,7 +72,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
     NixlPromMetrics,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .client import (
     Duplicate,
@@ -90,7 +98,9 @@ from .protocol import MAX_BATCH, Completion, Held, KeepItem, MemoryKind, RemoteE
 from .regions import Region
 from .vllm_layout import (
     AttentionGroupSpec,
+    GdnGroupSpec,
     GroupSpec,
+    Mamba1GroupSpec,
     Mamba2GroupSpec,
     TensorPlacement,
     UnsupportedConfig,
@@ -267,17 +277,24 @@ class KvSidecarMetadata(KVConnectorMetadata):
 
 
 def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
-          spec_blocks: Sequence[int]) -> list[list[int]]:
+          spec_blocks: Sequence[int], window_blocks: Sequence[int] = ()) -> list[list[int]]:
     """The blocks a transfer names, per group.
 
     Mamba groups: only the state-bearing slot (the last real block before the
-    speculative scratch slots), as vLLM's own connector sends. Attention
-    groups: the null block never appears in a full-attention list except as
-    leading padding, which holds no token of this request; it is dropped so it
-    is neither held, read into, nor taken for a duplicate.
+    speculative scratch slots), as vLLM's own connector sends. Sliding-window
+    groups: only the last ``window_blocks`` blocks (``cdiv(window, block_size)
+    + 1``, NixlConnector's clip), the tail that holds the window; vLLM has
+    already replaced the blocks before it by the null block. Attention groups:
+    the null block never appears in a list except as leading padding (tokens
+    out of the window, or of no group), which holds no token this transfer
+    needs; it is dropped so it is neither held, read into, nor taken for a
+    duplicate.
     """
     out: list[list[int]] = []
-    for ids, kind, spec in zip(block_ids, kinds, spec_blocks):
+    windows = list(window_blocks) or [0] * len(kinds)
+    for ids, kind, spec, win in zip(block_ids, kinds, spec_blocks, windows):
+        if win:
+            ids = list(ids)[-win:]
         real = [b for b in ids if b != NULL_BLOCK]
         if kind == "mamba":
             if spec and len(real) > 1:
@@ -303,8 +320,11 @@ class _SchedulerSide:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kv_cache_config = kv_cache_config
         groups = kv_cache_config.transfer_groups
-        self.kinds = [_group_kind(g.kv_cache_spec) for g in groups]
+        model = str(vllm_config.model_config.model) if vllm_config.model_config else "?"
+        self.kinds = [_group_kind(g.kv_cache_spec, model) for g in groups]
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        #: blocks a sliding-window group transfers (0: every block)
+        self.window_blocks = [_window_blocks(g.kv_cache_spec) for g in groups]
         self.spec_blocks = [getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0
                             for g in groups]
         self.has_mamba = "mamba" in self.kinds
@@ -383,7 +403,7 @@ class _SchedulerSide:
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # P aborted: nothing to hand over
         blocks = _clip(self.kv_cache_config.select_transfer_block_ids(list(block_ids)),
-                       self.kinds, self.spec_blocks)
+                       self.kinds, self.spec_blocks, self.window_blocks)
         if not any(blocks):
             return False, None
         if not self.addresses:
@@ -432,13 +452,21 @@ class _SchedulerSide:
             local = [[] for _ in self.kinds]  # a full local prefix hit: notify only
             skip = num = 0
         else:
-            local = _clip(ids, self.kinds, self.spec_blocks)
+            local = _clip(ids, self.kinds, self.spec_blocks, self.window_blocks)
             groups = self.kv_cache_config.select_transfer_block_ids(blocks.blocks)
             skip = 0
-            for g, kind, bs in zip(groups, self.kinds, self.block_sizes):
-                if kind == "attention":
+            # The local prefix hit, from a group that keeps every block (a
+            # sliding-window group nulls the hit's blocks out of its window).
+            for g, kind, bs, win in zip(groups, self.kinds, self.block_sizes,
+                                        self.window_blocks):
+                if kind == "attention" and not win:
                     skip = bs * sum(b.block_hash is not None and not b.is_null for b in g)
                     break
+            else:
+                if any(self.window_blocks):
+                    # Sliding window only (Mistral-style): the read ends where P's
+                    # tokens end, which its window tails are aligned to.
+                    skip = max(0, self.num_remote_tokens(request) - num_external_tokens)
             num = skip + num_external_tokens
         awaited = num_external_tokens > 0
         self._reads[rid] = self._read_job(rid, params, local, skip, num, awaited=awaited)
@@ -497,17 +525,32 @@ def _keep_item(params: dict[str, Any]) -> KeepItem | None:
         return None
 
 
-def _group_kind(spec: object) -> str:
+def _group_kind(spec: object, model: str = "") -> str:
+    """``attention`` or ``mamba``; :class:`UnsupportedConfig` naming the model
+    and the spec for any other KV-cache spec (by exact type: a subclass such as
+    ``SlidingWindowMLASpec`` or ``RSWASpec`` has its own page semantics)."""
     kind = _SPEC_KINDS.get(type(spec))
     if kind is None:
+        of = f" of model {model}" if model else ""
         raise UnsupportedConfig(
-            f"KV-cache group spec {type(spec).__name__} is not supported by kvsidecar "
-            f"(supported: {', '.join(t.__name__ for t in _SPEC_KINDS)})"
+            f"KV-cache group spec {type(spec).__name__}{of} is not supported by kvsidecar "
+            f"(supported: {', '.join(t.__name__ for t in _SPEC_KINDS)}; see the README, "
+            "'Model families')"
         )
     return kind
 
 
-_SPEC_KINDS: dict[type, str] = {FullAttentionSpec: "attention", MambaSpec: "mamba"}
+_SPEC_KINDS: dict[type, str] = {FullAttentionSpec: "attention", MLAAttentionSpec: "attention",
+                                SlidingWindowSpec: "attention", MambaSpec: "mamba"}
+
+
+def _window_blocks(spec: object) -> int:
+    """Blocks a sliding-window group transfers: ``cdiv(window, block_size) + 1``
+    (the window need not start on a block boundary), as NixlConnector; 0 for
+    every other group."""
+    if not (isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec):
+        return 0  # (a subclass, e.g. SlidingWindowMLASpec, is refused by _group_kind)
+    return -(-int(spec.sliding_window) // int(spec.block_size)) + 1
 
 
 # --------------------------------------------------------------------------
@@ -693,7 +736,9 @@ class _WorkerSide:
             for name in g.layer_names:
                 t = kv_caches.get(name)
                 if isinstance(t, torch.Tensor) and t.dim() == 4:
-                    sizes.add(int(t.shape[2]))
+                    sizes.add(int(t.shape[2]))  # [kernel blocks, heads, tokens, K|V]
+                elif isinstance(t, torch.Tensor) and t.dim() == 3:
+                    sizes.add(int(t.shape[1]))  # MLA: [kernel blocks, tokens, latent]
         if not sizes:
             return self.settings.kernel_block_size
         if len(sizes) > 1:
@@ -1121,8 +1166,10 @@ class _WorkerSide:
 
     def _received(self, c: Completion, out: KVConnectorTransferResults) -> None:
         """A read's outcome, in vLLM's NIXL terms: a failed read is a failed
-        transfer (finished + failed, its blocks invalid); a failed notify-only
-        read (a full prefix hit, an abort) is a failed notification."""
+        transfer (finished; with one KV-cache group its blocks are reported
+        invalid and vLLM keeps the valid prefix, with several it is also
+        failed); a failed notify-only read (a full prefix hit, an abort) is a
+        failed notification."""
         job, t0, post_s = self._reading.pop(c.request_id)
         released = c.request_id in self._released
         self._released.discard(c.request_id)
@@ -1143,12 +1190,16 @@ class _WorkerSide:
             return
         self.stats.record_failed_transfer()
         out.finished_recving.add(c.request_id)
-        out.failed_recving.add(c.request_id)
-        if self.one_group:
+        bad = c.invalid_block_ids or job.local_block_ids
+        if self.one_group and any(bad):
+            # One group: the blocks the sidecar names are reported alone, so vLLM
+            # keeps the request's valid prefix (its local prefix-cache hit and any
+            # page before the first bad one) and recomputes from there.
+            self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
+        else:
             # vLLM 0.33 maps block-level errors to requests for one group only;
             # hybrid configs take failed_recving (the whole request recomputes).
-            bad = c.invalid_block_ids or job.local_block_ids
-            self._invalid.update(b for g in bad for b in g if b != NULL_BLOCK)
+            out.failed_recving.add(c.request_id)
         log.error("kvsidecar: request %s: its KV read failed (%s: %s); vLLM recomputes it",
                   c.request_id, c.kind, c.reason)
 
@@ -1271,22 +1322,23 @@ def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     model_config = vllm_config.model_config
     assert model_config is not None
     hf = model_config.hf_text_config
+    model = str(model_config.model)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise UnsupportedConfig(
+            f"model {model}: pipeline_parallel_size "
+            f"{vllm_config.parallel_config.pipeline_parallel_size} is not supported by "
+            "kvsidecar (one sidecar per tp rank of a single pipeline stage); use tp only, "
+            "as NixlConnector's pull mode requires for hybrid models")
     groups: list[GroupSpec] = []
     for g in kv_cache_config.transfer_groups:
         spec = g.kv_cache_spec
-        kind = _group_kind(spec)
+        kind = _group_kind(spec, model)
         layers = tuple(g.layer_names)
         if kind == "attention":
-            if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None \
-                    or spec.state_content_bytes is not None:
-                raise UnsupportedConfig("quantised or packed attention KV pages are not "
-                                        "supported by kvsidecar")
-            groups.append(AttentionGroupSpec(
-                layers, spec.block_size, kernel_block_size or spec.block_size,
-                spec.num_kv_heads, model_config.get_total_num_kv_heads(), spec.head_size,
-                spec.head_size_v, spec.dtype.itemsize, spec.page_size_bytes))
+            groups.append(_attention_group(spec, layers, model_config, model,
+                                           kernel_block_size))
         else:
-            groups.append(_mamba_group(spec, layers, hf, tp))
+            groups.append(_state_group(spec, layers, hf, tp))
     tensors = [TensorPlacement(tuple(t.layers), t.offset, t.layer_stride, t.block_stride,
                                t.host_resident) for t in kv_cache_config.kv_cache_tensors]
     dtype = _DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype))
@@ -1295,23 +1347,84 @@ def layout_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                         dtype=dtype)
 
 
-def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
-    from vllm import envs
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+def _attention_group(spec: Any, layers: tuple[str, ...], model_config: Any, model: str,
+                     kernel_block_size: int | None) -> AttentionGroupSpec:
+    """Full attention, MLA (one latent per token, replicated over tp) or
+    sliding window; refuses quantised, packed or sparse (DeepSeek-V3.2/V4) pages."""
+    if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None \
+            or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        raise UnsupportedConfig(f"model {model}: quantised, packed or compressed attention KV "
+                                f"pages ({type(spec).__name__}) are not supported by kvsidecar")
+    latent = type(spec) is MLAAttentionSpec
+    if latent and (spec.model_version is not None or spec.topk_buffer_width is not None):
+        raise UnsupportedConfig(f"model {model}: sparse MLA ({spec.model_version or 'top-k'}) "
+                                "is not supported by kvsidecar; dense MLA is")
+    window = int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
+    total = 1 if latent else model_config.get_total_num_kv_heads()
+    return AttentionGroupSpec(layers, spec.block_size, kernel_block_size or spec.block_size,
+                              spec.num_kv_heads, total, spec.head_size, spec.head_size_v,
+                              spec.dtype.itemsize, spec.page_size_bytes, window, latent)
 
-    if spec.mamba_type != MambaAttentionBackendEnum.MAMBA2:
+
+def _state_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> GroupSpec:
+    """A recurrent-state group by its Mamba type: Mamba2, GDN or Mamba1."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as T
+
+    builders: dict[Any, Callable[..., GroupSpec]] = {
+        T.MAMBA2: _mamba_group, T.GDN_ATTN: _gdn_group, T.MAMBA1: _mamba1_group}
+    build = builders.get(spec.mamba_type)
+    if build is None:
         raise UnsupportedConfig(f"Mamba type {spec.mamba_type} is not supported by kvsidecar "
-                                "(Mamba2 is)")
+                                "(Mamba1, Mamba2 and GDN are)")
+    group: GroupSpec = build(spec, layers, hf, tp)
+    return group
+
+
+def _mamba1_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int
+                  ) -> Mamba1GroupSpec:
+    conv, temporal = _state_shapes(spec, "Mamba1", temporal_dims=2)
+    total = _hf_int(hf, ("intermediate_size_mamba",))
+    if total is None:
+        expand, hidden = _hf_int(hf, ("mamba_expand", "expand")), _hf_int(hf, ("hidden_size",))
+        total = expand * hidden if expand and hidden else conv[0] * tp
+    return Mamba1GroupSpec(layers, (conv[0], conv[1]), (temporal[0], temporal[1]),
+                           spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, total,
+                           spec.page_size_bytes)
+
+
+def _state_shapes(spec: Any, what: str, temporal_dims: int = 3
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv, temporal) shapes of a recurrent state in the DS conv layout."""
+    from vllm import envs
+
     if envs.VLLM_SSM_CONV_STATE_LAYOUT != "DS":
         raise UnsupportedConfig("kvsidecar needs the DS conv-state layout: set "
                                 "VLLM_SSM_CONV_STATE_LAYOUT=DS on P and D")
     if len(spec.shapes) != 2:
-        raise UnsupportedConfig(f"Mamba2 state with {len(spec.shapes)} arrays (expected conv "
+        raise UnsupportedConfig(f"{what} state with {len(spec.shapes)} arrays (expected conv "
                                 "and temporal)")
     conv, temporal = (tuple(int(d) for d in s) for s in spec.shapes)
-    if len(conv) != 2 or len(temporal) != 3:
-        raise UnsupportedConfig(f"Mamba2 state shapes {spec.shapes} are not (conv_dim, rows), "
-                                "(heads, head_dim, d_state)")
+    if len(conv) != 2 or len(temporal) != temporal_dims:
+        raise UnsupportedConfig(f"{what} state shapes {spec.shapes} are not (conv_dim, rows), "
+                                f"and a {temporal_dims}-d temporal state")
+    return conv, temporal
+
+
+def _gdn_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> GdnGroupSpec:
+    conv, temporal = _state_shapes(spec, "GDN")
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
+    vals = [_hf_int(hf, (n,)) for n in names]
+    if any(v is None for v in vals):
+        raise UnsupportedConfig(f"GDN layers, but the model config lacks {list(names)}")
+    nk, nv, hk, hv = (int(v) for v in vals if v is not None)
+    return GdnGroupSpec(layers, (conv[0], conv[1]), (temporal[0], temporal[1], temporal[2]),
+                        spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, nk, nv, hk, hv,
+                        spec.page_size_bytes)
+
+
+def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mamba2GroupSpec:
+    conv, temporal = _state_shapes(spec, "Mamba2")
     heads, head_dim, d_state = temporal
     n_groups = _hf_int(hf, ("n_groups", "mamba_n_groups"))
     num_heads = _hf_int(hf, ("mamba_num_heads", "mamba_n_heads"))
@@ -1331,6 +1444,10 @@ def _mamba_group(spec: Any, layers: tuple[str, ...], hf: object, tp: int) -> Mam
 
 class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the rank's kvsidecar (pull: D reads from P)."""
+
+    #: the prefix-cache hits it delivers come from a peer engine, as NixlConnector's
+    #: (vLLM labels them ``p2p`` in its connector prefix-cache metrics)
+    _cache_hit_source = CacheHitSource.P2P
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from .layout import Group, Layout, LayoutError, Segment, validate
 
@@ -45,7 +46,10 @@ class TensorPlacement:
 
 @dataclass(frozen=True)
 class AttentionGroupSpec:
-    """A full-attention group (vLLM ``FullAttentionSpec`` without quantisation)."""
+    """An attention group without quantisation: full attention (vLLM
+    ``FullAttentionSpec``), sliding window (``SlidingWindowSpec``: ``window``
+    tokens, block lists are tails) or MLA (``MLAAttentionSpec``: ``latent``, one
+    latent vector per token that every tp rank holds whole)."""
 
     layers: tuple[str, ...]
     block_size: int  # vLLM's logical block size (tokens)
@@ -56,6 +60,8 @@ class AttentionGroupSpec:
     head_size_v: int
     dtype_bytes: int
     page_bytes: int
+    window: int = 0
+    latent: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,38 @@ class Mamba2GroupSpec:
     page_bytes: int
 
 
-GroupSpec = AttentionGroupSpec | Mamba2GroupSpec
+@dataclass(frozen=True)
+class GdnGroupSpec:
+    """A gated-delta-net group (vLLM ``MambaSpec`` of type GDN: Qwen3-Next), DS
+    conv layout ``Q | K | V`` per channel, temporal state per value head."""
+
+    layers: tuple[str, ...]
+    conv_shape: tuple[int, int]  # (conv_dim_local, conv_rows)
+    temporal_shape: tuple[int, int, int]  # (v_heads_local, head_v_dim, head_k_dim)
+    conv_dtype_bytes: int
+    ssm_dtype_bytes: int
+    num_k_heads: int  # model total
+    num_v_heads: int  # model total
+    head_k_dim: int
+    head_v_dim: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class Mamba1GroupSpec:
+    """A Mamba1 group (vLLM ``MambaSpec`` of type MAMBA1: Jamba, Falcon-Mamba):
+    conv state ``x`` per channel, temporal state ``[channels][d_state]``."""
+
+    layers: tuple[str, ...]
+    conv_shape: tuple[int, int]  # (channels_local, conv_rows)
+    temporal_shape: tuple[int, int]  # (channels_local, d_state)
+    conv_dtype_bytes: int
+    ssm_dtype_bytes: int
+    intermediate_size: int  # model total channels
+    page_bytes: int
+
+
+GroupSpec = AttentionGroupSpec | Mamba2GroupSpec | GdnGroupSpec | Mamba1GroupSpec
 
 
 @dataclass(frozen=True)
@@ -140,7 +177,7 @@ def build_layout(*, model: str, tp_size: int, num_blocks: int,
     facts: dict[str, str | int] = {"name": model, "dtype": dtype}
     for gi, g in enumerate(groups):
         facts[f"group{gi}.layers"] = len(g.layers)
-    family = "+".join(sorted({_FAMILY[type(g)] for g in groups}))
+    family = "+".join(sorted({_family(g) for g in groups}))
     try:
         layout = validate(Layout(family, tp_size, len(ordered), num_blocks, page,
                                  tuple(b for b, _ in built), facts))
@@ -168,6 +205,18 @@ def _attention(g: AttentionGroupSpec, tp: int, regions: tuple[int, ...],
                num_regions: int) -> tuple[Group, int]:
     kbs = g.kernel_block_size
     sub = _whole(f"block size {g.block_size} over kernel block size {kbs}", g.block_size, kbs)
+    if g.latent:
+        # MLA: one latent vector per token, the same on every rank: one unit,
+        # read whole by every D rank from one P rank.
+        if g.num_kv_heads != 1:
+            raise UnsupportedConfig(f"an MLA group with {g.num_kv_heads} KV heads per rank "
+                                    "(expected one latent)")
+        kernel = kbs * (g.head_size + g.head_size_v) * g.dtype_bytes
+        if sub * kernel > g.page_bytes:
+            raise UnsupportedConfig(f"{sub} kernel blocks of {kernel} B exceed the page")
+        seg = Segment("latent", 0, kernel, 1, "replicated",
+                      regions=() if len(regions) == num_regions else regions)
+        return Group("attention", (seg,), sub, kernel, kbs), g.block_size
     if g.num_kv_heads != _local(g.total_kv_heads, tp, "KV heads"):
         raise UnsupportedConfig(
             f"{g.num_kv_heads} KV heads on this rank do not match {g.total_kv_heads} heads "
@@ -179,7 +228,53 @@ def _attention(g: AttentionGroupSpec, tp: int, regions: tuple[int, ...],
         raise UnsupportedConfig(f"{sub} kernel blocks of {kernel} B exceed the page")
     seg = Segment("kv", 0, kernel, g.total_kv_heads,
                   regions=() if len(regions) == num_regions else regions)
-    return Group("attention", (seg,), sub, kernel, kbs), g.block_size
+    return Group("attention", (seg,), sub, kernel, kbs, g.window), g.block_size
+
+
+def _gdn(g: GdnGroupSpec, tp: int, regions: tuple[int, ...],
+         num_regions: int) -> tuple[Group, int]:
+    conv_dim, rows = g.conv_shape
+    heads, vdim, kdim = g.temporal_shape
+    if (vdim, kdim) != (g.head_v_dim, g.head_k_dim):
+        raise UnsupportedConfig(f"GDN temporal state {g.temporal_shape} does not match head "
+                                f"dims v {g.head_v_dim}, k {g.head_k_dim}")
+    if heads != _local(g.num_v_heads, tp, "GDN value heads"):
+        raise UnsupportedConfig(f"{heads} GDN value heads on this rank do not match "
+                                f"{g.num_v_heads} over tp {tp}")
+    key_dim, value_dim = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+    k_local = _local(g.num_k_heads, tp, "GDN key heads") * g.head_k_dim
+    v_local = heads * g.head_v_dim
+    if conv_dim != 2 * k_local + v_local:
+        raise UnsupportedConfig(f"GDN conv state of {conv_dim} channels is not Q|K|V "
+                                f"({k_local} + {k_local} + {v_local}) on this rank")
+    row = rows * g.conv_dtype_bytes
+    only = () if len(regions) == num_regions else regions
+    segs = [
+        Segment("Q", 0, k_local * row, key_dim, regions=only),
+        Segment("K", k_local * row, k_local * row, key_dim, regions=only),
+        Segment("V", 2 * k_local * row, v_local * row, value_dim, regions=only),
+        Segment("ssm", conv_dim * row, heads * vdim * kdim * g.ssm_dtype_bytes, g.num_v_heads,
+                regions=only),
+    ]
+    if conv_dim * row + heads * vdim * kdim * g.ssm_dtype_bytes > g.page_bytes:
+        raise UnsupportedConfig("the GDN state exceeds its page")
+    return Group("mamba", tuple(segs)), 0
+
+
+def _mamba1(g: Mamba1GroupSpec, tp: int, regions: tuple[int, ...],
+            num_regions: int) -> tuple[Group, int]:
+    channels, rows = g.conv_shape
+    if g.temporal_shape[0] != channels or channels != _local(g.intermediate_size, tp,
+                                                               "Mamba1 channels"):
+        raise UnsupportedConfig(f"Mamba1 state {g.conv_shape}, {g.temporal_shape} does not "
+                                f"hold {g.intermediate_size} channels over tp {tp}")
+    row, ub = rows * g.conv_dtype_bytes, g.temporal_shape[1] * g.ssm_dtype_bytes
+    only = () if len(regions) == num_regions else regions
+    segs = (Segment("x", 0, channels * row, g.intermediate_size, regions=only),
+            Segment("ssm", channels * row, channels * ub, g.intermediate_size, regions=only))
+    if channels * (row + ub) > g.page_bytes:
+        raise UnsupportedConfig("the Mamba1 state exceeds its page")
+    return Group("mamba", segs), 0
 
 
 def _mamba2(g: Mamba2GroupSpec, tp: int, regions: tuple[int, ...],
@@ -212,9 +307,19 @@ def _mamba2(g: Mamba2GroupSpec, tp: int, regions: tuple[int, ...],
 
 def _build_group(g: GroupSpec, tp: int, regions: tuple[int, ...],
                  num_regions: int) -> tuple[Group, int]:
+    build: Any = _BUILDERS[type(g)]
+    out: tuple[Group, int] = build(g, tp, regions, num_regions)
+    return out
+
+
+_BUILDERS = {AttentionGroupSpec: _attention, Mamba2GroupSpec: _mamba2, GdnGroupSpec: _gdn,
+             Mamba1GroupSpec: _mamba1}
+
+
+def _family(g: GroupSpec) -> str:
     if isinstance(g, AttentionGroupSpec):
-        return _attention(g, tp, regions, num_regions)
-    return _mamba2(g, tp, regions, num_regions)
+        return "mla" if g.latent else "swa" if g.window else "attention"
+    return _STATE_FAMILY[type(g)]
 
 
-_FAMILY = {AttentionGroupSpec: "attention", Mamba2GroupSpec: "mamba2"}
+_STATE_FAMILY = {GdnGroupSpec: "gdn", Mamba2GroupSpec: "mamba2", Mamba1GroupSpec: "mamba1"}

@@ -118,11 +118,15 @@ def _scatter(buf: U8, offs: NDArray[np.int64], seg_off: int, rows: U8) -> None:
 
 
 def fill_shard(buffers: Sequence[U8], layout: Layout, rank: int,
-               block_ids: Sequence[Sequence[int]], req: Request) -> None:
-    """Write rank ``rank``'s shard of ``req`` into the pages ``block_ids`` name (P side)."""
+               block_ids: Sequence[Sequence[int]], req: Request,
+               first_tokens: Sequence[int] | None = None) -> None:
+    """Write rank ``rank``'s shard of ``req`` into the pages ``block_ids`` name (P side).
+
+    An attention group's list starts at token 0, or at ``first_tokens[group]``
+    (a sliding-window group whose first pages the engine dropped)."""
     for gi, g in enumerate(layout.groups):
         ids = np.asarray(block_ids[gi], dtype=np.int64)
-        offs, pos = _views(layout, gi, ids, 0)
+        offs, pos = _views(layout, gi, ids, first_tokens[gi] if first_tokens else 0)
         for si, seg in enumerate(g.segments):
             for r in _regions(seg, layout):
                 if g.kind == "mamba":
@@ -135,11 +139,13 @@ def fill_shard(buffers: Sequence[U8], layout: Layout, rank: int,
 
 def check_received(buffers: Sequence[U8], layout: Layout, rank: int,
                    block_ids: Sequence[Sequence[int]], req: Request, skip_tokens: int = 0,
-                   poison: int = POISON, ignore_blocks: Collection[int] = ()) -> list[str]:
+                   poison: int = POISON, ignore_blocks: Collection[int] = (),
+                   first_tokens: Sequence[int] | None = None) -> list[str]:
     """Differences between D rank ``rank``'s pages and its shard of ``req``; empty if none.
 
     Attention tokens are checked from ``skip_tokens`` (D's block list starts
-    there) to the prompt length; Mamba segments in full; every byte of a page
+    there; per group ``first_tokens[group]`` when given, e.g. a sliding window's
+    first page) to the prompt length; Mamba segments in full; every byte of a page
     the request does not name must still be ``poison``, except ``ignore_blocks``
     (pages other requests in flight own).
     """
@@ -151,7 +157,7 @@ def check_received(buffers: Sequence[U8], layout: Layout, rank: int,
         named[np.asarray(list(ignore_blocks), dtype=np.int64)] = True
     for gi, g in enumerate(layout.groups):
         gids = np.asarray(block_ids[gi], dtype=np.int64)
-        offs, pos = _views(layout, gi, gids, skip_tokens)
+        offs, pos = _views(layout, gi, gids, first_tokens[gi] if first_tokens else skip_tokens)
         for si, seg in enumerate(g.segments):
             for r in _regions(seg, layout):
                 buf = buffers[r]

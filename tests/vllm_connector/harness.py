@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,10 @@ from kvsidecar.sim.oracle import Request as OracleRequest
 
 BLOCK = 16
 MAX_LEN = 2048
+#: the forward context of a step in which no model runs: no attention metadata
+#: (a connector that loads inside the forward pass, as vLLM's ExampleConnector,
+#: then has nothing to do; ours ignores it)
+NO_FORWARD = SimpleNamespace(attn_metadata=None, no_compile_layers={})
 EOS = 2
 init_none_hash(sha256)
 
@@ -167,6 +172,7 @@ class Engine:
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     dirty: set[int] = field(default_factory=set)  # pages earlier reads wrote
     stats: list[Any] = field(default_factory=list)  # aggregated KV connector stats per step
+    sched_stats: list[Any] = field(default_factory=list)  # SchedulerStats per step
 
     @property
     def connector(self) -> KvSidecarConnector:
@@ -207,7 +213,7 @@ class Engine:
         for w in self.workers:
             w.handle_preemptions(so.kv_connector_metadata)  # as vLLM's runner, first
             w.bind_connector_metadata(so.kv_connector_metadata)
-            w.start_load_kv(None)
+            w.start_load_kv(NO_FORWARD)
             w.wait_for_save()
             r = w.get_transfer_results(set(so.finished_req_ids))
             kv_out = KVConnectorOutput(
@@ -229,6 +235,8 @@ class Engine:
             self.stats.append(agg.kv_connector_output.kv_connector_stats)
         eco = self.sched.update_from_output(so, agg)
         for client_outs in eco.values():
+            if client_outs.scheduler_stats is not None:
+                self.sched_stats.append(client_outs.scheduler_stats)
             for o in client_outs.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
         return so, agg
@@ -256,22 +264,31 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
             method="draft_model", model=model, num_speculative_tokens=draft_tokens,
             target_model_config=cfg.model_config, target_parallel_config=cfg.parallel_config)
     mode = "align" if hybrid and mamba_prefix_caching else "none"
+    kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
+    # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
+    kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
+              else g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+    return start_engine(name, cfg, kcc, kernel, tp)
+
+
+def start_engine(name: str, cfg: VllmConfig, kcc: KVCacheConfig, kernel: list[int],
+                 tp: int, worker_cls: Any = KvSidecarConnector, engine_cls: Any = Engine
+                 ) -> Any:
+    """What vLLM's engine core and workers do at start-up: per rank a worker
+    connector (``worker_cls``), the KV cache allocated by vLLM inside its memory
+    pool (kernel blocks ``kernel`` per group) and registered; the real
+    Scheduler; the ranks' handshake metadata handed to it. Pages start poisoned."""
     workers, caches = [], []
     for rank in range(tp):
         wcfg = copy.deepcopy(cfg)
         wcfg.parallel_config.rank = rank
-        kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
-        conn = KvSidecarConnector(wcfg, KVConnectorRole.WORKER, kcc)
-        # The attention backend's kernel blocks: BLOCK tokens, whatever the page.
-        kernel = [BLOCK if isinstance(g.kv_cache_spec, FullAttentionSpec)
-                  else g.kv_cache_spec.block_size for g in kcc.kv_cache_groups]
+        conn = worker_cls(wcfg, KVConnectorRole.WORKER, copy.deepcopy(kcc))
         with conn.get_mem_pool_context():
             kv = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel)
         conn.register_kv_caches(kv)
         workers.append(conn)
         caches.append(kv)
-    kcc = kv_cache_config(tp, num_blocks, hybrid, mode)
-    cfg.cache_config.num_gpu_blocks = num_blocks
+    cfg.cache_config.num_gpu_blocks = kcc.num_blocks
     block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg)  # as vLLM's engine core
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
                       structured_output_manager=StructuredOutputManager(cfg),
@@ -282,7 +299,7 @@ def make_engine(name: str, model: str, role: str, tp: int, sockets: Sequence[str
         assert hs is not None
         meta[rank] = hs
     sched.connector.set_xfer_handshake_metadata(meta)  # what the engine core does
-    eng = Engine(name, sched, workers, caches, KVOutputAggregator(tp), hash_block)
+    eng = engine_cls(name, sched, workers, caches, KVOutputAggregator(tp), hash_block)
     for rank in range(tp):
         for b in eng.buffers(rank):
             b[:] = POISON
@@ -317,3 +334,17 @@ def oracle_fill(seed_of: Callable[[str], int]) -> Callable[[Engine, Request], No
             fill_shard(eng.buffers(rank), eng.layout_of(rank), rank, ids, logical)
 
     return fill
+
+
+def failed_reads(out: Any) -> set[str]:
+    """The requests a worker output reports as failed reads: those in
+    ``failed_recving`` and, when it names invalid blocks, those finished with it
+    (with one KV-cache group the connector reports a failed read's blocks
+    invalid and no ``failed_recving``, so that vLLM keeps the valid prefix).
+    Meant for steps in which only the read under test finishes."""
+    if out is None:
+        return set()
+    failed = set(out.failed_recving or ())
+    if out.invalid_block_ids:
+        failed |= set(out.finished_recving or ())
+    return failed

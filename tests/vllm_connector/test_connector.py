@@ -463,7 +463,8 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
                                     models: dict[bool, str], hybrid: bool,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """P's sidecar is stopped, then killed, while D reads: D's read fails, the
-    request is reported finished with its blocks invalid in the same step, vLLM
+    request is reported finished with its blocks invalid in the same step (and
+    not as a failed request, so vLLM keeps the valid prefix: nothing here), vLLM
     recomputes it, and nothing is written into D's pages afterwards. Hybrid
     (two KV-cache groups): vLLM 0.33 takes the failure by request
     (failed_recving) only, so no block ids are reported."""
@@ -486,11 +487,11 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
         while time.monotonic() < deadline:
             so, agg = D.step()
             out = agg.kv_connector_output
-            if out is not None and "z" in (out.failed_recving or ()):
+            if out is not None and "z" in (out.finished_recving or ()):
                 failed_step = out
                 break
         assert failed_step is not None, "D never reported the failed read"
-        assert "z" in (failed_step.finished_recving or ())
+        assert failed_step.failed_recving == ({"z"} if hybrid else set())
         want = set() if hybrid else set(job.local_block_ids[0])
         assert failed_step.invalid_block_ids == want
         snapshot = [b.copy() for b in D.buffers(0)]
@@ -508,20 +509,41 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
 
 
 def test_unsupported_kv_groups_are_refused_at_start_up(models: dict[bool, str]) -> None:
-    """A sliding-window group: the scheduler-side connector refuses it when built."""
+    """A chunked-local-attention group (Llama 4 with the hybrid allocator forced
+    on): the scheduler-side connector refuses it when built, naming the spec and
+    the model."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
 
     from .harness import vllm_config
 
-    spec = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16,
-                             dtype=torch.bfloat16, sliding_window=64)
+    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=16,
+                                     dtype=torch.bfloat16, attention_chunk_size=64)
     kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     cfg = vllm_config(models[False], "kv_consumer", "E", 1, ["/nonexistent.sock"], False)
-    with pytest.raises(UnsupportedConfig, match="SlidingWindowSpec is not supported"):
+    with pytest.raises(UnsupportedConfig,
+                       match=r"ChunkedLocalAttentionSpec of model .*llama is not supported"):
         KvSidecarConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_pipeline_parallel_is_refused_at_start_up(models: dict[bool, str]) -> None:
+    """PP > 1: refused when the connector is built (scheduler and worker), naming
+    it; one sidecar serves one tp rank of a single pipeline stage."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from .harness import kv_cache_config, vllm_config
+
+    cfg = vllm_config(models[False], "kv_producer", "E", 1, ["/nonexistent.sock"], False)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UnsupportedConfig, match="pipeline_parallel_size 2 is not supported"):
+            KvSidecarConnector(cfg, role, kv_cache_config(1, 8, False))
 
 
 def test_memory_kind_is_checked_against_the_device_at_start_up() -> None:

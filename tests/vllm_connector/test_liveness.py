@@ -30,7 +30,7 @@ from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.sim.cluster import SidecarProcess
 
-from .harness import Engine, make_engine, oracle_fill, request, write_model
+from .harness import Engine, failed_reads, make_engine, oracle_fill, request, write_model
 from .test_connector import WAIT_S, prefill, run_until, schedule_reads, start_all, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -56,7 +56,7 @@ def read_one(P: Engine, D: Engine, rid: str, tokens: int, seed: int) -> dict[str
         _, agg = D.step()
         out = agg.kv_connector_output
         if out is not None:
-            seen["failed"] |= set(out.failed_recving or ())
+            seen["failed"] |= failed_reads(out)
             if rid in (out.finished_recving or ()):
                 return seen
         if D.sched.requests[rid].status == RequestStatus.RUNNING:

@@ -174,8 +174,6 @@ def test_hybrid_d_preempted_after_its_read_recomputes_without_reading_again(
         assert_drained(P)
 
 
-@pytest.mark.xfail(strict=True, reason="needs #25 item 4: sliding-window groups are refused "
-                                       "at start-up")
 def test_sliding_window_group_hands_only_its_window(models: dict[bool, str]) -> None:
     """A full-attention group next to a 32-token sliding window (Gemma-style):
     P hands every full-attention block, but for the window group only the

@@ -30,7 +30,7 @@ from vllm.v1.request import RequestStatus
 from kvsidecar.ipc.vllm import KvSidecarConnector
 from kvsidecar.sim.cluster import SidecarProcess
 
-from .harness import Engine, make_engine, oracle_fill, request, write_model
+from .harness import Engine, failed_reads, make_engine, oracle_fill, request, write_model
 from .test_connector import (
     FAST,
     WAIT_S,
@@ -236,7 +236,7 @@ def test_a_sidecar_restarted_under_requests_fails_them_and_serves_again(
         while failed is None and time.monotonic() < deadline:
             _, agg = D.step()
             out = agg.kv_connector_output
-            if out is not None and "x" in out.failed_recving:
+            if "x" in failed_reads(out):
                 failed = out
         assert failed is not None, "D never failed the read its sidecar lost"
         assert "x" in (failed.finished_recving or ())
