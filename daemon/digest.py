@@ -206,8 +206,11 @@ def check_ranges(region: I64, offset: I64, length: I64, *, num_regions: int,
         raise BadRanges(f"a piece names a region outside 0..{num_regions - 1}")
     if int(length.min()) <= 0 or int(offset.min()) < 0:
         raise BadRanges("a piece has a negative offset or a length that is not positive")
-    end = offset + length
-    if int(end.max()) > region_bytes:  # no overflow: both are below 2**62 once checked
+    if int(offset.max()) >= region_bytes or int(length.max()) > region_bytes:
+        # checked first: a peer's offset + length near 2**63 would wrap negative below
+        raise BadRanges(f"a piece reaches past the end of its region ({region_bytes} B)")
+    end = offset + length  # no overflow: both are at most region_bytes now
+    if int(end.max()) > region_bytes:
         raise BadRanges(f"a piece reaches past the end of its region ({region_bytes} B)")
     first = offset // page_bytes
     last = (end - 1) // page_bytes

@@ -109,6 +109,19 @@ def test_pieces_beyond_the_hold_are_refused(piece: tuple[int, int, int], why: st
         digest.check_ranges(*_arrays((0, 3 * PAGE, PAGE), piece), held_pages=HELD, **LAYOUT)
 
 
+@pytest.mark.parametrize("piece", [
+    (0, 3 * PAGE, 2**63 - 1),         # offset + length wraps past int64
+    (0, 63 * PAGE, 2**63 - 1),
+    (0, 2**62, 2**62),
+    (0, 3 * PAGE, 64 * PAGE + 1),     # longer than a region
+])
+def test_pieces_whose_end_overflows_are_refused(piece: tuple[int, int, int]) -> None:
+    """A peer's huge offset or length is a clear refusal, not an IndexError from a
+    wrapped ``offset + length`` (answered 'internal error', its traceback logged)."""
+    with pytest.raises(digest.BadRanges):
+        digest.check_ranges(*_arrays(piece), held_pages=HELD, **LAYOUT)
+
+
 def test_nothing_held_refuses_everything() -> None:
     with pytest.raises(digest.BadRanges, match="outside the pages"):
         digest.check_ranges(*_arrays((0, 0, 1)), held_pages=np.empty(0, np.int64), **LAYOUT)
