@@ -199,7 +199,9 @@ def check_ranges(region: I64, offset: I64, length: I64, *, num_regions: int,
     pins (``held_pages``: sorted, unique page ids; a piece may span several
     consecutive held pages, as coalesced descriptors do). A digest is as
     revealing as the bytes (the hash of one byte is that byte), so a reader
-    gets digests of nothing it could not read. Raises :class:`BadRanges`."""
+    gets digests of nothing it could not read. Together the pieces name at most
+    the bytes the hold pins (a plan reads each byte once), which bounds one
+    request's hashing by its hold. Raises :class:`BadRanges`."""
     if not region.size:
         raise BadRanges("a digest request names no piece")
     if int(region.min()) < 0 or int(region.max()) >= num_regions:
@@ -222,6 +224,11 @@ def check_ranges(region: I64, offset: I64, length: I64, *, num_regions: int,
         bad = int(np.flatnonzero(~ok)[0])
         raise BadRanges(f"a piece (region {int(region[bad])}, offset {int(offset[bad])}, "
                         f"{int(length[bad])} B) lies outside the pages the hold pins")
+    # A reader's plan names each byte once: more than the hold pins in all regions
+    # is the same bytes again (one request would hash a page up to MAX_RANGES times).
+    pinned = int(held_pages.size) * page_bytes * num_regions
+    if sum(length.tolist()) > pinned:
+        raise BadRanges(f"the pieces name more bytes than the hold pins ({pinned} B)")
 
 
 def held_pages(block_ids: Sequence[Sequence[int]]) -> I64:

@@ -262,10 +262,14 @@ def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
 
         async def run() -> list[ControlReply]:
             async with Asker(sidecars.p[0], P) as ask:
+                page = P.layout.page_bytes
+                again = [(0, held * page, page)] * (P.layout.num_regions + 1)
                 return [await ask.digest("held", held), await ask.digest("held", free),
-                        await ask.digest("no-such-request", held)]
+                        await ask.digest("no-such-request", held),
+                        await ask.digest("held", held, pieces=again)]
 
-        ok, outside, unheld = asyncio.run(run())
+        ok, outside, unheld, repeated = asyncio.run(run())
+        assert not repeated.granted and "more bytes than the hold pins" in repeated.reason
         assert ok.granted and len(ok.digest) == 8
         assert not outside.granted and "outside the pages the hold pins" in outside.reason
         assert not outside.digest
