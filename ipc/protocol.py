@@ -56,7 +56,8 @@ PROTOCOL_MINOR: Final = 7
 * 6: :class:`Status`, answered by :class:`StatusReport` (``kvsidecar status``;
   an older daemon answers ``bad_message`` "unknown op 'status'").
 * 7: ``Read.verify``: verify the read's bytes (``--verify-bytes`` for one
-  read); a daemon of an older minor ignores the field and does not verify.
+  read); a daemon of an older minor ignores the field and does not verify, so
+  the client asks the minor first and refuses a verified read there.
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
