@@ -50,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
                     "answer.")
     p_status.add_argument("--socket", default=os.environ.get("KVSIDECAR_SOCKET", ""),
                           help="the sidecar's engine socket (env KVSIDECAR_SOCKET; default: "
-                               "serve's default for KVSIDECAR_DEVICE)")
+                               "serve's default for KVSIDECAR_DEVICE, else the only "
+                               "socket in that folder)")
     p_status.add_argument("--json", action="store_true", help="one JSON object")
     p_status.add_argument("--timeout", type=float, default=5.0,
                           help="seconds to wait for the answer (default 5)")
     args = parser.parse_args(argv)
     if args.cmd == "status":
-        return _status(args.socket or settings_mod.default_socket(
-            os.environ.get("KVSIDECAR_DEVICE", "cpu")), args.json, args.timeout)
+        return _status(args.socket or _default_status_socket(), args.json, args.timeout)
     if args.cmd == "keys":
         from kvsidecar.daemon.peer_auth import generate_keys
 
@@ -85,6 +85,22 @@ def main(argv: list[str] | None = None) -> int:
 
     return int(run_demo(requests=args.requests, layers=args.layers, p_tp=args.p_tp,
                         d_tp=args.d_tp))
+
+
+def _default_status_socket() -> str:
+    """serve's default socket for KVSIDECAR_DEVICE; when nothing is there and its
+    folder holds exactly one socket, that one: a sidecar whose ``--device`` was a
+    flag (as a container's arguments pass it, which the image's HEALTHCHECK
+    cannot see) is found all the same. Two or more: none is guessed."""
+    path = settings_mod.default_socket(os.environ.get("KVSIDECAR_DEVICE", "cpu"))
+    if os.path.exists(path):
+        return path
+    folder = os.path.dirname(path)
+    try:
+        socks = [n for n in os.listdir(folder) if n.endswith(".sock")]
+    except OSError:
+        return path
+    return os.path.join(folder, socks[0]) if len(socks) == 1 else path
 
 
 def _status(socket: str, as_json: bool, timeout_s: float) -> int:

@@ -199,15 +199,20 @@ def check_ranges(region: I64, offset: I64, length: I64, *, num_regions: int,
     pins (``held_pages``: sorted, unique page ids; a piece may span several
     consecutive held pages, as coalesced descriptors do). A digest is as
     revealing as the bytes (the hash of one byte is that byte), so a reader
-    gets digests of nothing it could not read. Raises :class:`BadRanges`."""
+    gets digests of nothing it could not read. Together the pieces name at most
+    the bytes the hold pins (a plan reads each byte once), which bounds one
+    request's hashing by its hold. Raises :class:`BadRanges`."""
     if not region.size:
         raise BadRanges("a digest request names no piece")
     if int(region.min()) < 0 or int(region.max()) >= num_regions:
         raise BadRanges(f"a piece names a region outside 0..{num_regions - 1}")
     if int(length.min()) <= 0 or int(offset.min()) < 0:
         raise BadRanges("a piece has a negative offset or a length that is not positive")
-    end = offset + length
-    if int(end.max()) > region_bytes:  # no overflow: both are below 2**62 once checked
+    if int(offset.max()) >= region_bytes or int(length.max()) > region_bytes:
+        # checked first: a peer's offset + length near 2**63 would wrap negative below
+        raise BadRanges(f"a piece reaches past the end of its region ({region_bytes} B)")
+    end = offset + length  # no overflow: both are at most region_bytes now
+    if int(end.max()) > region_bytes:
         raise BadRanges(f"a piece reaches past the end of its region ({region_bytes} B)")
     first = offset // page_bytes
     last = (end - 1) // page_bytes
@@ -219,6 +224,11 @@ def check_ranges(region: I64, offset: I64, length: I64, *, num_regions: int,
         bad = int(np.flatnonzero(~ok)[0])
         raise BadRanges(f"a piece (region {int(region[bad])}, offset {int(offset[bad])}, "
                         f"{int(length[bad])} B) lies outside the pages the hold pins")
+    # A reader's plan names each byte once: more than the hold pins in all regions
+    # is the same bytes again (one request would hash a page up to MAX_RANGES times).
+    pinned = int(held_pages.size) * page_bytes * num_regions
+    if sum(length.tolist()) > pinned:
+        raise BadRanges(f"the pieces name more bytes than the hold pins ({pinned} B)")
 
 
 def held_pages(block_ids: Sequence[Sequence[int]]) -> I64:

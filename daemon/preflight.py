@@ -92,7 +92,7 @@ def _socket(s: Settings) -> None:
     try:
         # Creates a missing directory (0700) as the start-up would; changes nothing else.
         prepare_socket_dir(os.path.dirname(path) or ".", shared=access.shared, group=access.group)
-    except (PermissionError, NotADirectoryError, FileExistsError) as e:
+    except OSError as e:  # not ours, not a directory, a read-only file system...
         raise Refusal(f"cannot serve {path}: {e}") from None
     try:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,

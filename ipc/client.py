@@ -185,6 +185,20 @@ def error_from_reply(err: Error) -> SidecarError:
     return _ERRORS.get(err.code, SidecarError)(err.code, err.message)
 
 
+#: The protocol minor from which a sidecar honours ``Read.verify``: an older one
+#: decodes the field as unknown and reads without verifying.
+VERIFY_MINOR: Final = 7
+
+
+def _can_verify(minor: int) -> None:
+    """Unavailable unless a sidecar of protocol ``minor`` verifies what it is asked to."""
+    if minor < VERIFY_MINOR:
+        raise Unavailable(UNAVAILABLE, (
+            f"byte verification (verify=True) needs a sidecar of protocol minor "
+            f"{VERIFY_MINOR} or later; this one speaks minor {minor} and would read without "
+            "verifying: nothing was sent"))
+
+
 def _expect(reply: Reply, kind: type[R]) -> R:
     """``reply`` if it is a ``kind``; else the error it is (or is not: a reply of
     another kind is a :class:`BadMessage`) raised. The expected kind is tested
@@ -692,8 +706,12 @@ class SidecarClient:
         P's sidecar digests exactly what this read's plan takes from it, this
         sidecar what landed, and a difference makes the read ``failed`` (its
         blocks invalid), never ``received``. Host memory only (refused here
-        for GPU memory); a sidecar of protocol minor < 7 ignores it.
+        for GPU memory). A sidecar of protocol minor < 7 would ignore it, so a
+        verified read asks the sidecar's minor first (one ping) and raises
+        :class:`Unavailable` there, sending nothing.
         """
+        if verify:
+            _can_verify(self.ping().minor)
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
                                     remote_block_ids, remote_request_id, skip_tokens, num_tokens,
                                     verify)
@@ -714,7 +732,11 @@ class SidecarClient:
         """Start several reads in one message (protocol minor 5): what a
         scheduler step starts at once costs one round trip. Returns, per read
         and in order, None (accepted: its completion comes through poll) or
-        the error it was refused with; the others are unaffected."""
+        the error it was refused with; the others are unaffected. With a verified
+        read among them, as :meth:`read`: Unavailable from a sidecar that would
+        ignore ``verify``, and nothing sent."""
+        if any(s.verify for s in specs):
+            _can_verify(self.ping().minor)
         return self._run(self._core.read_many(engine_id, specs))
 
     def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
@@ -1018,6 +1040,8 @@ class AsyncSidecarClient:
                    skip_tokens: int | None = None, num_tokens: int | None = None,
                    verify: bool = False) -> None:
         """As :meth:`SidecarClient.read`."""
+        if verify:
+            _can_verify((await self.ping()).minor)
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
                                     remote_block_ids, remote_request_id, skip_tokens, num_tokens,
                                     verify)
@@ -1035,6 +1059,8 @@ class AsyncSidecarClient:
     async def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
                         ) -> list[SidecarError | None]:
         """As :meth:`SidecarClient.read_many`."""
+        if any(s.verify for s in specs):
+            _can_verify((await self.ping()).minor)
         return await self._run(self._core.read_many(engine_id, specs))
 
     async def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]

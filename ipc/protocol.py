@@ -56,7 +56,8 @@ PROTOCOL_MINOR: Final = 10
 * 6: :class:`Status`, answered by :class:`StatusReport` (``kvsidecar status``;
   an older daemon answers ``bad_message`` "unknown op 'status'").
 * 7: ``Read.verify``: verify the read's bytes (``--verify-bytes`` for one
-  read); a daemon of an older minor ignores the field and does not verify.
+  read); a daemon of an older minor ignores the field and does not verify, so
+  the client asks the minor first and refuses a verified read there.
 * 8: :class:`Deregister` ``mode`` (``drain`` or ``drop``); an engine that exits
   or dies with holds open has them served until they end (a daemon of an older
   minor ignores the field and drops).

@@ -29,7 +29,21 @@ def _age(seconds: float, count: int) -> str:
     return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
 
 
+#: the longest peer version shown (it comes from the peer's handshake: any length)
+MAX_VERSION_CHARS = 40
+
+
+def _shown(text: str, limit: int = 0) -> str:
+    """``text`` as a table cell: control characters (a terminal's escape
+    sequences, from a peer's handshake or an engine's id) escaped, and cut to
+    ``limit`` characters when given."""
+    out = text if text.isprintable() else "".join(
+        c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return out if not limit or len(out) <= limit else out[:limit - 1] + "\u2026"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [[_shown(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
 
@@ -64,7 +78,8 @@ def render(r: StatusReport) -> str:
         lines += _table(["ENGINE", "RANK", "PID", "LANES", "READS", "OLDEST", "HOLDS",
                          "OLDEST", "QUEUED", "PEERS"], [_engine_row(e) for e in r.engines])
     links = [[f"{e.engine_id}/{e.tp_rank}", p.address, p.engine_id, str(p.tp_rank),
-              p.version or "?", str(p.reads)] for e in r.engines for p in e.peers]
+              _shown(p.version, MAX_VERSION_CHARS) or "?", str(p.reads)]
+             for e in r.engines for p in e.peers]
     if links:
         lines.append("")
         lines += _table(["LINKED FROM", "PEER ADDRESS", "PEER ENGINE", "RANK", "VERSION",

@@ -4,7 +4,7 @@
 #   scripts/gpu-wheels.sh [--wheels DIR] [--no-download] [--plan] [--limit-mib N]
 #
 # The GPU machine (CPython 3.12, manylinux x86_64, torch 2.11+cu130, no network)
-# has numpy, uvloop, prometheus-client, torch, cuda-bindings and pytest, and
+# has numpy, uvloop, prometheus-client, xxhash, torch, cuda-bindings and pytest, and
 # lacks nixl, its CUDA 13 backend nixl-cu13, msgspec and pyzmq. This downloads
 # exactly those into DIR (default .whl/, git-ignored), each pinned to the
 # version installed in the project's venv ($PYTHON, default .venv/bin/python):
@@ -31,7 +31,7 @@ PY_TAG=3.12
 # device notes' package list). Every runtime dependency in pyproject.toml must
 # be in one of the two lists (tests/test_gpu_check_script.py checks it).
 CARRY=(nixl nixl-cu13 msgspec pyzmq)
-IMAGE_HAS=(numpy uvloop prometheus-client torch cuda-bindings pytest pytest-timeout)
+IMAGE_HAS=(numpy uvloop prometheus-client xxhash torch cuda-bindings pytest pytest-timeout)
 
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; }
 

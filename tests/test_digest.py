@@ -109,6 +109,34 @@ def test_pieces_beyond_the_hold_are_refused(piece: tuple[int, int, int], why: st
         digest.check_ranges(*_arrays((0, 3 * PAGE, PAGE), piece), held_pages=HELD, **LAYOUT)
 
 
+@pytest.mark.parametrize("piece", [
+    (0, 3 * PAGE, 2**63 - 1),         # offset + length wraps past int64
+    (0, 63 * PAGE, 2**63 - 1),
+    (0, 2**62, 2**62),
+    (0, 3 * PAGE, 64 * PAGE + 1),     # longer than a region
+])
+def test_pieces_whose_end_overflows_are_refused(piece: tuple[int, int, int]) -> None:
+    """A peer's huge offset or length is a clear refusal, not an IndexError from a
+    wrapped ``offset + length`` (answered 'internal error', its traceback logged)."""
+    with pytest.raises(digest.BadRanges):
+        digest.check_ranges(*_arrays(piece), held_pages=HELD, **LAYOUT)
+
+
+def test_pieces_naming_more_bytes_than_the_hold_pins_are_refused() -> None:
+    """One request may not make P hash the same held page over and over (up to
+    2,048 pieces: 2,048 times the hold, on one thread, while every other digest
+    waits behind its bytes): its pieces together name at most what the hold pins."""
+    whole = 4 * PAGE * LAYOUT["num_regions"]  # HELD: 4 pages, in each region
+    every = [(r, p * PAGE, PAGE) for r in range(2) for p in HELD.tolist()]
+    digest.check_ranges(*_arrays(*every), held_pages=HELD, **LAYOUT)  # exactly the hold
+    assert sum(n for *_, n in every) == whole
+    with pytest.raises(digest.BadRanges, match="more bytes than the hold pins"):
+        digest.check_ranges(*_arrays(*every, (0, 3 * PAGE, 1)), held_pages=HELD, **LAYOUT)
+    with pytest.raises(digest.BadRanges, match="more bytes than the hold pins"):
+        digest.check_ranges(*_arrays(*[(0, 3 * PAGE, PAGE)] * control.MAX_DIGEST_RANGES),
+                            held_pages=HELD, **LAYOUT)
+
+
 def test_nothing_held_refuses_everything() -> None:
     with pytest.raises(digest.BadRanges, match="outside the pages"):
         digest.check_ranges(*_arrays((0, 0, 1)), held_pages=np.empty(0, np.int64), **LAYOUT)

@@ -97,6 +97,9 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
         "socket not a socket": (["--socket", str(tmp_path / "file"), *keys], {},
                                 f"kvsidecar: {tmp_path}/file exists and is not a socket; "
                                 "remove it or pass another --socket"),
+        # procfs makes no directory (ENOENT), as a read-only file system (EROFS) makes none
+        "socket directory not made": (["--socket", "/proc/self/kvs-none/s.sock", *keys], {},
+                                      "kvsidecar: cannot serve /proc/self/kvs-none/s.sock: "),
         "socket path too long": (["--socket", "/tmp/" + "x" * 120 + ".sock", *keys], {},
                                  "is longer than 107 bytes (a unix socket limit); "
                                  "pass a shorter path"),
@@ -136,7 +139,8 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
 
 
 CASES = ["missing keys", "bad flag", "unknown flag", "bad env value", "bad env choice",
-         "socket in use", "socket not a socket", "socket path too long",
+         "socket in use", "socket not a socket", "socket directory not made",
+         "socket path too long",
          "handshake port in use", "handshake host not here", "unusable device",
          "transport check"]
 #: Cases that exist only with metrics on (the "metrics off" run has no listener).

@@ -118,3 +118,20 @@ def test_a_report_lists_the_most_recently_used_links_of_an_engine_only() -> None
     assert MAX_STATUS_PEERS == 32 and e.peers_linked == 40
     assert [p.address for p in e.peers] == [f"10.0.0.{i}:5600" for i in range(39, 7, -1)]
     assert [p.reads for p in e.peers[:2]] == [1, 0]
+
+
+def test_a_peer_version_cannot_write_to_the_terminal() -> None:
+    """A linked peer's version comes from its handshake (any string, any length):
+    its control characters (a terminal's escape sequences) are shown escaped and
+    a long one is cut, so ``kvsidecar status`` prints what the report says and
+    nothing a peer chose to do to the operator's terminal."""
+    evil = "\x1b[2J\x1b]0;owned\x07" + "9" * 10_000
+    r = _report(engines=[EngineStatus("dec", 1, 2, pid=42, lanes=2, reads=0, oldest_read_s=0.0,
+                                      holds=0, queued=0, peers_linked=1,
+                                      peers=[PeerStatus("10.0.0.2:5600", "pre", 0, evil, 2)])])
+    out = render(r)
+    assert "\x1b" not in out and "\x07" not in out
+    assert max(len(line) for line in out.splitlines()) < 200
+    row = out.splitlines()[-1].split()
+    assert row[:4] == ["dec/1", "10.0.0.2:5600", "pre", "0"] and row[-1] == "2"
+    assert row[4].startswith("\\x1b[2J\\x1b]0;owned\\x0799") and row[4].endswith("\u2026")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +30,10 @@ from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim, ControlReply, Digest
 from kvsidecar.daemon.verify import MAX_DIGEST_BYTES_IN_FLIGHT
-from kvsidecar.ipc.client import AsyncSidecarClient, ReadSpec
+from kvsidecar.ipc import protocol, seqpacket
+from kvsidecar.ipc.client import AsyncSidecarClient, ReadSpec, SidecarClient, Unavailable
 from kvsidecar.ipc.layout import Layout, attention_layout
-from kvsidecar.ipc.protocol import Completion
+from kvsidecar.ipc.protocol import Completion, RemoteEngine
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, fleet_keys
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
@@ -262,10 +265,14 @@ def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
 
         async def run() -> list[ControlReply]:
             async with Asker(sidecars.p[0], P) as ask:
+                page = P.layout.page_bytes
+                again = [(0, held * page, page)] * (P.layout.num_regions + 1)
                 return [await ask.digest("held", held), await ask.digest("held", free),
-                        await ask.digest("no-such-request", held)]
+                        await ask.digest("no-such-request", held),
+                        await ask.digest("held", held, pieces=again)]
 
-        ok, outside, unheld = asyncio.run(run())
+        ok, outside, unheld, repeated = asyncio.run(run())
+        assert not repeated.granted and "more bytes than the hold pins" in repeated.reason
         assert ok.granted and len(ok.digest) == 8
         assert not outside.granted and "outside the pages the hold pins" in outside.reason
         assert not outside.digest
@@ -337,3 +344,79 @@ def test_digests_in_flight_are_bounded(sidecars: Sidecars) -> None:
         after = sidecars.p[0].metric("kvsidecar_limit_refusals_total", limit="digests")
         assert after - before == len(refused)
         P.clients[0].release(P.engine_id, sent.request_id)
+
+
+class OlderSidecar:
+    """FAKE (a sidecar of an older release cannot be run from this checkout): the
+    engine socket of a sidecar of protocol minor 6, from before ``Read.verify``,
+    which decodes a read's ``verify`` as an unknown field and ignores it. It
+    answers pings (minor 6) and accepts reads, recording whether each asked."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.reads: list[tuple[str, bool]] = []
+        self._sock = seqpacket.new_socket()
+        self._sock.bind(path)
+        self._sock.listen()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        while data := conn.recv(seqpacket.RECV_BYTES):
+            req = protocol.decode_request(data)
+            reply: protocol.Reply
+            if isinstance(req, protocol.Ping):
+                reply = protocol.Pong(id=req.id, version=protocol.PROTOCOL_VERSION, minor=6)
+            elif isinstance(req, protocol.Read):
+                self.reads.append((req.request_id, req.verify))
+                reply = protocol.Ok(id=req.id)
+            else:
+                reply = protocol.Error(id=req.id, code=protocol.BAD_MESSAGE, message="unknown op")
+            conn.send(protocol.encode_reply(reply))
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def test_a_sidecar_that_would_ignore_verify_is_never_asked(tmp_path: Path) -> None:
+    """``read(verify=True)`` (and ``read_many`` with a verified read) against a
+    sidecar of protocol minor < 7 raises Unavailable and sends nothing: that
+    sidecar would read unverified and report ``received``, so the caller would
+    take bytes nobody checked for verified ones. An unverified read still goes."""
+    old = OlderSidecar(str(tmp_path / "old.sock"))
+    remote = RemoteEngine("p", 1, ["127.0.0.1:1"])
+    try:
+        client = SidecarClient(old.path)
+        with pytest.raises(Unavailable, match="verify"):
+            client.read("e", "v1", [[1]], remote, [[1]], verify=True)
+        with pytest.raises(Unavailable, match="verify"):
+            client.read_many("e", [ReadSpec("v2", [[1]], remote, [[1]], verify=True)])
+        client.read("e", "plain", [[1]], remote, [[1]])
+        client.close()
+
+        async def run() -> None:
+            aclient = AsyncSidecarClient(old.path)
+            try:
+                with pytest.raises(Unavailable, match="verify"):
+                    await aclient.read("e", "v3", [[1]], remote, [[1]], verify=True)
+                with pytest.raises(Unavailable, match="verify"):
+                    await aclient.read_many("e", [ReadSpec("v4", [[1]], remote, [[1]],
+                                                           verify=True)])
+            finally:
+                await aclient.close()
+
+        asyncio.run(run())
+        assert old.reads == [("plain", False)]
+    finally:
+        old.close()

@@ -274,3 +274,16 @@ def test_the_kubernetes_pod_runs_this_version_of_the_image() -> None:
     (sc,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvsidecar"]
     assert sc["image"].endswith(f"/kvsidecar:{kvsidecar.__version__}")
     assert "serve" not in sc.get("args", [])  # the image's ENTRYPOINT says it
+
+
+def test_the_image_build_context_leaves_out_what_git_ignores() -> None:
+    """The build stage copies the checkout (``COPY . /src``): whatever git ignores
+    (a venv, caches, the GPU check's ~60 MiB of wheels in .whl/) is no part of a
+    clean clone and must not travel to the image builder either."""
+    def entries(name: str) -> set[str]:
+        lines = (ROOT / name).read_text().splitlines()
+        return {line.strip().rstrip("/").removeprefix("**/") for line in lines
+                if line.strip() and not line.startswith("#")}
+
+    missing = entries(".gitignore") - entries(".dockerignore")
+    assert not missing, f".dockerignore lacks what .gitignore ignores: {sorted(missing)}"

@@ -154,3 +154,42 @@ def test_no_sidecar_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert out.stderr.strip() == (f"kvsidecar: no socket at {tmp_path}/none.sock: is "
                                   f"`kvsidecar serve --socket {tmp_path}/none.sock` running? "
                                   "(--socket, env KVSIDECAR_SOCKET)")
+
+
+def test_the_health_check_finds_a_sidecar_whose_device_is_a_flag(tmp_path: Path) -> None:
+    """The image's HEALTHCHECK runs ``kvsidecar status`` with the container's
+    environment only: ``serve --device cuda:0`` (a flag, as ``podman run IMAGE
+    --device cuda:0`` passes it) listens on cuda:0's default socket, which a
+    status that looks only where KVSIDECAR_DEVICE (unset: cpu) says never finds:
+    unhealthy forever. With nothing at that socket, status takes the one socket
+    in serve's default folder. Shown with the roles swapped (no GPU here): serve
+    for the CPU by default, status told KVSIDECAR_DEVICE=cuda:0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIDECAR_")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    sock = tmp_path / "kvsidecar" / "cpu.sock"
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--insecure-peers", "--metrics-port",
+             "-1", "--handshake-host", "127.0.0.1", "--handshake-port", "0",
+             "--transport-check", "off"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "the sidecar never made its socket"
+            time.sleep(0.1)
+        out = subprocess.run([sys.executable, "-m", "kvsidecar", "status"], capture_output=True,
+                             text=True, timeout=120, env={**env, "KVSIDECAR_DEVICE": "cuda:0"})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"kvsidecar {kvsidecar.__version__}  daemon "), out.stdout
+        assert f"engines on {sock}," in out.stdout
+        # a second sidecar's socket in that folder: which one is meant is not guessed
+        (tmp_path / "kvsidecar" / "cuda1.sock").touch()
+        out = subprocess.run([sys.executable, "-m", "kvsidecar", "status"], capture_output=True,
+                             text=True, timeout=120, env={**env, "KVSIDECAR_DEVICE": "cuda:0"})
+        assert out.returncode == 2
+        assert f"no socket at {tmp_path}/kvsidecar/cuda0.sock" in out.stderr, out.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
