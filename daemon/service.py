@@ -498,8 +498,10 @@ class Sidecar:
         uid = peer.uid if peer is not None else None
         reserved = self._reservations.of(req.engine_id, uid)
         mapping = asyncio.get_running_loop().run_in_executor(
-            None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix,
-            uid, req.memory, self._gpu, reserved.region if reserved else None)
+            None, partial(map_regions, req.engine_id, layout, req.mode, req.regions,
+                          self._shm_prefix, uid, req.memory, self._gpu,
+                          reserved.region if reserved else None,
+                          allow_unsealed_shm=self.settings.allow_unsealed_shm))
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -621,7 +623,8 @@ class Sidecar:
                                           "already; reserve before registering")
         again = self._reservations.check_room(req.engine_id, uid, req.nbytes, req.memory)
         if again is None:
-            ctx = MemoryContext(req.engine_id, self._shm_prefix, uid, self._gpu)
+            ctx = MemoryContext(req.engine_id, self._shm_prefix, uid, self._gpu,
+                                allow_unsealed_shm=self.settings.allow_unsealed_shm)
             (region,) = await asyncio.get_running_loop().run_in_executor(
                 None, memory_kinds.allocate, req.memory, 1, req.nbytes, ctx)
             if self._reservations.of(req.engine_id, uid) is not None:  # raced by a retry

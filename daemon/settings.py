@@ -60,6 +60,9 @@ class Settings:
     otlp_endpoint: str = ""
     peer_keys: str = ""
     insecure_peers: bool = False
+    #: map POSIX shm (attach mode, and allocate/reserve with memory='shm'): it cannot be
+    #: sealed, so an engine that truncates it kills this sidecar with SIGBUS on a read
+    allow_unsealed_shm: bool = False
     #: engine-allocated GPU memory (attach mode): serve, warn (serve loudly unless the
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
@@ -296,6 +299,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
                         "reaches it can read and write registered KV memory "
                         "(env KVSIDECAR_INSECURE_PEERS=1)")
+    p.add_argument("--allow-unsealed-shm", action="store_true",
+                   default=_env("ALLOW_UNSEALED_SHM", "") not in ("", "0", "false"),
+                   help="serve POSIX shared memory regions (attach mode, memory=shm); they "
+                        "cannot be sealed, so an engine that truncates one kills this "
+                        "sidecar (SIGBUS) when a peer reads it: trusted engines only. Off: "
+                        "such registrations are refused; memfd is sealed and always "
+                        "served (env KVSIDECAR_ALLOW_UNSEALED_SHM=1)")
     p.add_argument("--staging", default=_env("STAGING", "off"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
@@ -434,6 +444,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
         otlp_endpoint=ns.otlp_endpoint,
         peer_keys=ns.peer_keys,
         insecure_peers=ns.insecure_peers,
+        allow_unsealed_shm=ns.allow_unsealed_shm,
         cuda_attach=ns.cuda_attach,
         staging=ns.staging,
         staging_bytes=ns.staging_bytes,

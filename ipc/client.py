@@ -410,7 +410,7 @@ class ClientCore:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout,
                  regions: Sequence[Region] | None, allocate: bool,
-                 keep_on_exit: bool, memory: MemoryKind = "shm") -> Call[Registration]:
+                 keep_on_exit: bool, memory: MemoryKind = "memfd") -> Call[Registration]:
         if allocate == (regions is not None):
             raise ValueError("register: pass either regions (attach mode) or allocate=True")
         req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
@@ -625,7 +625,7 @@ class SidecarClient:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                  regions: Sequence[Region] | None = None, allocate: bool = False,
-                 keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
+                 keep_on_exit: bool = False, memory: MemoryKind = "memfd") -> Registration:
         """``memory`` (allocate mode): what the sidecar allocates, ``shm``/``memfd``
         host memory or ``cuda_malloc``/``cuda_vmm`` on its GPU."""
         return self._run(self._core.register(engine_id, tp_rank, layout, regions, allocate,
@@ -964,7 +964,7 @@ class AsyncSidecarClient:
 
     async def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                        regions: Sequence[Region] | None = None, allocate: bool = False,
-                       keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
+                       keep_on_exit: bool = False, memory: MemoryKind = "memfd") -> Registration:
         return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
                                                    allocate, keep_on_exit, memory))
 

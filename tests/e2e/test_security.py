@@ -103,7 +103,8 @@ def shared_sidecar() -> Iterator[SidecarProcess]:
     # A parent directory nobody can traverse (pytest's own tmp dirs are 0700).
     workdir = Path(tempfile.mkdtemp(prefix="kvs-sec-", dir="/tmp"))
     os.chmod(workdir, 0o755)
-    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY)])
+    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY),
+                                                          "--allow-unsealed-shm"])
     side.socket = str(workdir / "run" / "shared.sock")  # a directory the sidecar creates
     try:
         side.start()
