@@ -125,13 +125,12 @@ def _allocate_host(create: Callable[[str, int], Region], *, sealed: bool) -> All
     def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
         if not sealed:
             _check_unsealed(ctx)
-        room = host_memory.available_bytes()
-        if room is not None:
-            why = host_memory.room_error(count * nbytes, *room)
-            if why:  # before anything is reserved (see daemon/host_memory.py)
-                raise RequestError(UNAVAILABLE, why)
-        return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
-                            created=True)
+        try:  # booked before anything is reserved (see daemon/host_memory.py)
+            with host_memory.LEDGER.claim(count * nbytes):
+                return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
+                                    created=True)
+        except host_memory.HostMemoryError as e:
+            raise RequestError(UNAVAILABLE, str(e)) from None
     return alloc
 
 
