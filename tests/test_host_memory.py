@@ -178,9 +178,9 @@ def test_allocations_under_way_are_booked() -> None:
     ledger = host_memory.Ledger(lambda: (2 * GiB - (256 << 20), 2 * GiB))
     with ledger.claim(900 << 20):
         assert ledger.pending == 900 << 20
-        with pytest.raises(host_memory.HostMemoryError, match="being allocated already"):
-            with ledger.claim(900 << 20):
-                pass  # pragma: no cover - refused above
+        with (pytest.raises(host_memory.HostMemoryError, match="being allocated already"),
+              ledger.claim(900 << 20)):
+            pass  # pragma: no cover - refused above
         with ledger.claim(500 << 20):
             assert ledger.pending == 1400 << 20
     assert ledger.pending == 0
