@@ -190,6 +190,7 @@ class Sidecar:
             max_connections=fd_budget(settings.max_engine_connections, 0.25),
             max_assembling_bytes=settings.max_assembling_bytes or None,
             long_message_timeout_s=settings.long_message_timeout_s,
+            idle_timeout_s=settings.engine_idle_timeout_s,
             on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
                                                                  reason=reason).inc(),
         )
