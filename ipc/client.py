@@ -303,6 +303,10 @@ def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:
         raise TypeError(f"block ids: expected an integer array, got dtype {a.dtype}")
 
 
+#: Replies after which a call maps memory (blocking: fd fetches, mmap).
+_MAPS_MEMORY: Final = (Registered, Reserved)
+
+
 def _registration(reply: Registered, regions: Sequence[Region] | None) -> Registration:
     """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
     memfd / CUDA VMM kinds); the caller deregisters if this raises."""
@@ -591,6 +595,21 @@ def _advance(call: Call[T], outcome: Reply | SidecarError | None) -> Request:
     if isinstance(outcome, SidecarError):
         return call.throw(outcome)
     return call.send(outcome)  # type: ignore[arg-type]  # None starts the generator
+
+
+class _Done:
+    """A call's result, carried out of an executor (StopIteration cannot be)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _step(call: Call[T], outcome: Reply | SidecarError | None) -> Request | _Done:
+    """:func:`_advance`, with the result as a :class:`_Done` instead of StopIteration."""
+    try:
+        return _advance(call, outcome)
+    except StopIteration as stop:
+        return _Done(stop.value)
 
 
 # --------------------------------------------------------------------------
@@ -1037,7 +1056,16 @@ class AsyncSidecarClient:
         outcome: Reply | SidecarError | None = None
         while True:
             try:
-                req = _advance(call, outcome)
+                if type(outcome) in _MAPS_MEMORY:
+                    # The next step maps the regions, fetching their fds from the
+                    # sidecar's fd socket: off this loop (it may be the sidecar's own).
+                    step = await asyncio.get_running_loop().run_in_executor(
+                        None, _step, call, outcome)
+                    if isinstance(step, _Done):
+                        return step.value  # type: ignore[no-any-return]
+                    req = step
+                else:
+                    req = _advance(call, outcome)
             except StopIteration as stop:
                 result: T = stop.value
                 return result
