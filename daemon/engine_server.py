@@ -112,6 +112,7 @@ from .engine_access import (
     PeerCred,
     claim_socket,
     current_peer,
+    open_to,
     peer_cred,
     prepare_socket_dir,
     restricted_umask,
@@ -248,7 +249,7 @@ class EngineServer:
                 f"{self.socket_path}"
             )
         prepare_socket_dir(os.path.dirname(self.socket_path), shared=self.access.shared,
-                           group=self.access.group)
+                           group=self.access.group, uids=self.access.other_uids)
         self._lock_fd = claim_socket(self.socket_path)  # SocketInUse: nothing was touched
         sock = new_socket()
         try:
@@ -257,6 +258,7 @@ class EngineServer:
             os.chmod(self.socket_path, 0o660 if self.access.shared else 0o600)
             if self.access.group is not None:
                 os.chown(self.socket_path, -1, self.access.group)
+            open_to(self.socket_path, self.access.other_uids, 0o6)
             st = os.stat(self.socket_path)
             self._inode = (st.st_dev, st.st_ino)
             sock.listen(_LISTEN_BACKLOG)

@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.daemon.engine_access import AccessPolicy, peer_cred, restricted_umask
+from kvsidecar.daemon.engine_access import AccessPolicy, open_to, peer_cred, restricted_umask
 from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.ipc.fdpass import (
     FdPassError,
@@ -99,6 +99,7 @@ class FdServer:
             os.chmod(self.path, 0o660 if self.access.shared else 0o600)
             if self.access.group is not None:
                 os.chown(self.path, -1, self.access.group)
+            open_to(self.path, self.access.other_uids, 0o6)
             sock.listen(64)
             sock.setblocking(False)
         except BaseException:

@@ -121,14 +121,18 @@ def _all_or_none(count: int, make: Callable[[int], Region], *, created: bool) ->
     return out
 
 
-def _allocate_host(create: Callable[[str, int], Region], *, sealed: bool) -> Allocator:
+def _allocate_host(create: Callable[[str, int, int | None], Region], *,
+                   sealed: bool) -> Allocator:
+    """``create(name, nbytes, engine uid)`` each region, booked in the host-memory
+    ledger; unsealable kinds only with ``--allow-unsealed-shm``."""
     def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
         if not sealed:
             _check_unsealed(ctx)
         try:  # booked before anything is reserved (see daemon/host_memory.py)
             with host_memory.LEDGER.claim(count * nbytes):
-                return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
-                                    created=True)
+                return _all_or_none(
+                    count, lambda _: create(unique_name(_prefix(ctx)), nbytes, ctx.owner_uid),
+                    created=True)
         except host_memory.HostMemoryError as e:
             raise RequestError(UNAVAILABLE, str(e)) from None
     return alloc
@@ -189,8 +193,12 @@ def _not_attachable(kind: str) -> Attacher:
 
 
 ALLOCATORS: Final[dict[str, Allocator]] = {
-    "shm": _allocate_host(ShmRegion.create, sealed=False),
-    "memfd": _allocate_host(MemfdRegion.create, sealed=True),
+    # A segment is given to the engine's uid (another allowed user could not open
+    # a 0600 one of the sidecar's); a memfd travels as an fd, to that uid only.
+    "shm": _allocate_host(lambda name, n, uid: ShmRegion.create(name, n, owner_uid=uid),
+                          sealed=False),
+    "memfd": _allocate_host(lambda name, n, uid: MemfdRegion.create(name, n, owner_uid=uid),
+                            sealed=True),
     "cuda_malloc": _allocate_cuda("cuda_malloc"),
     "cuda_vmm": _allocate_cuda("cuda_vmm"),
 }

@@ -372,6 +372,12 @@ class Sidecar:
 
     async def _read(self, req: Read) -> Reply:
         eng = self._engine(req.engine_id)
+        if req.remote.engine_id == req.engine_id:
+            # Its own agent would be loaded into itself as a peer (+128 MB of UCX
+            # state measured) only to fail later with an error about something else.
+            raise RequestError(BAD_REQUEST, f"engine {req.engine_id[:200]!r} asked to read "
+                                            "from itself (the remote engine is the reading "
+                                            "engine): its KV cache is already here")
         for address in req.remote.handshake:
             if address not in self._dialable:
                 self._check_address(address)

@@ -64,10 +64,11 @@ class MemfdRegion(ShmRegion):
         self._share: tuple[str, int] | None = None
 
     @classmethod
-    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> MemfdRegion:
+    def create(cls, name: str, nbytes: int, *, reserve: bool = True,
+               owner_uid: int | None = None) -> MemfdRegion:
         """A new zero-filled memfd of ``nbytes``, its size sealed (``reserve``: pages
         allocated now, so a full memory cgroup fails here, not with SIGBUS on first
-        touch)."""
+        touch). ``owner_uid`` is ignored: a memfd reaches its engine as an fd."""
         if nbytes < 1:
             raise RegionError(f"memfd {name!r}: nbytes must be >= 1, got {nbytes}")
         try:
