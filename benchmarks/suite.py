@@ -1166,7 +1166,8 @@ def bench_startup(fleet: Fleet, s: Scale) -> list[Figure]:
     regions = allocate_for_layout(layout, f"{ENGINE_SHM_PREFIX}bench-start-", reserve=False)
     try:
         workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
-        sc = SidecarProcess(workdir, "s0", args=["--metrics-port", "0"])
+        # Attach mode maps POSIX shm, which a sidecar serves only when told.
+        sc = SidecarProcess(workdir, "s0", args=["--metrics-port", "0", "--allow-unsealed-shm"])
         try:
             t0 = time.perf_counter()
             sc.start()

@@ -8,6 +8,10 @@ never ``close``: the fd stays libzmq's) every connection accepted beyond
 ``limit``; libzmq then sees the connection end and frees its fd. Connections
 that were there first, such as registered engines and known peers, stay.
 
+With ``per_source`` it also caps the connections from one remote address
+(TCP): a flood from one host cannot take every slot from the fleet's other
+members.
+
 Accounting follows ``ACCEPTED``/``DISCONNECTED`` events, which libzmq emits
 before it closes an fd, so a reused fd number always comes after its old
 connection's end. The receiving pipe is unbounded (``RCVHWM`` 0), so no event
@@ -89,11 +93,19 @@ class ConnectionGuard:
 
     def __init__(self, sock: zmq.Socket[Any], name: str, limit: int, *,
                  local: str | int, on_refuse: Callable[[], None] | None = None,
-                 on_handshake_failure: Callable[[str], None] | None = None) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+                 on_handshake_failure: Callable[[str], None] | None = None,
+                 per_source: int | None = None,
+                 on_source_refuse: Callable[[], None] | None = None) -> None:
+        if limit < 1 or (per_source is not None and per_source < 1):
+            raise ValueError(f"limit and per_source must be >= 1, got {limit}, {per_source}")
         self.name = name
         self.limit = limit
+        self.per_source = per_source
+        #: remote host of each open connection (per_source only) and counts per host
+        self._source_of: dict[int, str] = {}
+        self._by_source: dict[str, int] = {}
+        self._on_source_refuse = on_source_refuse
+        self.refused_source = 0
         self.local = local
         self.refused = 0
         self.handshake_failures = 0
@@ -159,13 +171,30 @@ class ConnectionGuard:
         if event == zmq.EVENT_DISCONNECTED:
             with self._lock:
                 self._open.discard(fd)
+                self._forget_source(fd)
             return
         if event != zmq.EVENT_ACCEPTED:
             return
+        source = self._source(fd) if self.per_source is not None else None
         with self._lock:
-            if len(self._open) < self.limit:
+            over_source = (source is not None and self.per_source is not None
+                           and self._by_source.get(source, 0) >= self.per_source)
+            if len(self._open) < self.limit and not over_source:
                 self._open.add(fd)
+                if source is not None:
+                    self._source_of[fd] = source
+                    self._by_source[source] = self._by_source.get(source, 0) + 1
                 return
+        if over_source:
+            if self._shut(fd):
+                self.refused_source += 1
+                if self._on_source_refuse is not None:
+                    self._on_source_refuse()
+                if worth_logging(self.refused_source):
+                    log.warning("%s socket: refused a connection from %s, %d open from one "
+                                "address is the limit (%d refused so far)", self.name, source,
+                                self.per_source, self.refused_source)
+            return
         if self._shut(fd):
             self.refused += 1
             if self._on_refuse is not None:
@@ -173,6 +202,35 @@ class ConnectionGuard:
             if worth_logging(self.refused):
                 log.warning("%s socket: refused a connection, %d open is the limit "
                             "(%d refused so far)", self.name, self.limit, self.refused)
+
+    def _forget_source(self, fd: int) -> None:
+        """(Lock held.) ``fd``'s connection is gone: its source has one less."""
+        source = self._source_of.pop(fd, None)
+        if source is not None:
+            left = self._by_source.get(source, 1) - 1
+            if left > 0:
+                self._by_source[source] = left
+            else:
+                self._by_source.pop(source, None)
+
+    def _source(self, fd: int) -> str | None:
+        """The remote host of the TCP connection on ``fd`` (None: not one of ours,
+        or not TCP)."""
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return None
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return None
+        try:
+            if not self._mine(s):
+                return None
+            peer = s.getpeername()
+            return str(peer[0]) if isinstance(peer, tuple) else None
+        except OSError:
+            return None
+        finally:
+            s.detach()  # the fd is libzmq's
 
     def _mine(self, s: socket.socket) -> bool:
         try:
@@ -219,3 +277,5 @@ class ConnectionGuard:
         if gone:
             with self._lock:
                 self._open.difference_update(gone)
+                for fd in gone:
+                    self._forget_source(fd)

@@ -6,7 +6,9 @@ deregister), so three layers guard it, none trusting the others:
 * its directory belongs to the sidecar's user and nobody else can write it
   (nobody can swap the socket for their own),
 * the socket file is created ``0600`` (``0660`` when other users are
-  allowed in) whatever the umask,
+  allowed in) whatever the umask; users allowed by uid (``--allow-uid``) are
+  let through the file modes by a POSIX ACL entry each on the socket and its
+  directory (see :func:`grant_uids`),
 * every connection is checked against the connecting process's kernel
   credentials (``SO_PEERCRED``, read once when it is accepted; the kernel
   records them at ``connect``, so they cannot be forged or changed later):
@@ -35,8 +37,11 @@ __all__ = [
     "AccessPolicy",
     "PeerCred",
     "SocketInUse",
+    "acl_blob",
     "claim_socket",
     "current_peer",
+    "grant_uids",
+    "open_to",
     "peer_cred",
     "prepare_socket_dir",
     "restricted_umask",
@@ -100,6 +105,11 @@ class AccessPolicy:
         return min(self.gids) if self.gids else None
 
     @property
+    def other_uids(self) -> frozenset[int]:
+        """Allowed users besides the sidecar's own (given ACL entries on the socket)."""
+        return self.uids - {os.geteuid()}
+
+    @property
     def shared(self) -> bool:
         """Whether users other than the sidecar's own must reach the socket file."""
         return bool(self.gids) or self.uids != {os.geteuid()}
@@ -109,20 +119,65 @@ class AccessPolicy:
         return f"uids {sorted(self.uids)}{gids}"
 
 
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_NO_ID = 0xFFFFFFFF
+
+
+def acl_blob(mode: int, uids: Iterable[int], perm: int) -> bytes:
+    """The kernel's ``system.posix_acl_access`` value: ``mode``'s owner, group and
+    other bits plus a ``perm`` (rwx bits, 0-7) entry for each of ``uids``."""
+    entries = [(_ACL_USER_OBJ, (mode >> 6) & 7, _ACL_NO_ID)]
+    entries += [(_ACL_USER, perm, uid) for uid in sorted(set(uids))]
+    group = (mode >> 3) & 7
+    entries += [(_ACL_GROUP_OBJ, group, _ACL_NO_ID), (_ACL_MASK, group | perm, _ACL_NO_ID),
+                (_ACL_OTHER, mode & 7, _ACL_NO_ID)]
+    return struct.pack("<I", _ACL_VERSION) + b"".join(
+        struct.pack("<HHI", tag, p, i) for tag, p, i in entries)
+
+
+def grant_uids(path: str, uids: Iterable[int], perm: int) -> bool:
+    """Let ``uids`` through ``path``'s file modes with ``perm`` (a POSIX ACL entry
+    each); False when the file system takes no ACLs (the caller then opens the
+    mode to others: every connection's credentials are checked anyway)."""
+    wanted = sorted(set(uids))
+    if not wanted:
+        return True
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    try:
+        os.setxattr(path, _ACL_XATTR, acl_blob(mode, wanted, perm))
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
+def open_to(path: str, uids: Iterable[int], perm: int) -> None:
+    """:func:`grant_uids`, or where ACLs are not supported, ``perm`` for others
+    (the credential check on every connection is then the only gate)."""
+    if not grant_uids(path, uids, perm):
+        os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | perm)
+
+
 class SocketInUse(RuntimeError):
     """Another sidecar serves this socket; the message is the one line to print."""
 
 
-def prepare_socket_dir(directory: str, *, shared: bool, group: int | None = None) -> None:
-    """Create the socket's directory (0700; 0750 and ``group`` when ``shared``) or
-    check that an existing one is the sidecar's: owned by its user (or root)
-    and writable by nobody else. Raises PermissionError with what is wrong."""
+def prepare_socket_dir(directory: str, *, shared: bool, group: int | None = None,
+                       uids: Iterable[int] = ()) -> None:
+    """Create the socket's directory (0700; 0750 and ``group`` when ``shared``, and
+    search permission for each of ``uids``) or check that an existing one is the
+    sidecar's: owned by its user (or root) and writable by nobody else. Raises
+    PermissionError with what is wrong."""
     path = Path(directory)
     if not path.exists():
         path.mkdir(parents=True, mode=0o700, exist_ok=True)  # the umask can only narrow it
         os.chmod(path, 0o750 if shared else 0o700)
         if group is not None:
             os.chown(path, -1, group)
+        open_to(directory, uids, 0o5)
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"socket directory {directory} is not a directory")

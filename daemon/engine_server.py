@@ -42,8 +42,14 @@ metric) and answered with one clear error:
   (reason ``too_large``); one announced at over twice that also closes its
   connection, so nobody makes the daemon buffer it (see
   :mod:`~kvsidecar.daemon.message_limit`);
-* connections beyond ``max_connections`` get one ``unavailable`` reply and are
-  closed (reason ``connection_limit``); the ones already there stay;
+* connections beyond ``max_connections``: the one idle longest (nothing in
+  flight, nothing received for ``idle_grace_s``) that never registered (no
+  ``Registered``/``Reserved`` reply went over it) is closed without a word
+  to make room (reason ``idle_evicted``; the clients reconnect on their next
+  call); when there is none, the new one gets one ``unavailable`` reply and
+  is closed (reason ``connection_limit``);
+* a connection that never registered and is idle for ``idle_timeout_s`` is
+  closed (reason ``idle_timeout``): idle connections cannot hold the slots;
 * long messages (those sent in chunks after a header) being received at
   once may together announce at most ``max_assembling_bytes`` (default
   :data:`ASSEMBLING_FACTOR` times the hard cap); a header past that gets one
@@ -83,9 +89,11 @@ from ..ipc.protocol import (
     UNAVAILABLE,
     Error,
     ProtocolError,
+    Registered,
     Reply,
     Request,
     RequestError,
+    Reserved,
     decode_request,
     encode_reply,
 )
@@ -104,6 +112,7 @@ from .engine_access import (
     PeerCred,
     claim_socket,
     current_peer,
+    open_to,
     peer_cred,
     prepare_socket_dir,
     restricted_umask,
@@ -129,12 +138,18 @@ ASSEMBLING_FACTOR = 4
 #: Seconds from a long message's header to its last chunk (a 32 MiB message
 #: takes milliseconds on a Unix socket).
 DEFAULT_LONG_MESSAGE_TIMEOUT_S = 30.0
+#: A connection that never registered and sends nothing this long is closed.
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+#: At the connection limit, one idle at least this long may be closed for a new one.
+DEFAULT_IDLE_GRACE_S = 1.0
 #: Unsent reply packets after which the server stops reading that connection.
 _MAX_UNSENT = 64
 #: Packets read per wake-up of one connection, so one busy engine cannot
 #: starve the others (level-triggered: the rest is read on the next turn).
 _READ_BURST = 64
 _LISTEN_BACKLOG = 128
+#: Replies that make a connection an engine's own (exempt from the idle rules).
+_REGISTERING = (Registered, Reserved)
 _ACCEPT_PAUSE_S = 0.1
 
 
@@ -169,6 +184,8 @@ class EngineServer:
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_assembling_bytes: int | None = None,
                  long_message_timeout_s: float = DEFAULT_LONG_MESSAGE_TIMEOUT_S,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
                  on_refuse: Callable[[str], None] | None = None) -> None:
         if max_connections < 1 or max_in_flight < 1:
             raise ValueError("max_connections and max_in_flight must be >= 1")
@@ -182,6 +199,12 @@ class EngineServer:
         self.max_assembling_bytes = (max_assembling_bytes if max_assembling_bytes is not None
                                      else ASSEMBLING_FACTOR * self.size_limit.hard_cap)
         self.long_message_timeout_s = long_message_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.idle_grace_s = idle_grace_s
+        #: connections closed idle: at the limit for a new one / past idle_timeout_s
+        self.idle_evicted = 0
+        self.idle_closed = 0
+        self._sweeper: asyncio.TimerHandle | None = None
         #: bytes announced by the long messages being received now, all connections
         self.assembling_bytes = 0
         self.messages = 0
@@ -226,7 +249,7 @@ class EngineServer:
                 f"{self.socket_path}"
             )
         prepare_socket_dir(os.path.dirname(self.socket_path), shared=self.access.shared,
-                           group=self.access.group)
+                           group=self.access.group, uids=self.access.other_uids)
         self._lock_fd = claim_socket(self.socket_path)  # SocketInUse: nothing was touched
         sock = new_socket()
         try:
@@ -235,6 +258,7 @@ class EngineServer:
             os.chmod(self.socket_path, 0o660 if self.access.shared else 0o600)
             if self.access.group is not None:
                 os.chown(self.socket_path, -1, self.access.group)
+            open_to(self.socket_path, self.access.other_uids, 0o6)
             st = os.stat(self.socket_path)
             self._inode = (st.st_dev, st.st_ino)
             sock.listen(_LISTEN_BACKLOG)
@@ -247,11 +271,15 @@ class EngineServer:
         self._listener = sock
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._accept)
+        self._sweeper = self._loop.call_later(self._sweep_period(), self._sweep)
         log.info("engine server listening on %s", self.socket_path)
 
     async def stop(self) -> None:
         """Stop accepting and reading; let requests in flight answer (5 s), then close."""
         listener, self._listener = self._listener, None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if listener is not None and self._loop is not None:
             self._loop.remove_reader(listener.fileno())
             listener.close()
@@ -298,7 +326,7 @@ class EngineServer:
                 loop.call_later(_ACCEPT_PAUSE_S, self._resume_accepting, listener)
                 return
             sock.setblocking(False)
-            if len(self._conns) >= self.max_connections:
+            if len(self._conns) >= self.max_connections and not self._evict_idlest(loop.time()):
                 self.refused_connections += 1
                 self._refuse("connection_limit")
                 if worth_logging(self.refused_connections):
@@ -316,6 +344,42 @@ class EngineServer:
             conn = _Connection(self, sock, cred, loop)
             self._conns[conn.fd] = conn
             conn.resume()
+
+    def _idle(self, conn: _Connection, now: float, after_s: float) -> bool:
+        return (not conn.registered and conn.in_flight == 0 and not conn.assembling
+                and now - conn.last_seen >= after_s)
+
+    def _evict_idlest(self, now: float) -> bool:
+        """Close the unregistered connection idle longest (at least ``idle_grace_s``)
+        to make room for a new one; False when there is none."""
+        idle = [c for c in self._conns.values() if self._idle(c, now, self.idle_grace_s)]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_seen)
+        victim.close()
+        self.idle_evicted += 1
+        self._refuse("idle_evicted")
+        if worth_logging(self.idle_evicted):
+            log.warning("engine socket: %d connections open (the limit): closed one idle for "
+                        "%.1f s that never registered (%d so far)", self.max_connections,
+                        now - victim.last_seen, self.idle_evicted)
+        return True
+
+    def _sweep_period(self) -> float:
+        return max(0.05, min(5.0, self.idle_timeout_s / 4))
+
+    def _sweep(self) -> None:
+        """Close unregistered connections idle for ``idle_timeout_s``; runs on a timer."""
+        loop = self._loop
+        if loop is None or self._listener is None:
+            return
+        now = loop.time()
+        for conn in [c for c in self._conns.values()
+                     if self._idle(c, now, self.idle_timeout_s)]:
+            conn.close()
+            self.idle_closed += 1
+            self._refuse("idle_timeout")
+        self._sweeper = loop.call_later(self._sweep_period(), self._sweep)
 
     def _resume_accepting(self, listener: socket.socket) -> None:
         if self._listener is listener and self._loop is not None:
@@ -348,6 +412,7 @@ class EngineServer:
         """One whole message from ``conn`` (``data`` may be a view into the receive
         buffer: everything that reads it runs before this returns)."""
         self.messages += 1
+        conn.last_seen = conn.loop_time()
         if len(data) > self.size_limit.limit:
             self.bad_messages += 1
             too_large = self.size_limit.refuse(len(data))
@@ -445,6 +510,11 @@ class _Connection:
         self.cred = cred
         self.in_flight = 0
         self._loop = loop
+        #: loop time of the last whole message (or of the accept)
+        self.last_seen = loop.time()
+        #: a Registered or Reserved reply went over this connection: an engine's
+        #: own, never closed for being idle (the engine lease ends dead ones)
+        self.registered = False
         self._assembler = Assembler(server.size_limit.hard_cap)
         #: what this connection's long message under way counts in server.assembling_bytes
         self._reserved = 0
@@ -454,6 +524,14 @@ class _Connection:
         self._writing = False
         self._closing = False
         self._closed = False
+
+    def loop_time(self) -> float:
+        return self._loop.time()
+
+    @property
+    def assembling(self) -> bool:
+        """A long message is under way (its own deadline bounds it)."""
+        return self._reserved > 0
 
     def resume(self) -> None:
         if not self._reading and not self._closed:
@@ -600,6 +678,8 @@ class _Connection:
     def reply(self, reply: Reply) -> None:
         if self._closed:
             return  # the engine went away: nobody to tell
+        if type(reply) in _REGISTERING:
+            self.registered = True
         self._unsent.extend(packets(self.server._encode(reply)))
         if not self._writing:
             self._flush()

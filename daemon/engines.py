@@ -190,7 +190,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
                 shm_prefix: str = "kvs", owner_uid: int | None = None,
                 memory: str = "shm", gpu: Gpu | None = None,
-                reserved: Region | None = None,
+                reserved: Region | None = None, allow_unsealed_shm: bool = False,
                 ) -> tuple[list[Region], bool]:
     """Map (attach) or create (allocate) the engine's regions; (regions, owned).
 
@@ -202,10 +202,12 @@ def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef]
     uid (``owner_uid``, from its socket credentials), each exactly one layout
     region long (GPU memory: as the attach policy allows). The sidecar may run
     as a more privileged user than its engines; without these checks an engine
-    could have it map, and expose to peers, another tenant's memory. Each kind
-    is served by an entry of :mod:`kvsidecar.daemon.memory_kinds`.
+    could have it map, and expose to peers, another tenant's memory. POSIX shm
+    (either mode) only with ``allow_unsealed_shm``: it cannot be sealed against
+    truncation. Each kind is served by an entry of
+    :mod:`kvsidecar.daemon.memory_kinds`.
     """
-    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu, reserved)
+    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu, reserved, allow_unsealed_shm)
     if mode == "allocate":
         if refs:
             raise RequestError(BAD_REQUEST, "allocate mode takes no region references")

@@ -4,7 +4,10 @@ See :mod:`kvsidecar.ipc.fdpass` for why it exists and the message format.
 It runs on the event loop (accepting and answering are non-blocking; a
 SEQPACKET send of one header and a few hundred fds never waits on a fresh
 socket), one task per connection, with a connection cap and a per-connection
-deadline, so a silent client costs one slot for ``timeout_s``.
+deadline, so a silent client costs one slot for ``timeout_s``. At the cap, the
+connection that has waited longest for its request (at least ``idle_grace_s``;
+an engine sends its request right after connecting) is closed to make room
+(reason ``idle_evicted``): idle connections cannot keep registrations out.
 
 Who gets what: the connection's ``SO_PEERCRED`` must pass the engine
 socket's :class:`~kvsidecar.daemon.engine_access.AccessPolicy`, and its uid
@@ -24,7 +27,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.daemon.engine_access import AccessPolicy, peer_cred, restricted_umask
+from kvsidecar.daemon.engine_access import AccessPolicy, open_to, peer_cred, restricted_umask
 from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.ipc.fdpass import (
     FdPassError,
@@ -54,12 +57,13 @@ class FdServer:
     """
 
     def __init__(self, path: str, access: AccessPolicy, *, max_connections: int = 64,
-                 timeout_s: float = 5.0,
+                 timeout_s: float = 5.0, idle_grace_s: float = 1.0,
                  on_refuse: Callable[[str], None] | None = None) -> None:
         self.path = os.path.abspath(path)
         self.access = access
         self.max_connections = max_connections
         self.timeout_s = timeout_s
+        self.idle_grace_s = idle_grace_s
         self.refused = 0
         self.served = 0
         self._on_refuse = on_refuse
@@ -67,6 +71,8 @@ class FdServer:
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        #: connections still waiting for their request: when each was accepted
+        self._waiting: dict[asyncio.Task[None], float] = {}
 
     def offer(self, fds: list[int], uid: int | None, what: str) -> str:
         """Make ``fds`` fetchable by ``uid`` under a fresh token (returned)."""
@@ -93,6 +99,7 @@ class FdServer:
             os.chmod(self.path, 0o660 if self.access.shared else 0o600)
             if self.access.group is not None:
                 os.chown(self.path, -1, self.access.group)
+            open_to(self.path, self.access.other_uids, 0o6)
             sock.listen(64)
             sock.setblocking(False)
         except BaseException:
@@ -121,13 +128,32 @@ class FdServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(sock)
-            if len(self._conns) >= self.max_connections:
+            if len(self._conns) >= self.max_connections and not self._evict_idlest(loop.time()):
                 self._refuse(conn, "connection_limit", "too many fd connections; try again")
                 conn.close()
                 continue
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
+            self._waiting[task] = loop.time()
             task.add_done_callback(self._conns.discard)
+            task.add_done_callback(self._forget_waiting)
+
+    def _forget_waiting(self, task: asyncio.Task[None]) -> None:
+        self._waiting.pop(task, None)
+
+    def _evict_idlest(self, now: float) -> bool:
+        """Cancel the connection waiting longest for its request (at least
+        ``idle_grace_s``); False when none has waited that long."""
+        oldest = min(self._waiting.items(), key=lambda kv: kv[1], default=None)
+        if oldest is None or now - oldest[1] < self.idle_grace_s:
+            return False
+        task = oldest[0]
+        del self._waiting[task]
+        task.cancel()
+        self.refused += 1
+        if self._on_refuse is not None:
+            self._on_refuse("idle_evicted")
+        return True
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -142,6 +168,7 @@ class FdServer:
             except asyncio.TimeoutError:
                 self._refuse(conn, "timeout", "no request in time")
                 return
+            self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             try:
                 token = parse_request(data)
             except FdPassError as e:

@@ -66,6 +66,8 @@ class MemoryContext:
     gpu: Gpu | None = None
     #: the allocation this engine made with ``Reserve`` (``reserved`` views map into it)
     reserved: Region | None = None
+    #: serve POSIX shm at all (``--allow-unsealed-shm``): see :func:`_unsealed_refusal`
+    allow_unsealed_shm: bool = False
 
 
 Allocator = Callable[[int, int, MemoryContext], list[Region]]
@@ -82,6 +84,20 @@ def refusal(kind: str, ctx: MemoryContext) -> str:
                                      if ctx.gpu is not None else ()))
     return (f"memory kind {kind!r} needs a GPU sidecar (--device cuda:N with cuda-bindings "
             f"installed: pip install 'kvsidecar[gpu]'); this sidecar serves {serves}")
+
+
+def _check_unsealed(ctx: MemoryContext) -> None:
+    """Refuse POSIX shm unless the operator allowed it: a memfd's size can be sealed,
+    a shm object's cannot, and an engine that truncates memory this sidecar maps
+    kills it with SIGBUS the next time a peer reads those pages (every engine on
+    the sidecar with it). Nothing at user level can catch that fault in NIXL's
+    threads, so the only safe answer is not to map such memory."""
+    if not ctx.allow_unsealed_shm:
+        raise RequestError(BAD_REQUEST, "POSIX shared memory (memory='shm', or attach mode) "
+                                        "cannot be sealed against truncation, which would "
+                                        "kill this sidecar; use memory='memfd' (allocate mode, "
+                                        "the default), or start the sidecar with "
+                                        "--allow-unsealed-shm if every engine is trusted")
 
 
 def _prefix(ctx: MemoryContext) -> str:
@@ -105,15 +121,20 @@ def _all_or_none(count: int, make: Callable[[int], Region], *, created: bool) ->
     return out
 
 
-def _allocate_host(create: Callable[[str, int], Region]) -> Allocator:
+def _allocate_host(create: Callable[[str, int, int | None], Region], *,
+                   sealed: bool) -> Allocator:
+    """``create(name, nbytes, engine uid)`` each region, booked in the host-memory
+    ledger; unsealable kinds only with ``--allow-unsealed-shm``."""
     def alloc(count: int, nbytes: int, ctx: MemoryContext) -> list[Region]:
-        room = host_memory.available_bytes()
-        if room is not None:
-            why = host_memory.room_error(count * nbytes, *room)
-            if why:  # before anything is reserved (see daemon/host_memory.py)
-                raise RequestError(UNAVAILABLE, why)
-        return _all_or_none(count, lambda _: create(unique_name(_prefix(ctx)), nbytes),
-                            created=True)
+        if not sealed:
+            _check_unsealed(ctx)
+        try:  # booked before anything is reserved (see daemon/host_memory.py)
+            with host_memory.LEDGER.claim(count * nbytes):
+                return _all_or_none(
+                    count, lambda _: create(unique_name(_prefix(ctx)), nbytes, ctx.owner_uid),
+                    created=True)
+        except host_memory.HostMemoryError as e:
+            raise RequestError(UNAVAILABLE, str(e)) from None
     return alloc
 
 
@@ -126,6 +147,7 @@ def _allocate_cuda(kind: str) -> Allocator:
 
 
 def _attach_shm(refs: Sequence[RegionRef], layout: Layout, ctx: MemoryContext) -> list[Region]:
+    _check_unsealed(ctx)
     def attach(i: int) -> Region:
         ref = refs[i]
         assert isinstance(ref, ShmRef)  # the table routed it here by type
@@ -171,8 +193,12 @@ def _not_attachable(kind: str) -> Attacher:
 
 
 ALLOCATORS: Final[dict[str, Allocator]] = {
-    "shm": _allocate_host(ShmRegion.create),
-    "memfd": _allocate_host(MemfdRegion.create),
+    # A segment is given to the engine's uid (another allowed user could not open
+    # a 0600 one of the sidecar's); a memfd travels as an fd, to that uid only.
+    "shm": _allocate_host(lambda name, n, uid: ShmRegion.create(name, n, owner_uid=uid),
+                          sealed=False),
+    "memfd": _allocate_host(lambda name, n, uid: MemfdRegion.create(name, n, owner_uid=uid),
+                            sealed=True),
     "cuda_malloc": _allocate_cuda("cuda_malloc"),
     "cuda_vmm": _allocate_cuda("cuda_vmm"),
 }

@@ -27,10 +27,10 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -77,6 +77,7 @@ from kvsidecar.ipc.protocol import (
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 I64 = NDArray[np.int64]
 
@@ -291,10 +292,10 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         known = [eng.peers.cached(remote.handshake[p], remote.engine_id, remote.tp_size, p)
                  for p in cands]
         if None in known:
-            peers: list[Peer] = await asyncio.gather(
-                *(eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
-                                user=job.links)
-                  for p in cands))
+            peers: list[Peer] = await _all_or_cancel(
+                [eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
+                               user=job.links)
+                 for p in cands])
         else:
             peers = [peer for peer in known if peer is not None]
             eng.peers.hold(peers, job.links)
@@ -984,6 +985,29 @@ def _notified(engine_id: str, rank: int, metrics: Metrics | None,
                 "the lease runs out)", engine_id, rank, sent.exception())
     if metrics is not None:
         metrics.notifications_sent.labels(engine_id, "failed").inc()
+
+
+async def _all_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, in order; on the first failure (or this task's cancel) the
+    others are cancelled before it is raised: a read that cannot link one P rank
+    gives up the rest of its links at once, and with them the handshakes they
+    wait for (other engines may need those peer connections)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # a failure, or this task cancelled: the rest are not needed
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    for t in tasks:
+        err = None if t.cancelled() else t.exception()
+        if err is not None:
+            raise err
+    return [t.result() for t in tasks]
 
 
 async def _outcomes(ops: list[asyncio.Future[Any]]) -> list[Any]:

@@ -215,6 +215,7 @@ class Sidecar:
             max_connections=fd_budget(settings.max_engine_connections, 0.25),
             max_assembling_bytes=settings.max_assembling_bytes or None,
             long_message_timeout_s=settings.long_message_timeout_s,
+            idle_timeout_s=settings.engine_idle_timeout_s,
             on_refuse=lambda reason: self.metrics.refused.labels(channel="engine",
                                                                  reason=reason).inc(),
         )
@@ -411,6 +412,12 @@ class Sidecar:
 
     async def _read(self, req: Read) -> Reply:
         eng = self._engine(req.engine_id)
+        if req.remote.engine_id == req.engine_id:
+            # Its own agent would be loaded into itself as a peer (+128 MB of UCX
+            # state measured) only to fail later with an error about something else.
+            raise RequestError(BAD_REQUEST, f"engine {req.engine_id[:200]!r} asked to read "
+                                            "from itself (the remote engine is the reading "
+                                            "engine): its KV cache is already here")
         for address in req.remote.handshake:
             if address not in self._dialable:
                 self._check_address(address)
@@ -585,8 +592,10 @@ class Sidecar:
         uid = peer.uid if peer is not None else None
         reserved = self._reservations.of(req.engine_id, uid)
         mapping = asyncio.get_running_loop().run_in_executor(
-            None, map_regions, req.engine_id, layout, req.mode, req.regions, self._shm_prefix,
-            uid, req.memory, self._gpu, reserved.region if reserved else None)
+            None, partial(map_regions, req.engine_id, layout, req.mode, req.regions,
+                          self._shm_prefix, uid, req.memory, self._gpu,
+                          reserved.region if reserved else None,
+                          allow_unsealed_shm=self.settings.allow_unsealed_shm))
         try:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
@@ -709,7 +718,8 @@ class Sidecar:
                                           "already; reserve before registering")
         again = self._reservations.check_room(req.engine_id, uid, req.nbytes, req.memory)
         if again is None:
-            ctx = MemoryContext(req.engine_id, self._shm_prefix, uid, self._gpu)
+            ctx = MemoryContext(req.engine_id, self._shm_prefix, uid, self._gpu,
+                                allow_unsealed_shm=self.settings.allow_unsealed_shm)
             (region,) = await asyncio.get_running_loop().run_in_executor(
                 None, memory_kinds.allocate, req.memory, 1, req.nbytes, ctx)
             if self._reservations.of(req.engine_id, uid) is not None:  # raced by a retry

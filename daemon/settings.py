@@ -54,6 +54,8 @@ class Settings:
     max_assembling_bytes: int = 0
     #: a long engine message must arrive whole this long after its header
     long_message_timeout_s: float = 30.0
+    #: an engine connection that never registered and sends nothing this long is closed
+    engine_idle_timeout_s: float = 60.0
     #: start-up loopback READ: require-zero-copy, allow-tcp or off (see transport/check.py)
     transport_check: str = "require-zero-copy"
     #: /healthz fails when the event loop or a worker thread is silent this long
@@ -63,6 +65,9 @@ class Settings:
     otlp_endpoint: str = ""
     peer_keys: str = ""
     insecure_peers: bool = False
+    #: map POSIX shm (attach mode, and allocate/reserve with memory='shm'): it cannot be
+    #: sealed, so an engine that truncates it kills this sidecar with SIGBUS on a read
+    allow_unsealed_shm: bool = False
     #: engine-allocated GPU memory (attach mode): serve, warn (serve loudly unless the
     #: VRAM transport check failed) or refuse; see ipc/cuda_handles.decide_attach
     cuda_attach: str = "warn"
@@ -294,6 +299,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a long engine message may take to arrive whole after its "
                         "header; then one bad_message reply and the connection is closed "
                         "(env KVSIDECAR_LONG_MESSAGE_TIMEOUT)")
+    p.add_argument("--engine-idle-timeout", type=_number(float, "ENGINE_IDLE_TIMEOUT"),
+                   default=_env("ENGINE_IDLE_TIMEOUT", "60"),
+                   help="seconds an engine socket connection that never registered may stay "
+                        "silent before it is closed (clients reconnect on their next call); "
+                        "at --max-engine-connections one idle over 1 s is closed for a new "
+                        "one (env KVSIDECAR_ENGINE_IDLE_TIMEOUT)")
     p.add_argument("--peer-keys", default=_env("PEER_KEYS", os.environ.get(
                        "CREDENTIALS_DIRECTORY", "")),
                    help="directory with the fleet's CURVE key (sidecar.key_secret, from "
@@ -305,6 +316,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DEVELOPMENT ONLY: no authentication on the handshake port; anyone who "
                         "reaches it can read and write registered KV memory "
                         "(env KVSIDECAR_INSECURE_PEERS=1)")
+    p.add_argument("--allow-unsealed-shm", action="store_true",
+                   default=_env("ALLOW_UNSEALED_SHM", "") not in ("", "0", "false"),
+                   help="serve POSIX shared memory regions (attach mode, memory=shm); they "
+                        "cannot be sealed, so an engine that truncates one kills this "
+                        "sidecar (SIGBUS) when a peer reads it: trusted engines only. Off: "
+                        "such registrations are refused; memfd is sealed and always "
+                        "served (env KVSIDECAR_ALLOW_UNSEALED_SHM=1)")
     p.add_argument("--staging", default=_env("STAGING", "off"),
                    help="D side, host memory only: read whole remote runs into staging memory "
                         "and scatter locally when the cost model says it beats posting "
@@ -358,7 +376,8 @@ def from_args(ns: argparse.Namespace) -> Settings:
     if not backends:
         raise ConfigError("--backends (env KVSIDECAR_BACKENDS) names no backend; e.g. UCX")
     for name in ("hold_timeout", "notif_grace", "handshake_timeout", "read_timeout",
-                 "engine_lease", "health_timeout", "hold_lease", "hold_max_life"):
+                 "engine_lease", "health_timeout", "hold_lease", "hold_max_life",
+                 "engine_idle_timeout"):
         value = getattr(ns, name)
         if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
             raise ConfigError(f"--{name.replace('_', '-')} (env KVSIDECAR_{name.upper()}) must "
@@ -454,12 +473,14 @@ def from_args(ns: argparse.Namespace) -> Settings:
         max_peer_connections=ns.max_peer_connections,
         max_assembling_bytes=ns.max_assembling_bytes,
         long_message_timeout_s=ns.long_message_timeout,
+        engine_idle_timeout_s=ns.engine_idle_timeout,
         transport_check=ns.transport_check,
         health_timeout_s=ns.health_timeout,
         log_format=ns.log_format,
         otlp_endpoint=ns.otlp_endpoint,
         peer_keys=ns.peer_keys,
         insecure_peers=ns.insecure_peers,
+        allow_unsealed_shm=ns.allow_unsealed_shm,
         cuda_attach=ns.cuda_attach,
         staging=ns.staging,
         staging_bytes=ns.staging_bytes,

@@ -324,6 +324,10 @@ def _check_int_dtype(a: np.ndarray[Any, Any]) -> None:
         raise TypeError(f"block ids: expected an integer array, got dtype {a.dtype}")
 
 
+#: Replies after which a call maps memory (blocking: fd fetches, mmap).
+_MAPS_MEMORY: Final = (Registered, Reserved)
+
+
 def _registration(reply: Registered, regions: Sequence[Region] | None) -> Registration:
     """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
     memfd / CUDA VMM kinds); the caller deregisters if this raises."""
@@ -431,7 +435,7 @@ class ClientCore:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout,
                  regions: Sequence[Region] | None, allocate: bool,
-                 keep_on_exit: bool, memory: MemoryKind = "shm") -> Call[Registration]:
+                 keep_on_exit: bool, memory: MemoryKind = "memfd") -> Call[Registration]:
         if allocate == (regions is not None):
             raise ValueError("register: pass either regions (attach mode) or allocate=True")
         req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
@@ -620,6 +624,21 @@ def _advance(call: Call[T], outcome: Reply | SidecarError | None) -> Request:
     return call.send(outcome)  # type: ignore[arg-type]  # None starts the generator
 
 
+class _Done:
+    """A call's result, carried out of an executor (StopIteration cannot be)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _step(call: Call[T], outcome: Reply | SidecarError | None) -> Request | _Done:
+    """:func:`_advance`, with the result as a :class:`_Done` instead of StopIteration."""
+    try:
+        return _advance(call, outcome)
+    except StopIteration as stop:
+        return _Done(stop.value)
+
+
 # --------------------------------------------------------------------------
 # Blocking face
 # --------------------------------------------------------------------------
@@ -652,7 +671,7 @@ class SidecarClient:
 
     def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                  regions: Sequence[Region] | None = None, allocate: bool = False,
-                 keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
+                 keep_on_exit: bool = False, memory: MemoryKind = "memfd") -> Registration:
         """``memory`` (allocate mode): what the sidecar allocates, ``shm``/``memfd``
         host memory or ``cuda_malloc``/``cuda_vmm`` on its GPU."""
         return self._run(self._core.register(engine_id, tp_rank, layout, regions, allocate,
@@ -1021,7 +1040,7 @@ class AsyncSidecarClient:
 
     async def register(self, engine_id: str, tp_rank: int, layout: Layout, *,
                        regions: Sequence[Region] | None = None, allocate: bool = False,
-                       keep_on_exit: bool = False, memory: MemoryKind = "shm") -> Registration:
+                       keep_on_exit: bool = False, memory: MemoryKind = "memfd") -> Registration:
         return await self._run(self._core.register(engine_id, tp_rank, layout, regions,
                                                    allocate, keep_on_exit, memory))
 
@@ -1108,7 +1127,16 @@ class AsyncSidecarClient:
         outcome: Reply | SidecarError | None = None
         while True:
             try:
-                req = _advance(call, outcome)
+                if type(outcome) in _MAPS_MEMORY:
+                    # The next step maps the regions, fetching their fds from the
+                    # sidecar's fd socket: off this loop (it may be the sidecar's own).
+                    step = await asyncio.get_running_loop().run_in_executor(
+                        None, _step, call, outcome)
+                    if isinstance(step, _Done):
+                        return step.value  # type: ignore[no-any-return]
+                    req = step
+                else:
+                    req = _advance(call, outcome)
             except StopIteration as stop:
                 result: T = stop.value
                 return result

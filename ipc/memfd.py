@@ -7,19 +7,52 @@ only a Unix socket to pass the fd over (``SCM_RIGHTS``, see
 :mod:`kvsidecar.ipc.fdpass`). It is also the host-memory twin of the CUDA VMM
 path, whose exported handle is a file descriptor too, so one fd channel
 serves both.
+
+Sealed: the sidecar seals every memfd it creates against shrinking and
+growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then ``F_SEAL_SEAL`` so no one can
+change that). A process holding the fd can then not ``ftruncate`` the pages
+out from under a mapping, which would kill whoever touches them next with
+SIGBUS (the sidecar serving a peer's read, or the engine). The engine's side
+(:meth:`MemfdRegion.from_fd`) maps only a memfd that carries
+``F_SEAL_SHRINK``: a regular file or an unsealed memfd is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 
 from .memory import RegionError, ShmRegion
 from .protocol import MemfdRef
 
-__all__ = ["MemfdRegion"]
+__all__ = ["SIZE_SEALS", "MemfdRegion", "check_sealed", "seal_size"]
+
+#: The seals that fix a memfd's size: no shrink (SIGBUS for every mapping past the
+#: new end), no grow (a quota-free way to take host memory through the fd).
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def seal_size(fd: int) -> None:
+    """Seal ``fd`` (a memfd made with ``MFD_ALLOW_SEALING``) against any size change,
+    and against further seal changes."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+
+
+def check_sealed(fd: int, label: str) -> None:
+    """Raise RegionError unless ``fd`` is a memfd (or other shmem file) sealed
+    against shrinking: only then can no process cut its pages from under a mapping."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: a regular file, pipe, socket... (no seals at all)
+        raise RegionError(f"{label}: the received fd is not a memfd (it has no seals); "
+                          "refusing to map it") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise RegionError(f"{label}: the received memfd is not sealed against shrinking "
+                          "(F_SEAL_SHRINK): whoever holds it could truncate it under this "
+                          "mapping; refusing to map it")
 
 _MAP_FIXED = 0x10  # Linux (every architecture this runs on); the mmap module lacks it
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -47,19 +80,22 @@ class MemfdRegion(ShmRegion):
         self._share: tuple[str, int] | None = None
 
     @classmethod
-    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> MemfdRegion:
-        """A new zero-filled memfd of ``nbytes`` (``reserve``: pages allocated now,
-        so a full memory cgroup fails here, not with SIGBUS on first touch)."""
+    def create(cls, name: str, nbytes: int, *, reserve: bool = True,
+               owner_uid: int | None = None) -> MemfdRegion:
+        """A new zero-filled memfd of ``nbytes``, its size sealed (``reserve``: pages
+        allocated now, so a full memory cgroup fails here, not with SIGBUS on first
+        touch). ``owner_uid`` is ignored: a memfd reaches its engine as an fd."""
         if nbytes < 1:
             raise RegionError(f"memfd {name!r}: nbytes must be >= 1, got {nbytes}")
         try:
-            fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
+            fd = os.memfd_create(name[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except (OSError, AttributeError) as e:
             raise RegionError(f"cannot create a memfd: {e}") from e
         try:
             os.ftruncate(fd, nbytes)
             if reserve:
                 os.posix_fallocate(fd, 0, nbytes)
+            seal_size(fd)
             mm = mmap.mmap(fd, nbytes)
         except (OSError, OverflowError) as e:
             os.close(fd)
@@ -68,8 +104,10 @@ class MemfdRegion(ShmRegion):
 
     @classmethod
     def from_fd(cls, fd: int, nbytes: int, label: str = "memfd") -> MemfdRegion:
-        """Map a received memfd (takes ownership of ``fd``), checking it holds ``nbytes``."""
+        """Map a received memfd (takes ownership of ``fd``), checking it is a memfd
+        sealed against shrinking (:func:`check_sealed`) that holds ``nbytes``."""
         try:
+            check_sealed(fd, label)
             size = os.fstat(fd).st_size
             if size < nbytes or nbytes < 1:
                 raise RegionError(f"{label}: the received fd holds {size} B, "

@@ -91,11 +91,15 @@ class ShmRegion:
         del anchor
 
     @classmethod
-    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> ShmRegion:
+    def create(cls, name: str, nbytes: int, *, reserve: bool = True,
+               owner_uid: int | None = None) -> ShmRegion:
         """Create a new zero-filled segment (fails if ``name`` exists).
 
         ``reserve`` allocates the pages now, so a full ``/dev/shm`` fails here
         with a clear error instead of killing a process with SIGBUS on first touch.
+        ``owner_uid``: the user the segment is given to (a sidecar allocating for
+        an engine of another allowed user, which could not open a 0600 segment
+        of the sidecar's own); needs the right to chown (root, CAP_CHOWN).
         """
         _check_name(name)
         if nbytes < 1:
@@ -106,6 +110,8 @@ class ShmRegion:
             raise RegionError(f"shared memory {name!r} already exists") from None
         try:
             try:
+                if owner_uid is not None and owner_uid != os.geteuid():
+                    os.fchown(fd, owner_uid, -1)
                 os.ftruncate(fd, nbytes)
                 if reserve and hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, nbytes)

@@ -265,7 +265,7 @@ class Register(_RequestBase, tag="register", frozen=True):
     pid: Annotated[int, Meta(ge=0, le=PID_MAX)] = 0
     pid_ns: Annotated[str, Meta(max_length=64)] = ""
     instance: Annotated[str, Meta(max_length=64)] = ""
-    memory: MemoryKind = "shm"
+    memory: MemoryKind = "memfd"
 
 
 #: Largest reservation one request may ask for (a GPU's memory is well below).

@@ -198,7 +198,7 @@ class SimEngine:
 
     def __init__(self, engine_id: str, make: MakeLayout, tp: int, num_blocks: int,
                  sidecars: Sequence[SidecarProcess | str], *, attach: bool = False,
-                 timeout_s: float = 30.0, memory: MemoryKind = "shm",
+                 timeout_s: float = 30.0, memory: MemoryKind = "memfd",
                  reserve: bool = False) -> None:
         if len(sidecars) != tp:
             raise ValueError(f"engine {engine_id}: {tp} ranks need {tp} sidecars")
@@ -521,7 +521,7 @@ def stop_mid_read(d: SidecarProcess, p: SidecarProcess, reader: SimEngine, poste
 def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarProcess],
             uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,
             n_d: int = 1, attach: bool = False, blocks: int = 96,
-            memory: MemoryKind = "shm", d_memory: MemoryKind | None = None,
+            memory: MemoryKind = "memfd", d_memory: MemoryKind | None = None,
             reserve: bool = False) -> Iterator[tuple[SimEngine, list[SimEngine]]]:
     """A P engine of ``p_tp`` ranks and ``n_d`` D engines of ``d_tp`` ranks, closed after."""
     made: list[SimEngine] = []

@@ -195,3 +195,49 @@ async def test_another_user_gets_no_fds(tmp_path: Path, allow_nobody: bool,
         shutil.rmtree(workdir, ignore_errors=True)
     assert "fds" not in got, got
     assert refusal in got.get("error", ""), got
+
+
+def _regular_file() -> int:
+    fd, path = tempfile.mkstemp(prefix="kvs-regular-")
+    os.unlink(path)
+    os.ftruncate(fd, 8192)
+    return fd
+
+
+def _unsealed_memfd() -> int:
+    fd = os.memfd_create("kvs-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 8192)
+    return fd
+
+
+@pytest.mark.parametrize(("make", "refusal"), [
+    (_regular_file, "is not a memfd"),
+    (_unsealed_memfd, "not sealed against shrinking"),
+])
+async def test_the_engine_maps_only_a_size_sealed_memfd(tmp_path: Path, make: Callable[[], int],
+                                                        refusal: str) -> None:
+    """A sidecar (or whoever answers on its fd socket) hands the engine a regular
+    file or an unsealed memfd: the engine library refuses to map it, since whoever
+    holds it could truncate it and kill the engine with SIGBUS. The sidecar's own
+    memfds are sealed: no one can change their size."""
+    bad = make()
+    own = MemfdRegion.create("kvs-sealed", 8192)
+    try:
+        for size in (0, 4096, 16384):
+            with pytest.raises(PermissionError):
+                os.ftruncate(own.fd, size)
+
+        def fetch(srv: FdServer) -> list[Any]:
+            token = srv.offer([bad, own.fd], os.geteuid(), "hostile")
+            with pytest.raises(RegionError, match=refusal):
+                map_refs([MemfdRef(token, 0, 8192), MemfdRef(token, 1, 8192)], srv.path)
+            good = srv.offer([own.fd], os.geteuid(), "sealed")
+            return map_refs([MemfdRef(good, 0, 8192)], srv.path)
+
+        (good,) = await _serving(tmp_path, AccessPolicy.own_uid(), fetch)
+        good.numpy()[0] = 9
+        assert own.numpy()[0] == 9
+        good.close()
+    finally:
+        os.close(bad)
+        own.close()

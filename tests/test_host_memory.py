@@ -54,7 +54,8 @@ def _file_size_limit(nbytes: int) -> Iterator[None]:
 
 @pytest.mark.parametrize("kind", ["memfd", "shm"])
 def test_a_host_allocation_past_the_machine_is_refused_before_reserving(kind: str) -> None:
-    ctx = MemoryContext(engine_id="too-big", shm_prefix="kvs-test-host-memory")
+    ctx = MemoryContext(engine_id="too-big", shm_prefix="kvs-test-host-memory",
+                        allow_unsealed_shm=True)
     with _file_size_limit(GiB), pytest.raises(RequestError) as e:
         memory_kinds.allocate(kind, 1, 1 << 44, ctx)  # 16 TiB
     assert e.value.code == UNAVAILABLE and "OOM killer" in e.value.message, e.value.message
@@ -111,3 +112,77 @@ def test_a_container_without_a_limit_has_the_host(tmp_path: Path, version: int) 
     for f in root.rglob("memory.limit_in_bytes"):
         f.write_text(f"{limit}\n")
     assert host_memory.available_bytes(meminfo, cgroup, root) == (900 * GiB, 1 << 40)
+
+
+def _fake_chain(tmp_path: Path, version: int, levels: dict[str, tuple[int | str, int, int]],
+                leaf: str) -> tuple[Path, Path, Path]:
+    """A FAKE cgroup tree (the kernel's file formats) with a limit, usage and
+    droppable cache per level, for the layouts this machine cannot build for
+    real: v2 has no memory controller here (it is bound to v1). A 1 TiB host."""
+    meminfo, _, root = _fake_kernel(tmp_path, version, limit=0, usage=0, inactive_file=0)
+    names = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    mount = root if version == 2 else root / "memory"
+    if version == 2:
+        (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    for rel, (limit, usage, cache) in levels.items():
+        base = mount / rel
+        base.mkdir(parents=True, exist_ok=True)
+        (base / names[0]).write_text(f"{limit}\n")
+        (base / names[1]).write_text(f"{usage}\n")
+        (base / "memory.stat").write_text(f"{names[2]} {cache}\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text(f"0::/{leaf}\n" if version == 2 else f"4:memory:/{leaf}\n")
+    return meminfo, cgroup, root
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_limit_on_a_parent_cgroup_counts(tmp_path: Path, version: int) -> None:
+    """The limit only on the pod (the container's own cgroup is unlimited): before,
+    only the leaf was read and a 3 GiB allocation under a 2 GiB pod limit passed."""
+    unlimited = "max" if version == 2 else 9223372036854771712
+    paths = _fake_chain(tmp_path, version, {
+        "": (unlimited, 10 * GiB, 0),  # the root
+        "kubepods": (unlimited, 8 * GiB, 0),
+        "kubepods/pod1": (2 * GiB, GiB, 0),
+        "kubepods/pod1/sidecar": (unlimited, GiB, 0),
+    }, "kubepods/pod1/sidecar")
+    room = host_memory.available_bytes(*paths)
+    assert room == (GiB, 2 * GiB)
+    assert "OOM killer" in host_memory.room_error(3 * GiB, *room)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_tightest_level_of_the_chain_wins(tmp_path: Path, version: int) -> None:
+    paths = _fake_chain(tmp_path, version, {
+        "a": (64 * GiB, 60 * GiB, 2 * GiB),  # 6 GiB of room, the tightest
+        "a/b": (16 * GiB, 4 * GiB, 0),  # 12 GiB of room, the smallest limit
+        "a/b/c": (32 * GiB, 4 * GiB, 0),
+    }, "a/b/c")
+    assert host_memory.available_bytes(*paths) == (6 * GiB, 16 * GiB)
+
+
+def test_v1_counts_ancestors_it_cannot_see(tmp_path: Path) -> None:
+    """In a container the v1 mount's root is the container's own cgroup: the limit
+    of a parent it cannot see is still in memory.stat (hierarchical_memory_limit)."""
+    meminfo, cgroup, root = _fake_chain(tmp_path, 1, {
+        "": (9223372036854771712, GiB, 0)}, "")
+    (root / "memory" / "memory.stat").write_text(
+        f"hierarchical_memory_limit {3 * GiB}\ntotal_inactive_file 0\n")
+    assert host_memory.available_bytes(meminfo, cgroup, root) == (2 * GiB, 3 * GiB)
+
+
+def test_allocations_under_way_are_booked() -> None:
+    """Concurrent allocations each saw the same room: four 0.9 GiB reservations in
+    a 2 GiB cgroup all passed. The ledger books each one until it is done."""
+    ledger = host_memory.Ledger(lambda: (2 * GiB - (256 << 20), 2 * GiB))
+    with ledger.claim(900 << 20):
+        assert ledger.pending == 900 << 20
+        with (pytest.raises(host_memory.HostMemoryError, match="being allocated already"),
+              ledger.claim(900 << 20)):
+            pass  # pragma: no cover - refused above
+        with ledger.claim(500 << 20):
+            assert ledger.pending == 1400 << 20
+    assert ledger.pending == 0
+    with ledger.claim(900 << 20):  # room again once the first is done
+        pass

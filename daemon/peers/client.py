@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 MAX_CACHED = 4096
 #: Open DEALER sockets, one per peer address; idle ones beyond this are closed.
 MAX_CONNECTIONS = 256
+#: The most handshakes one local engine may have waiting for answers at once, as
+#: a share of ``max_connections`` (at least 8): a read naming thousands of dead
+#: addresses fills its own share, never the connections other engines need.
+ENGINE_SHARE = 4
 
 #: Replies carry agent metadata and a layout; anything larger drops the connection.
 MAX_REPLY_BYTES = 64 << 20
@@ -82,6 +86,7 @@ class _Item:
     req_id: int
     frame: bytes
     future: asyncio.Future[ControlAnswer]
+    owner: str = ""
 
     def settle(self, answer: ControlAnswer | HandshakeFailed) -> None:
         if self.future.done():  # its caller gave up (cancelled) meanwhile
@@ -106,6 +111,10 @@ class _Connection:
     sock: LoopSocket
     pending: dict[int, asyncio.Future[AnyReply]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
+    #: the local engine it was opened for ('' for none)
+    owner: str = ""
+    #: the peer has answered on it (then it counts in nobody's share)
+    answered: bool = False
 
 
 class HandshakeClient:
@@ -114,6 +123,15 @@ class HandshakeClient:
     Concurrent fetches of one (address, engine, rank) share one request so a
     burst of requests for a new P engine costs it one handshake. Successes are
     cached until :meth:`forget`; failures are not, so a retry really retries.
+
+    Shared fairly: a connection is opened for one local engine (the reader a
+    handshake declares, the reader of a claim or abandon), and each engine may
+    have at most :attr:`engine_share` connections that never answered and have
+    requests waiting; opening one more for it fails at once
+    (``on_evict("engine_share")``), so a read naming thousands of dead
+    addresses uses its own share, never the connections other engines need. A
+    fetch whose every caller gave up (cancelled: its read failed) is
+    cancelled, and its connection becomes idle, so evictable.
     """
 
     def __init__(self, timeout_s: float = 5.0, *, ctx: zmq.asyncio.Context | None = None,
@@ -131,6 +149,9 @@ class HandshakeClient:
         #: "connection")`` is told, for a metric.
         self.max_cached = max_cached
         self.max_connections = max_connections
+        self.engine_share = max(8, max_connections // ENGINE_SHARE)
+        #: callers awaiting each fetch in flight
+        self._waiters: dict[_Key, int] = {}
         self._on_evict = on_evict
         #: told the number of items of every control message sent (a metric)
         self._on_control_sent = on_control_sent
@@ -170,8 +191,26 @@ class HandshakeClient:
             task = asyncio.create_task(self._fetch_once(key), name=f"handshake-{key}")
             self._inflight[key] = task
             task.add_done_callback(lambda t: self._request_done(key, t))
-        # Shielded: a caller that gives up must not cancel the request others await.
-        return await asyncio.shield(task)
+        # Shielded: a caller that gives up must not cancel the request others await;
+        # when the last one gives up, nobody needs it (see _give_up).
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._give_up(key, task)
+            raise
+        finally:
+            left = self._waiters.get(key, 1) - 1
+            if left > 0:
+                self._waiters[key] = left
+            else:
+                self._waiters.pop(key, None)
+
+    def _give_up(self, key: _Key, task: asyncio.Task[HandshakeInfo]) -> None:
+        """A caller of ``task`` was cancelled: if it was the last one waiting, cancel
+        the fetch (its pending reply is dropped, so its connection is idle)."""
+        if self._waiters.get(key, 0) <= 1 and not task.done():
+            task.cancel()
 
     def forget(self, address: str, engine_id: str | None = None) -> None:
         """Drop what is cached for ``address`` (one engine, or all), e.g. after the
@@ -252,8 +291,8 @@ class HandshakeClient:
         """
         addr, what, req_id, frame = self._encode_control(address, msg)
         if self._batching.get(addr, 0) < 2 or type(msg) is Digest:
-            return await self._control_one(addr, what, req_id, frame)
-        return await self._enqueue(addr, what, req_id, frame)
+            return await self._control_one(addr, what, req_id, frame, msg.reader_engine)
+        return await self._enqueue(addr, what, req_id, frame, msg.reader_engine)
 
     def control_soon(self, address: str, msg: ControlRequest) -> asyncio.Future[ControlAnswer]:
         """:meth:`control` started now: queued (or, to a peer that takes no
@@ -269,8 +308,9 @@ class HandshakeClient:
             failed.set_exception(e)
             return failed
         if self._batching.get(addr, 0) < 2:
-            return asyncio.ensure_future(self._control_one(addr, what, req_id, frame))
-        return self._enqueue(addr, what, req_id, frame)
+            return asyncio.ensure_future(self._control_one(addr, what, req_id, frame,
+                                                           msg.reader_engine))
+        return self._enqueue(addr, what, req_id, frame, msg.reader_engine)
 
     def _encode_control(self, address: str, msg: ControlRequest | Digest
                         ) -> tuple[str, str, int, bytes]:
@@ -282,15 +322,15 @@ class HandshakeClient:
         frame = control.encode(msgspec.structs.replace(msg, req_id=req_id))
         return addr, type(msg).__name__.lower(), req_id, frame
 
-    def _enqueue(self, addr: str, what: str, req_id: int,
-                 frame: bytes) -> asyncio.Future[ControlAnswer]:
+    def _enqueue(self, addr: str, what: str, req_id: int, frame: bytes,
+                 owner: str = "") -> asyncio.Future[ControlAnswer]:
         """Put one item in ``addr``'s outbox (starting its flush if none runs)."""
         box = self._outboxes.get(addr)
         if box is None:
             limit = self._batching.get(addr, 0)
             box = self._outboxes[addr] = Outbox(min(limit, MAX_BATCH_ITEMS), MAX_BATCH_BYTES,
                                                 BATCH_OVERHEAD_BYTES)
-        item = _Item(what, req_id, frame, asyncio.get_running_loop().create_future())
+        item = _Item(what, req_id, frame, asyncio.get_running_loop().create_future(), owner)
         if box.add(item, len(frame), time.monotonic()):
             flush = asyncio.create_task(self._flush(addr, box), name=f"control-flush-{addr}")
             self._flushes.add(flush)
@@ -298,12 +338,12 @@ class HandshakeClient:
         return item.future
 
     async def _control_one(self, addr: str, what: str, req_id: int,
-                           frame: bytes) -> ControlAnswer:
+                           frame: bytes, owner: str = "") -> ControlAnswer:
         """Send one control request alone and wait for its reply."""
         if self._on_control_sent is not None:
             self._on_control_sent(1)
         sent_at = time.monotonic()
-        reply = await self._send_timed(addr, req_id, frame, what)
+        reply = await self._send_timed(addr, req_id, frame, what, owner)
         if isinstance(reply, HandshakeError):
             raise HandshakeFailed(addr, f"peer rejected the {what} ({reply.code}): "
                                         f"{reply.message}")
@@ -348,7 +388,8 @@ class HandshakeClient:
         if len(items) == 1:
             (item,) = items
             try:
-                item.settle(await self._control_one(addr, item.what, item.req_id, item.frame))
+                item.settle(await self._control_one(addr, item.what, item.req_id, item.frame,
+                                                    item.owner))
             except HandshakeFailed as e:
                 item.settle(e)
             return
@@ -390,9 +431,11 @@ class HandshakeClient:
         else:
             req = HandshakeRequest(engine_id, tp_rank, HANDSHAKE_VERSION, req_id,
                                    reader.engine_id, reader.tp_rank, reader.agent)
-        return await self._send(addr, req_id, encode(req))
+        return await self._send(addr, req_id, encode(req),
+                                reader.engine_id if reader is not None else "")
 
-    async def _send_timed(self, addr: str, req_id: int, frame: bytes, what: str) -> AnyReply:
+    async def _send_timed(self, addr: str, req_id: int, frame: bytes, what: str,
+                          owner: str = "") -> AnyReply:
         """:meth:`_send` within ``timeout_s``; no answer in time drops the
         connection (the next request gets a fresh one) and raises HandshakeFailed.
 
@@ -402,7 +445,7 @@ class HandshakeClient:
         loop = asyncio.get_running_loop()
         timer = loop.call_later(self.timeout_s, self._send_timed_out, addr, req_id, what)
         try:
-            return await self._send(addr, req_id, frame)
+            return await self._send(addr, req_id, frame, owner)
         finally:
             timer.cancel()
 
@@ -415,10 +458,10 @@ class HandshakeClient:
         self._drop_conn(addr, HandshakeFailed(addr, f"no answer to {what} from {addr} within "
                                                     f"{self.timeout_s} s"))
 
-    async def _send(self, addr: str, req_id: int, msg: bytes) -> AnyReply:
+    async def _send(self, addr: str, req_id: int, msg: bytes, owner: str = "") -> AnyReply:
         if self._closed:
             raise HandshakeFailed(addr, "handshake client closed")
-        conn = self._conn(addr)
+        conn = self._conn(addr, owner)
         fut: asyncio.Future[AnyReply] = asyncio.get_running_loop().create_future()
         conn.pending[req_id] = fut
         try:
@@ -482,7 +525,12 @@ class HandshakeClient:
         else:
             self._batching.pop(addr, None)
 
-    def _conn(self, addr: str) -> _Connection:
+    def _unanswered(self, owner: str) -> int:
+        """Connections opened for ``owner`` that never answered and have requests waiting."""
+        return sum(1 for c in self._conns.values()
+                   if c.owner == owner and not c.answered and c.pending)
+
+    def _conn(self, addr: str, owner: str = "") -> _Connection:
         conn = self._conns.get(addr)
         if conn is not None:
             self._conns.move_to_end(addr)
@@ -492,6 +540,12 @@ class HandshakeClient:
             host, _ = split_address(addr)
         except ValueError as e:
             raise HandshakeFailed(addr[:300], f"cannot dial it: {e}") from None
+        if owner and self._unanswered(owner) >= self.engine_share:
+            self._evicted("engine_share")
+            raise HandshakeFailed(addr, f"engine {owner[:200]!r} already has "
+                                        f"{self.engine_share} peer connections waiting for "
+                                        "a first answer, its share of this sidecar's; try "
+                                        "again once they are answered or time out")
         if len(self._conns) >= self.max_connections:
             # Room first: idle connections go, least recently used first. Those
             # waiting for an answer stay, and past the bound no socket is made:
@@ -525,7 +579,7 @@ class HandshakeClient:
             # and the context's term() at shutdown would wait for it forever.
             sock.close(linger=0)
             raise HandshakeFailed(addr, f"cannot dial it: {e.strerror}") from None
-        conn = _Connection(addr, sock)
+        conn = _Connection(addr, sock, owner=owner)
         conn.reader = asyncio.create_task(self._read(conn), name=f"handshake-reader-{addr}")
         self._conns[addr] = conn
         return conn
@@ -572,6 +626,7 @@ class HandshakeClient:
                 elif not bad.done():
                     bad.set_exception(err)
                 continue
+            conn.answered = True
             fut = conn.pending.get(reply.req_id)
             if fut is None:
                 log.debug("dropping handshake reply %d from %s: nobody waits for it",

@@ -137,6 +137,8 @@ class PeerLinks:
         self._layout = layout
         self._client = client
         self._links: OrderedDict[Key, asyncio.Task[Peer]] = OrderedDict()  # LRU first
+        #: reads awaiting each link being made (the last to give up cancels it)
+        self._waiting: dict[Key, int] = {}
         self._unloading: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -147,7 +149,9 @@ class PeerLinks:
         """The link to ``rank`` of ``engine_id`` at ``address``, made if needed.
 
         With ``user`` (a read's list of held links) the link is held for that
-        read, so it is not evicted under it, until :meth:`release`.
+        read, so it is not evicted under it, until :meth:`release`. When every
+        caller waiting for a link being made is cancelled, the link is cancelled
+        too (and its handshake with it).
         """
         key = (address, engine_id, rank)
         task = self._links.get(key)
@@ -162,12 +166,26 @@ class PeerLinks:
                 on_link = self._on_link
                 task.add_done_callback(
                     lambda t: on_link(not t.cancelled() and t.exception() is None))
+        self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
             peer = await asyncio.shield(task)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and self._waiting.get(key, 0) <= 1:
+                # The last read waiting for this link gave up (it failed on another
+                # link, or was aborted): nobody needs it, and its handshake holds a
+                # peer connection other engines may need.
+                task.cancel()
+                if self._links.get(key) is task:
+                    del self._links[key]
             if self._links.get(key) is task and task.done():
                 del self._links[key]
             raise
+        finally:
+            left = self._waiting.get(key, 1) - 1
+            if left > 0:
+                self._waiting[key] = left
+            else:
+                self._waiting.pop(key, None)
         if peer.info.tp_size != tp_size:
             # Cached from a request that described the engine differently.
             check_peer(peer.info, engine_id, tp_size, self._layout, address=address,

@@ -53,6 +53,14 @@ __all__ = ["DEFAULT_MAX_CONNECTIONS", "MAX_REQUEST_BYTES", "HandshakeServer"]
 #: control messages stay under 4 KiB).
 MAX_REQUEST_BYTES = 64 << 10
 DEFAULT_MAX_CONNECTIONS = 1024
+#: libzmq drops a connection whose ZMTP/CURVE handshake is not done this soon
+#: (its default, 30 s, let 1,024 idle TCP connections hold every slot for 30 s,
+#: and a fleet member's handshake got no reply). A CURVE handshake takes a few
+#: round trips: milliseconds in a data centre, well under a second across one.
+HANDSHAKE_IVL_MS = 3000
+#: Connections kept from one remote address, as a share of the connection cap
+#: (at least 16): one host cannot take every slot from the fleet's others.
+PER_SOURCE_SHARE = 4
 
 
 
@@ -112,6 +120,7 @@ class HandshakeServer:
         sock = LoopSocket.of(self._ctx, zmq.ROUTER)
         sock.sock.setsockopt(zmq.LINGER, 0)
         sock.sock.setsockopt(zmq.MAXMSGSIZE, self.size_limit.zmq_cap)
+        sock.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         if ipv6(self._host):
             sock.sock.setsockopt(zmq.IPV6, 1)
         if self._keys is not None:
@@ -130,6 +139,9 @@ class HandshakeServer:
                 local=int(split_address(self.address)[1]),
                 on_refuse=(lambda: refuse("connection_limit")) if refuse is not None else None,
                 on_handshake_failure=(lambda kind: refuse(f"handshake_{kind}"))
+                if refuse is not None else None,
+                per_source=max(16, self._max_connections // PER_SOURCE_SHARE),
+                on_source_refuse=(lambda: refuse("source_connection_limit"))
                 if refuse is not None else None,
             )
         except zmq.ZMQError as e:

@@ -20,14 +20,17 @@ from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines
 from kvsidecar.sim.models import MakeLayout
 
 N_P, N_D = 4, 4
+SHM = ["--allow-unsealed-shm"]
 
 
 class Pool:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.p = [SidecarProcess(workdir, f"p{i}", args=["--hold-timeout", "60"])
+        # --allow-unsealed-shm: the pool also serves the tests of POSIX shm (attach
+        # mode, memory="shm"); sealed memfd, the default, is what most tests use.
+        self.p = [SidecarProcess(workdir, f"p{i}", args=["--hold-timeout", "60", *SHM])
                   for i in range(N_P)]
-        self.d = [SidecarProcess(workdir, f"d{i}") for i in range(N_D)]
+        self.d = [SidecarProcess(workdir, f"d{i}", args=SHM) for i in range(N_D)]
         self._ids = itertools.count()
 
     def uid(self, prefix: str) -> str:

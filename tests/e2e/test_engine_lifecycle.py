@@ -64,7 +64,7 @@ def sidecar(stale: tuple[Path, list[str]]) -> Iterator[SidecarProcess]:
     s = SidecarProcess(workdir, "lease", args=[
         "--engine-lease", str(LEASE_S), "--max-reads-per-engine", "3",
         "--max-holds-per-engine", "4", "--max-completions-per-engine", "6",
-        "--handshake-timeout", "60"]).start()
+        "--handshake-timeout", "60", "--allow-unsealed-shm"]).start()
     yield s
     assert s.stop() == 0
 
@@ -83,7 +83,7 @@ def _register_raw(socket: str, engine_id: str, pid: int, pid_ns: str) -> Registe
     namespace), the way a container without a shared PID namespace does."""
     with BlockingChannel(socket, timeout_s=30) as sock:
         sock.send(encode_request(Register(engine_id, 0, LAYOUT, "allocate", [], False, pid,
-                                          pid_ns, "other-container", id=1)))
+                                          pid_ns, "other-container", "shm", id=1)))
         reply = decode_reply(sock.recv())
     assert isinstance(reply, Registered), reply
     return reply

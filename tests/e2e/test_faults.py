@@ -344,7 +344,7 @@ def test_engine_process_exit_releases_its_registration(pool, tmp_path) -> None:
         layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
                                   block_tokens=4, tp_size=1, num_blocks=4)
         c = SidecarClient({pool.d[2].socket!r})
-        reg = c.register("crashy", 0, layout, allocate=True)
+        reg = c.register("crashy", 0, layout, allocate=True, memory="shm")
         print(reg.regions[0].name, flush=True)
         import os; os._exit(1)
     """)
@@ -473,7 +473,8 @@ def test_kept_registration_survives_engine_restart(pool) -> None:
         layout = attention_layout(model="m", num_layers=1, total_kv_heads=2, head_dim=8,
                                   block_tokens=4, tp_size=1, num_blocks=4)
         c = SidecarClient({pool.d[2].socket!r})
-        reg = c.register("phoenix", 0, layout, allocate=True, keep_on_exit=True)
+        reg = c.register("phoenix", 0, layout, allocate=True, keep_on_exit=True,
+                         memory="shm")
         reg.regions[0].numpy()[:4] = [1, 2, 3, 4]
         print(reg.regions[0].name, flush=True)
         import os; os._exit(1)
@@ -488,14 +489,14 @@ def test_kept_registration_survives_engine_restart(pool) -> None:
         time.sleep(1.5)  # past a liveness check: the dead pid must not release it
         assert "phoenix" in c.ping().engines
         with pytest.raises(Duplicate, match="differs"):
-            c.register("phoenix", 0, layout.with_blocks(8), allocate=True)
-        reg = c.register("phoenix", 0, layout, allocate=True)
+            c.register("phoenix", 0, layout.with_blocks(8), allocate=True, memory="shm")
+        reg = c.register("phoenix", 0, layout, allocate=True, memory="shm")
         mapped = list(reg.regions)
         try:
             assert reg.regions[0].name == shm_name
             assert reg.regions[0].numpy()[:4].tolist() == [1, 2, 3, 4]
             # The same process registering the same again (a retry) gets the same.
-            again = c.register("phoenix", 0, layout, allocate=True)
+            again = c.register("phoenix", 0, layout, allocate=True, memory="shm")
             mapped += again.regions
             assert [r.name for r in again.regions] == [r.name for r in reg.regions]
         finally:

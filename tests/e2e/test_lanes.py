@@ -260,7 +260,8 @@ def test_deregistration_and_shutdown_stop_every_lane(tmp_path: Path) -> None:
     them all, and a sidecar stopped with engines registered leaves no thread
     running (clean exit) and no shared memory behind."""
     p = SidecarProcess(tmp_path, "lx-p").start()
-    d = SidecarProcess(tmp_path, "lx-d", args=["--post-lanes", "3"]).start()
+    d = SidecarProcess(tmp_path, "lx-d", args=["--post-lanes", "3",
+                                                 "--allow-unsealed-shm"]).start()
     assert d.proc is not None and p.proc is not None
     try:
         base, p_base = _nixl_threads(d.proc.pid), _nixl_threads(p.proc.pid)

@@ -26,6 +26,7 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
     A = SimEngine(pool.uid("A"), attn(8), 2, 96, pool.p[:2])
     B = SimEngine(pool.uid("B"), attn(8), 1, 96, pool.p[2:3])
     D = SimEngine(pool.uid("D"), attn(8), 1, 96, [d])
+    C: SimEngine | None = None
     silent = socket.socket()  # accepts TCP connections, never speaks ZMQ
     silent.bind(("127.0.0.1", 0))
     silent.listen()
@@ -56,13 +57,23 @@ def test_peer_links_are_bounded_idle_ones_evicted_held_ones_refuse(pool, tmp_pat
         D.finish("x")
         A.clients[1].release(A.engine_id, "x")  # X's abandon for rank 1 went to the silent socket
         A.wait_for(["x"])
+        # X's link to the silent socket, still being made, went with X (no other
+        # read waited for it): Y2 finds room without evicting anything...
         D.start_read(B.prefill("y2", Request(seed=3, prompt_tokens=24)))
         got = D.wait_for(["y2"])["y2"][0]
         assert got.kind == "received", got
         assert D.verify("y2") == []
-        assert d.metric("kvsidecar_peer_links_evicted_total", engine=D.engine_id) >= 1
+        assert d.metric("kvsidecar_peer_links_evicted_total", engine=D.engine_id) == 0
+        # ...and a third remote rank evicts the least recently used idle link (A's).
+        C = SimEngine(pool.uid("C"), attn(8), 1, 96, pool.p[3:4])
+        D.start_read(C.prefill("z", Request(seed=4, prompt_tokens=24)))
+        got = D.wait_for(["z"])["z"][0]
+        assert got.kind == "received", got
+        assert D.verify("z") == []
+        assert d.metric("kvsidecar_peer_links_evicted_total", engine=D.engine_id) == 1
     finally:
         silent.close()
-        for e in (D, B, A):
-            e.close()
+        for e in (D, B, A, C):
+            if e is not None:
+                e.close()
         assert d.stop() == 0

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvsidecar.ipc.client import SidecarClient, SidecarError
+from kvsidecar.ipc.client import BadRequest, SidecarClient, SidecarError
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
-from kvsidecar.ipc.protocol import Register, ShmRef, decode_reply, encode_request
+from kvsidecar.ipc.protocol import Register, RemoteEngine, ShmRef, decode_reply, encode_request
 from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, fleet_keys
 from kvsidecar.sim.models import attn
@@ -104,7 +105,8 @@ def shared_sidecar() -> Iterator[SidecarProcess]:
     # A parent directory nobody can traverse (pytest's own tmp dirs are 0700).
     workdir = Path(tempfile.mkdtemp(prefix="kvs-sec-", dir="/tmp"))
     os.chmod(workdir, 0o755)
-    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY)])
+    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY),
+                                                          "--allow-unsealed-shm"])
     side.socket = str(workdir / "run" / "shared.sock")  # a directory the sidecar creates
     try:
         side.start()
@@ -218,3 +220,88 @@ def test_past_the_file_mode_but_outside_the_policy_is_forbidden(
     assert owner.poll("owned") == [] and owner.ping().engines == ["owned"]
     owner.deregister("owned")
     owner.close()
+
+
+@pytest.fixture(scope="module")
+def uid_sidecar() -> Iterator[SidecarProcess]:
+    """A sidecar that allows the user nobody by uid alone (no --allow-gid)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the engine runs as another user (nobody)")
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-uid-", dir="/tmp"))
+    os.chmod(workdir, 0o755)
+    side = SidecarProcess(workdir, "byuid", args=["--allow-uid", str(NOBODY),
+                                                   "--allow-unsealed-shm"])
+    side.socket = str(workdir / "run" / "byuid.sock")  # a directory the sidecar creates
+    try:
+        side.start()
+        yield side
+    finally:
+        side.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _use(sock_path: str, memory: str) -> dict[str, Any]:
+    """Ping, register with ``memory`` allocated by the sidecar, write into it, go."""
+    out: dict[str, Any] = {}
+    try:
+        with SidecarClient(sock_path, timeout_s=30) as c:
+            out["version"] = c.ping().version
+            reg = c.register(f"by-uid-{memory}", 0, attn(2)(1, 8), allocate=True,
+                             memory=memory)  # type: ignore[arg-type]
+            reg.regions[0].numpy()[:3] = 9
+            out["kinds"] = sorted({type(r).__name__ for r in reg.regions})
+            for r in reg.regions:
+                r.close()
+            c.deregister(f"by-uid-{memory}")
+    except (OSError, SidecarError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize(("memory", "kind"), [("memfd", "MemfdRegion"), ("shm", "ShmRegion")])
+def test_allow_uid_alone_lets_that_user_register(uid_sidecar: SidecarProcess, memory: str,
+                                                 kind: str) -> None:
+    """--allow-uid without --allow-gid: the allowed user passes the socket's file
+    modes (a POSIX ACL entry) and can map what the sidecar allocates for it,
+    memfd (passed as an fd) and shm (given to its uid). Before: EACCES on the
+    socket (0660, group root), and allocate-mode shm could not be opened."""
+    got = _as_nobody(_use, uid_sidecar.socket, memory)
+    assert got == {"version": 1, "kinds": [kind]}, got
+
+
+def test_allow_uid_lets_no_other_user_in(uid_sidecar: SidecarProcess) -> None:
+    got = _as_user(DAEMON, DAEMON, [], _use, uid_sidecar.socket, "memfd")
+    # The file modes stop it before the credential check: EACCES at connect.
+    assert got["error"].startswith("Forbidden: forbidden: cannot connect"), got
+    assert "[Errno 13] Permission denied" in got["error"], got
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_a_read_from_the_engine_itself_is_refused_at_once(tmp_path: Path) -> None:
+    """Before: accepted, the engine's own agent loaded into itself as a peer (+128 MB
+    of RSS), and the read failed later naming something else."""
+    side = SidecarProcess(tmp_path, "self").start()
+    try:
+        assert side.proc is not None
+        with SidecarClient(side.socket, timeout_s=30) as c:
+            layout = attn(2)(1, 16)
+            reg = c.register("narcissus", 0, layout, allocate=True)
+            before = _rss(side.proc.pid)
+            me = RemoteEngine("narcissus", 1, [reg.handshake_address])
+            for i in range(3):
+                with pytest.raises(BadRequest, match="asked to read from itself"):
+                    c.read("narcissus", f"self-{i}", [[1]], me, [[0]])
+            time.sleep(2)
+            assert c.poll("narcissus") == []  # nothing was accepted
+            assert _rss(side.proc.pid) - before < 16 << 20
+            for r in reg.regions:
+                r.close()
+            c.deregister("narcissus")
+    finally:
+        assert side.stop() == 0

@@ -41,6 +41,8 @@ _ids = itertools.count()
 # The transport self-check is covered by the daemon's own tests; here it would
 # only add a loopback transfer per sidecar to a loaded 2-core machine.
 FAST = ["--transport-check", "off"]
+#: the connector's memory="shm" case registers POSIX shm, which a sidecar maps only when told
+SHM = ["--allow-unsealed-shm"]
 
 
 def start_all(procs: list[SidecarProcess]) -> None:
@@ -54,10 +56,10 @@ def start_all(procs: list[SidecarProcess]) -> None:
 
 class Sidecars:
     def __init__(self, workdir: Path) -> None:
-        self.p = [SidecarProcess(workdir, f"vp{i}", args=["--hold-timeout", "60", *FAST])
+        self.p = [SidecarProcess(workdir, f"vp{i}", args=["--hold-timeout", "60", *FAST, *SHM])
                   for i in range(2)]
         # Generous: a loaded 2-core machine can take seconds to answer a handshake.
-        d_args = ["--read-timeout", "60", "--handshake-timeout", "30", *FAST]
+        d_args = ["--read-timeout", "60", "--handshake-timeout", "30", *FAST, *SHM]
         self.d = [SidecarProcess(workdir, f"vd{i}", args=d_args) for i in range(2)]
         self.workdir = workdir
 

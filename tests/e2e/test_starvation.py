@@ -1,0 +1,161 @@
+"""One local engine (or process) must not starve the others (real sidecars).
+
+Before: a read naming 4,096 dead addresses made other engines' reads fail at
+once (the handshake client's connections were all waiting for the dead);
+256 idle engine connections refused every new client for as long as they
+stayed; 64 idle fd-socket connections made memfd registrations fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.ipc.client import SidecarClient
+from kvsidecar.ipc.fdpass import fd_socket_for
+from kvsidecar.ipc.memfd import MemfdRegion
+from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.sim.cluster import SidecarProcess, engines
+from kvsidecar.sim.models import attn, hybrid
+from kvsidecar.sim.oracle import Request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+_ids = itertools.count()
+
+
+def _uid(prefix: str) -> str:
+    return f"st-{prefix}{next(_ids)}"
+
+
+def _idle(path: str, n: int) -> list[socket.socket]:
+    """``n`` connections that never send a byte."""
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        out.append(s)
+    return out
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(64) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def closing() -> Iterator[list[socket.socket]]:
+    made: list[socket.socket] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def test_a_read_naming_thousands_of_dead_addresses_fails_alone(pool, tmp_path: Path) -> None:
+    """Engine A, on the same D sidecar as engine B, reads from a P engine of 4,096
+    ranks at dead addresses, again and again; each time B reads from a P engine it
+    has never linked to (a new handshake): B's reads are oracle-exact, A's fail."""
+    d = SidecarProcess(tmp_path, "st-d", args=["--handshake-timeout", "5"]).start()
+    attacker = SidecarClient(d.socket, timeout_s=60)
+    layout = attn(2)(1, 16)
+    try:
+        attacker.register("st-attacker", 0, layout, allocate=True)
+        n = 4096
+        dead = [f"127.1.{i // 256}.{i % 256}:9" for i in range(n)]
+        for rnd in range(3):
+            attacker.read("st-attacker", f"wide-{rnd}", [[0]], RemoteEngine("gone", n, dead),
+                          [[0]])
+            time.sleep(0.5)  # its handshakes are under way
+            with engines(pool.p[:1], [d], _uid, hybrid, 1, 1) as (P, (D,)):
+                rid = f"legit-{rnd}"
+                D.start_read(P.prefill(rid, Request(seed=rnd, prompt_tokens=60)))
+                got = D.wait_for([rid], timeout_s=120)[rid][0]
+                assert got.kind == "received", got
+                assert not D.verify(rid)
+        deadline = time.monotonic() + 60
+        failed: list[str] = []
+        while len(failed) < 3:
+            assert time.monotonic() < deadline, failed
+            failed += [c.request_id for c in attacker.poll("st-attacker") if c.kind == "failed"]
+            time.sleep(0.05)
+        assert sorted(failed) == ["wide-0", "wide-1", "wide-2"]
+        assert d.alive()
+    finally:
+        attacker.close()
+        assert d.stop() == 0
+
+
+def test_idle_engine_connections_do_not_lock_new_clients_out(tmp_path: Path,
+                                                             closing) -> None:
+    d = SidecarProcess(tmp_path, "st-engine", args=["--max-engine-connections", "16",
+                                                    "--metrics-port", "0"]).start()
+    try:
+        closing += _idle(d.socket, 16)  # every slot
+        time.sleep(1.5)
+        with SidecarClient(d.socket, timeout_s=30) as c:
+            assert c.ping().version >= 1
+            reg = c.register("st-newcomer", 0, attn(2)(1, 8), allocate=True)
+            for r in reg.regions:
+                r.close()
+            c.deregister("st-newcomer")
+        assert d.metric("kvsidecar_refused_total", channel="engine",
+                        reason="idle_evicted") >= 1
+    finally:
+        assert d.stop() == 0
+
+
+def test_an_idle_engine_connection_that_never_registered_is_closed(tmp_path: Path,
+                                                                   closing) -> None:
+    d = SidecarProcess(tmp_path, "st-deadline", args=["--engine-idle-timeout", "2",
+                                                      "--metrics-port", "0"]).start()
+    try:
+        closing += _idle(d.socket, 4)
+        with SidecarClient(d.socket, timeout_s=30) as c:  # an engine's own connection
+            reg = c.register("st-kept", 0, attn(2)(1, 8), allocate=True)
+            deadline = time.monotonic() + 30
+            while not all(_closed_by_peer(s) for s in closing):
+                assert time.monotonic() < deadline, "idle connections were never closed"
+                time.sleep(0.2)
+            time.sleep(3)  # past the deadline: the registered connection stays
+            assert c.poll("st-kept") == []
+            assert d.metric("kvsidecar_refused_total", channel="engine",
+                            reason="idle_timeout") >= 4
+            # A client whose idle connection was closed reconnects on its next call.
+            other = SidecarClient(d.socket, timeout_s=30)
+            assert other.ping().version >= 1
+            time.sleep(5)
+            assert other.ping().version >= 1
+            other.close()
+            for r in reg.regions:
+                r.close()
+            c.deregister("st-kept")
+    finally:
+        assert d.stop() == 0
+
+
+def test_idle_fd_socket_connections_do_not_fail_registrations(tmp_path: Path,
+                                                               closing) -> None:
+    d = SidecarProcess(tmp_path, "st-fd", args=["--metrics-port", "0"]).start()
+    try:
+        closing += _idle(fd_socket_for(d.socket), 64)  # the fd socket's every slot
+        time.sleep(1.5)
+        with SidecarClient(d.socket, timeout_s=30) as c:
+            reg = c.register("st-memfd", 0, attn(2)(1, 8), allocate=True, memory="memfd")
+            assert all(isinstance(r, MemfdRegion) for r in reg.regions)
+            reg.regions[0].numpy()[:4] = 7
+            for r in reg.regions:
+                r.close()
+            c.deregister("st-memfd")
+        assert d.metric("kvsidecar_refused_total", channel="fd", reason="idle_evicted") >= 1
+    finally:
+        assert d.stop() == 0
