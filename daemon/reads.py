@@ -64,6 +64,7 @@ from kvsidecar.daemon.transport.worker import (
     ReadOp,
     TransferStats,
 )
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
@@ -253,8 +254,26 @@ def claims_of(handshakes: HandshakeClient, eng: EngineRank, req: Read,
         (r.handshake[p], Claim(
             engine_id=r.engine_id, tp_rank=p, agent_name=agent, request_id=rid,
             reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-            reader_tp=eng.layout.tp_size))
+            reader_tp=eng.layout.tp_size,
+            token=req.remote_tokens[p] if p < len(req.remote_tokens) else ""))
         for p, agent in ranks])
+
+
+def check_tokens(req: Read, cands: Sequence[int], peers: Sequence[Peer], now: float) -> None:
+    """Before anything is posted: each P rank read from issued the read's token
+    for this request and exactly the blocks it names (checked with the rank's
+    checking key from its handshake; see :mod:`~kvsidecar.ipc.hold_token`).
+    Raises :class:`~kvsidecar.ipc.hold_token.TokenError` naming the rank."""
+    rid = req.remote_request_id or req.request_id
+    for p, peer in zip(cands, peers):
+        if not peer.info.hold_key:
+            raise hold_token.TokenError(f"remote rank {p}'s sidecar issues no hold tokens "
+                                        "(an older kvsidecar): upgrade it")
+        try:
+            hold_token.check_for_reader(peer.info.hold_key, req.remote.engine_id, rid,
+                                        req.remote_block_ids, req.remote_tokens[p], now)
+        except hold_token.TokenError as e:
+            raise hold_token.TokenError(f"remote rank {p}: {e}") from None
 
 
 def agents_of(cands: Sequence[int], peers: list[Peer]) -> Iterator[tuple[int, str]]:
@@ -296,6 +315,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             peers = [peer for peer in known if peer is not None]
             eng.peers.hold(peers, job.links)
     job.peers = peers
+    check_tokens(req, cands, peers, time.time())
     layout = peers[0].info.layout
     for p, peer in zip(cands[1:], peers[1:]):
         if peer.info.layout != layout:

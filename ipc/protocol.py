@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 5
+PROTOCOL_MINOR: Final = 6
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -53,6 +53,9 @@ PROTOCOL_MINOR: Final = 5
   the field and answers at once, so a client loses nothing but the wait).
 * 5: :class:`Batch`: several reads, holds and releases in one message,
   answered by :class:`Replies` (one reply per item, in order).
+* 6: hold tokens (:mod:`~kvsidecar.ipc.hold_token`): ``Held.token``,
+  ``Registered.hold_key``, ``Read.remote_tokens`` (one per remote rank; a
+  read without them is refused).
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -91,6 +94,7 @@ RequestId = Annotated[str, Meta(max_length=4 * MAX_ID_CHARS)]
 #: A ``host:port`` (IPv6 in brackets) with room for long DNS names.
 Address = Annotated[str, Meta(min_length=1, max_length=300)]
 BlockIds = list[list[int]]
+HoldToken = Annotated[str, Meta(max_length=160)]
 """One list of block ids per KV-cache group, in the layout's group order.
 
 Plain ints, no ``ge=0`` constraint: decoding is dominated by creating Python
@@ -307,6 +311,9 @@ class Read(_RequestBase, tag="read", frozen=True):
     remote_request_id: RequestId | None = None
     skip_tokens: NonNegative | None = None
     num_tokens: NonNegative | None = None
+    #: one hold token per remote rank (what each P rank's hold issued; see
+    #: :mod:`~kvsidecar.ipc.hold_token`): required, a read without them is refused
+    remote_tokens: Annotated[list[HoldToken], Meta(max_length=4096)] = []
 
 
 class Hold(_RequestBase, tag="hold", frozen=True):
@@ -402,6 +409,10 @@ class Registered(_ReplyBase, tag="registered"):
     #: Where the file descriptors of ``memfd``/``cuda_vmm`` regions are fetched
     #: (a Unix socket next to the engine socket); empty when none are needed.
     fd_socket: str = ""
+    #: this rank's hold key (:mod:`~kvsidecar.ipc.hold_token`, 64 bytes, new on every
+    #: registration): an engine that issues its own hold tokens (the vLLM
+    #: connector's scheduler) issues them with it. Keep it as secret as the KV.
+    hold_key: bytes = b""
 
 
 class Reserved(_ReplyBase, tag="reserved"):
@@ -420,6 +431,9 @@ class Held(_ReplyBase, tag="held"):
 
     lease_s: float
     timeout_s: float
+    #: the hold's token: readers present it (``Read.remote_tokens``), nothing
+    #: moves without it; it expires with the hold's longest life
+    token: str = ""
 
 
 class ReaderReport(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -65,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
+from . import hold_token
 from .client import Duplicate, HoldSpec, ReadSpec, SidecarClient, SidecarError
 from .kv_pool import SidecarKVPool
 from .memory import ENGINE_SHM_PREFIX, ShmRegion, unique_name
@@ -102,6 +104,10 @@ RESERVE_MINOR = 2
 """The minor that brought reservations (``memory`` other than ``shm``)."""
 BATCH_MINOR = 5
 """The minor that brought batches: a step's holds (and reads) go in one message."""
+TOKEN_MINOR = 6
+"""The minor that brought hold tokens (a sidecar without them cannot be read from)."""
+TOKEN_LIFE_S = 600.0
+"""How long the hold tokens the scheduler issues are valid (past vLLM's 480 s hold)."""
 
 
 # --------------------------------------------------------------------------
@@ -164,11 +170,15 @@ class Settings:
 
 @dataclass
 class KvSidecarHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler: where peers reach its sidecar."""
+    """What a worker tells the scheduler: where peers reach its sidecar, and
+    the rank's hold key, with which the scheduler issues each finished
+    request's hold tokens (it answers before its workers place the holds).
+    Stays inside the engine: vLLM hands it from workers to the scheduler only."""
 
     engine_id: str
     tp_rank: int
     address: str
+    hold_key: bytes = b""
 
 
 @dataclass
@@ -185,6 +195,8 @@ class ReadJob:
     skip_tokens: int
     num_tokens: int
     awaited: bool  # the scheduler waits for it (False: a full prefix hit or an abort: notify only)
+    #: each P rank's hold token (kv_transfer_params["remote_tokens"])
+    remote_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -198,7 +210,8 @@ def _read_spec(job: ReadJob) -> ReadSpec:
                     RemoteEngine(job.remote_engine_id, job.remote_tp_size, job.remote_handshake),
                     job.remote_block_ids, remote_request_id=job.remote_request_id,
                     skip_tokens=job.skip_tokens,
-                    num_tokens=job.num_tokens if job.awaited else None)
+                    num_tokens=job.num_tokens if job.awaited else None,
+                    remote_tokens=job.remote_tokens)
 
 
 @dataclass
@@ -255,6 +268,8 @@ class _SchedulerSide:
                             for g in groups]
         self.has_mamba = "mamba" in self.kinds
         self.addresses: list[str] = []
+        self.hold_keys: list[bytes] = []
+        self.token_life_s = TOKEN_LIFE_S
         self._reads: dict[str, ReadJob] = {}
         self._holds: dict[str, HoldJob] = {}
         self._releases: set[str] = set()
@@ -264,15 +279,18 @@ class _SchedulerSide:
 
     def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         addrs: dict[int, str] = {}
+        keys: dict[int, bytes] = {}
         for rank, meta in metadata.items():
             if not isinstance(meta, KvSidecarHandshake):
                 raise UnsupportedConfig(f"rank {rank} sent {type(meta).__name__}, not the "
                                         "kvsidecar handshake (mixed connectors?)")
             addrs[rank] = meta.address
+            keys[rank] = meta.hold_key
         missing = sorted(set(range(self.tp_size)) - set(addrs))
         if missing:
             raise UnsupportedConfig(f"no sidecar address from tp ranks {missing}")
         self.addresses = [addrs[r] for r in range(self.tp_size)]
+        self.hold_keys = [keys[r] for r in range(self.tp_size)]
 
     # ------------------------------------------------------------ P side
 
@@ -325,6 +343,9 @@ class _SchedulerSide:
             raise UnsupportedConfig("no sidecar addresses: set_xfer_handshake_metadata was "
                                     "never called")
         self._holds[rid] = HoldJob(rid, blocks)
+        # The holds are placed by the workers next step; their tokens are issued
+        # now, with each rank's hold key, for exactly the blocks held.
+        expires = math.ceil(time.time() + self.token_life_s)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -335,6 +356,8 @@ class _SchedulerSide:
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
             "transfer_mode": "kvsidecar",
+            "remote_tokens": [hold_token.issue(key, self.engine_id, rid, blocks, expires)
+                              for key in self.hold_keys],
         }
 
     # ------------------------------------------------------------ D side
@@ -388,6 +411,7 @@ class _SchedulerSide:
                 [str(a) for a in params["remote_handshake"]],
                 str(params["remote_request_id"]),
                 [list(map(int, g)) for g in params["remote_block_ids"]], skip, num, awaited,
+                [str(t) for t in params.get("remote_tokens", ())],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"request {rid}: kv_transfer_params are not kvsidecar's "
@@ -487,6 +511,12 @@ class _WorkerSide:
                 f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
                 f"this connector needs {pong.version}.{NEEDS_MINOR} or later (it reports "
                 "descriptor counts): upgrade the sidecar")
+        if pong.minor < TOKEN_MINOR:
+            self.client.close()
+            raise UnsupportedConfig(
+                f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
+                f"this connector needs {pong.version}.{TOKEN_MINOR} or later (hold tokens): "
+                "upgrade the sidecar")
         if self.memory != "shm" and pong.minor < RESERVE_MINOR:
             self.client.close()
             raise UnsupportedConfig(
@@ -563,7 +593,7 @@ class _WorkerSide:
             raise UnsupportedConfig(f"the kvsidecar at {self.socket} refused tp rank "
                                     f"{self.tp_rank}'s KV cache: {e}{hint}") from e
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
-                                            reg.handshake_address)
+                                            reg.handshake_address, reg.hold_key)
         log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
                  "(handshake %s)", self.engine_id, self.tp_rank, len(self.regions),
                  self.vl.layout.region_bytes, self.socket, reg.handshake_address)
@@ -667,7 +697,8 @@ class _WorkerSide:
             self.client.read(self.engine_id, spec.request_id, spec.local_block_ids,
                              spec.remote, spec.remote_block_ids,
                              remote_request_id=spec.remote_request_id,
-                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens)
+                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens,
+                             remote_tokens=spec.remote_tokens)
         except SidecarError as e:
             refused = e
         self._started(job, refused, t0, time.perf_counter() - t0)
@@ -909,6 +940,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = _SchedulerSide(vllm_config, kv_cache_config)
+            # A token lives as long as the hold may (vLLM keeps P's blocks 480 s).
+            self.scheduler.token_life_s = max(TOKEN_LIFE_S,
+                                              2 * (self.settings.hold_timeout_s or 0.0))
             # Refuse unsupported layouts in the scheduler process too: start-up, not
             # the first request.
             layout_for(vllm_config, kv_cache_config, self.settings.kernel_block_size)

@@ -96,6 +96,10 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     daemon_id: str
     control_batch_items: int = 0
     notif_batch_reads: int = 0
+    #: the checking half of this rank's hold key (:mod:`~kvsidecar.ipc.hold_token`):
+    #: a reader checks the hold token of every read against it before posting;
+    #: empty from a sidecar that issues no tokens (its reads are refused)
+    hold_key: bytes = b""
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
@@ -205,6 +209,7 @@ def make_handshake_info(
     device_uuid: str = "",
     control_batch_items: int = MAX_BATCH_ITEMS,
     notif_batch_reads: int = MAX_NOTIF_READS,
+    hold_key: bytes = b"",
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -223,6 +228,7 @@ def make_handshake_info(
         daemon_id=daemon_id,
         control_batch_items=control_batch_items,
         notif_batch_reads=notif_batch_reads,
+        hold_key=hold_key,
     )
 
 
