@@ -51,6 +51,7 @@ from kvsidecar.daemon.planner import (
     plan_many_addressed,
     plan_read,
 )
+from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.staging import Area, scatter
 from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
 from kvsidecar.daemon.thread_groups import ThreadGroups
@@ -108,6 +109,9 @@ class ReadJob:
     #: how to abort it before posting when it shares its task with other reads
     #: (a batch, see read_batch): cancelling the task would abort them all
     on_abort: Callable[[ReadJob], None] | None = None
+    #: its hold tokens were presented by an earlier read on this sidecar: it is
+    #: never posted during its claim (see spent_tokens.py)
+    replayed: bool = False
 
     @property
     def trace_id(self) -> str:
@@ -331,7 +335,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             {p: peer.bases for p, peer in zip(cands, peers)}, modes)
     cost = sum(len(ids) for ids in req.local_block_ids)
     if (handshakes is not None and not modes and cost <= _INLINE_PLAN_BLOCKS
-            and eng.post_during_claim_s > 0
+            and eng.post_during_claim_s > 0 and not job.replayed
             and eng.peers.confirmed_within(peers, eng.post_during_claim_s, time.monotonic())):
         return await _post_first(eng, job, planner, timeout_s, metrics, handshakes, cands, peers,
                                  args)
@@ -350,7 +354,8 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         planning.add_done_callback(_retrieve)
         if leases is not None:
             window = eng.post_during_claim_s
-            if window > 0 and eng.peers.confirmed_within(peers, window, time.monotonic()):
+            if (window > 0 and not job.replayed
+                    and eng.peers.confirmed_within(peers, window, time.monotonic())):
                 claiming = asyncio.ensure_future(_claim(eng, leases, peers, sent))
                 try:
                     plan, posts, staged = await planning
@@ -1076,6 +1081,7 @@ class ReadTable:
         self._jobs: dict[tuple[str, str], ReadJob] = {}
         self._per_engine: dict[str, int] = {}
         self._abandons: set[asyncio.Task[None]] = set()
+        self._spent = SpentTokens()
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -1109,7 +1115,13 @@ class ReadTable:
                                 f"the layout has {len(eng.layout.groups)}")
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
+        if len(req.remote_tokens) != r.tp_size:
+            raise RequestError(BAD_REQUEST, (
+                f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
+                f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
+                "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
         job = ReadJob(req)
+        job.replayed = not self._spent.first_use(req.remote_tokens, time.time())
         self._jobs[key] = job
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
         self._route(eng, job)
@@ -1394,7 +1406,9 @@ class ReadTable:
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
-            except (NixlError, LeaseRefused) as e:
+            except (NixlError, LeaseRefused, hold_token.TokenError) as e:
+                # A token refused over a link older than the request may be the
+                # rank's previous registration's key: re-link once, like a lease.
                 if isinstance(e, LeaseRefused) and not e.stale_link:
                     raise
                 reset = isinstance(e, (NixlAgentReset, NixlKilledByReset))

@@ -382,11 +382,6 @@ class Sidecar:
 
     async def _read(self, req: Read) -> Reply:
         eng = self._engine(req.engine_id)
-        if len(req.remote_tokens) != req.remote.tp_size:
-            raise RequestError(BAD_REQUEST, (
-                f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
-                f"for {req.remote.tp_size} remote ranks: pass the token each P rank's hold "
-                "issued (remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
         for address in req.remote.handshake:
             if address not in self._dialable:
                 self._check_address(address)

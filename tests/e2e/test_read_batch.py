@@ -139,8 +139,9 @@ def test_a_batch_renews_each_reads_lease_and_each_read_judges_its_own(tmp_path: 
                 big = Request(seed=2 + i, prompt_tokens=64 * 48)  # P's pages stay POISON
                 sent = Sent(f"lapse{attempt}-{i}", P.remote, P.blocks_for(big.prompt_tokens),
                             big)
-                P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids, readers=1,
-                                  timeout_s=60)
+                sent.tokens.append(P.clients[0].hold(P.engine_id, sent.request_id,
+                                                     sent.block_ids, readers=1,
+                                                     timeout_s=60).token)
                 sents.append(sent)
             rids = [s.request_id for s in sents]
             lapsed = d.log_path.read_text().count("lease lapsed")
