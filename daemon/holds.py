@@ -299,12 +299,15 @@ class HoldBook:
     def may_report(self, engine_id: str, request_id: str, reader: ReaderRank,
                    member: bytes) -> str:
         """Why ``member`` may not report for ``reader`` ('' when it may): a rank
-        that claimed from one member is that member's to abandon."""
-        bound = self.member_of(engine_id, request_id, reader)
-        if bound is None or bound == member:
+        that claimed from one member is that member's to abandon; an abandon
+        for a rank that never claimed binds it to ``member`` as a claim would."""
+        key = (engine_id, request_id)
+        h = self._holds.get(key)
+        early = self._early.get(key)
+        members = h.members if h is not None else early.members if early is not None else None
+        if members is None:
             return ""
-        return (f"reader {reader[0][:200]!r} rank {reader[1]} claimed this hold from another "
-                "fleet member")
+        return self._bind(members, reader, member)
 
     @staticmethod
     def _bind(members: dict[ReaderRank, bytes], reader: ReaderRank | None,
