@@ -47,6 +47,7 @@ __all__ = [
     "check_issued",
     "checking_key",
     "issue",
+    "issue_all",
     "new_key",
     "parse",
 ]
@@ -99,12 +100,21 @@ def _tag(key: bytes, message: bytes) -> bytes:
 def issue(key: bytes, engine_id: str, request_id: str, block_ids: list[list[int]],
           expires: int) -> str:
     """The token for the hold of ``request_id``'s ``block_ids`` on this rank."""
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a hold key is {KEY_BYTES} bytes, got {len(key)}")
+    return issue_all([key], engine_id, request_id, block_ids, expires)[0]
+
+
+def issue_all(keys: list[bytes], engine_id: str, request_id: str,
+              block_ids: list[list[int]], expires: int) -> list[str]:
+    """One token per rank's key (the blocks digested once), in the keys' order."""
     digest = blocks_digest(block_ids)
     msg = _message(engine_id, request_id, expires, digest)
-    return ".".join((VERSION, str(expires), digest.hex(), _tag(key[:_HALF], msg).hex(),
-                     _tag(key[_HALF:], msg).hex()))
+    out = []
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a hold key is {KEY_BYTES} bytes, got {len(key)}")
+        out.append(".".join((VERSION, str(expires), digest.hex(),
+                             _tag(key[:_HALF], msg).hex(), _tag(key[_HALF:], msg).hex())))
+    return out
 
 
 def parse(token: str) -> Token:

@@ -356,8 +356,8 @@ class _SchedulerSide:
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
             "transfer_mode": "kvsidecar",
-            "remote_tokens": [hold_token.issue(key, self.engine_id, rid, blocks, expires)
-                              for key in self.hold_keys],
+            "remote_tokens": hold_token.issue_all(self.hold_keys, self.engine_id, rid, blocks,
+                                                  expires),
         }
 
     # ------------------------------------------------------------ D side

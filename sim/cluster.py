@@ -374,8 +374,8 @@ class SimEngine:
                      life_s: float = 600.0) -> list[str]:
         """Every rank's hold token for ``request_id``'s ``block_ids``, issued here."""
         expires = math.ceil(time.time() + life_s)
-        return [hold_token.issue(reg.hold_key, self.engine_id, request_id, block_ids, expires)
-                for reg in self.registrations]
+        return hold_token.issue_all([reg.hold_key for reg in self.registrations],
+                                    self.engine_id, request_id, block_ids, expires)
 
     def hold_many(self, sents: Sequence[Sent], *, readers: int = 1) -> None:
         """Hold several prefilled requests (``prefill(..., hold=False)``) in one
