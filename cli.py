@@ -38,10 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--layers", type=int, default=4)
     p_demo.add_argument("--p-tp", type=int, default=1)
     p_demo.add_argument("--d-tp", type=int, default=2)
-    p_keys = sub.add_parser("keys", help="create the fleet's CURVE key for the peer channel",
-                            description="Write DIR/sidecar.key_secret (mode 0600) and "
-                                        "DIR/sidecar.key; give every sidecar of the fleet the "
-                                        "same DIR (--peer-keys), e.g. as a Kubernetes Secret.")
+    p_keys = sub.add_parser("keys", help="create a sidecar's CURVE keypair for the peer channel",
+                            description="Write DIR/sidecar.key_secret (mode 0600), "
+                                        "DIR/sidecar.key and an empty DIR/authorized/. Member "
+                                        "keys: run it once per sidecar (--peer-keys DIR) and "
+                                        "copy every member's sidecar.key into each member's "
+                                        "DIR/authorized/<member>.key. A shared fleet key (no "
+                                        "member identity): give every sidecar the same DIR.")
     p_keys.add_argument("dir")
     p_status = sub.add_parser(
         "status", help="show a running sidecar's engines, reads, holds, peers and readiness",

@@ -343,7 +343,8 @@ def _bulk(fleet: Fleet, s: Scale, lanes: int) -> list[Figure]:
                 if i:
                     sent = Sent(f"{first.request_id}-{i}", first.remote, first.block_ids,
                                 first.req)
-                    P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids)
+                    sent.tokens.append(P.clients[0].hold(P.engine_id, sent.request_id,
+                                                         sent.block_ids).token)
                 t0 = time.perf_counter()
                 D.start_read(sent)
                 got = wait_all(D, [sent.request_id])
@@ -972,6 +973,15 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
             warm = pair.prefill(8 * k)
             D.start_read(warm)
             pair.finish([warm], wait_all(D, [warm.request_id]))
+            #: each request's hold token, from its hold to its read
+            tokens: dict[str, str] = {}
+
+            def p_hold(rid: str, ids: list[int]) -> None:
+                tokens[rid] = pc.hold(P.engine_id, rid, [ids], readers=1).token
+
+            def d_read(rid: str, ids: list[int]) -> None:
+                dc.read(D.engine_id, rid, [ids], P.remote, [ids], remote_request_id=rid,
+                        remote_tokens=[tokens.pop(rid)])
 
             def single_calls(tag: str, rounds: int, hold: Callable[[str, list[int]], object],
                              read: Callable[[str, list[int]], object],
@@ -1018,11 +1028,7 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
 
             rounds = max(1, s.cpu_calls // slots)
             hold_cpu, read_cpu, poll_full, read_wall, n_full, n_items = single_calls(
-                "c", rounds,
-                lambda rid, ids: pc.hold(P.engine_id, rid, [ids], readers=1),
-                lambda rid, ids: dc.read(D.engine_id, rid, [ids], P.remote, [ids],
-                                         remote_request_id=rid),
-                lambda: dc.poll(D.engine_id))
+                "c", rounds, p_hold, d_read, lambda: dc.poll(D.engine_id))
             # What bounds the client (same run, same conditions): the same calls made
             # by floors.MinimalCaller (no client: build, encode, send, receive, decode),
             # and the client's holds without the fill before each.
@@ -1032,12 +1038,15 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                 acks: list[tuple[str, int | None]] = [("", None)]
 
                 def min_hold(rid: str, ids: list[int]) -> object:
-                    return floors.expect(mp_(Hold(P.engine_id, rid, [ids], 1, None,
+                    held = floors.expect(mp_(Hold(P.engine_id, rid, [ids], 1, None,
                                                   id=next(mids))), Held)
+                    tokens[rid] = held.token
+                    return held
 
                 def min_read(rid: str, ids: list[int]) -> object:
                     return floors.expect(md(Read(D.engine_id, rid, [ids], P.remote, [ids], rid,
-                                                 None, None, id=next(mids))), Ok)
+                                                 None, None, [tokens.pop(rid)], id=next(mids))),
+                                         Ok)
 
                 def min_poll() -> list[Completion]:
                     epoch, ack = acks[0]
@@ -1051,10 +1060,7 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                     "m", rounds_x, min_hold, min_read, min_poll)
                 min_poll()  # acknowledge the last, so D's client finds nothing of these
             nf_hold, *_ = single_calls(
-                "n", rounds_x, lambda rid, ids: pc.hold(P.engine_id, rid, [ids], readers=1),
-                lambda rid, ids: dc.read(D.engine_id, rid, [ids], P.remote, [ids],
-                                         remote_request_id=rid),
-                lambda: dc.poll(D.engine_id), fill=False)
+                "n", rounds_x, p_hold, d_read, lambda: dc.poll(D.engine_id), fill=False)
             n_x = rounds_x * slots
             c0 = time.process_time()
             for _ in range(s.cpu_calls):
@@ -1075,8 +1081,9 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                 hold_b += time.process_time() - c0
                 c0 = time.process_time()
                 refused = dc.read_many(D.engine_id, [
-                    ReadSpec(rid, ids, P.remote, ids, remote_request_id=rid)
-                    for rid, ids in zip(rids, blocks)])
+                    ReadSpec(rid, ids, P.remote, ids, remote_request_id=rid,
+                             remote_tokens=[h.token if not isinstance(h, Exception) else ""])
+                    for rid, ids, h in zip(rids, blocks, held)])
                 read_b += time.process_time() - c0
                 if any(isinstance(h, Exception) for h in held) or any(refused):
                     raise RuntimeError(f"batch refused: {held} {refused}")

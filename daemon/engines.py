@@ -109,6 +109,9 @@ class EngineRank:
     lanes: list[NixlWorker] = field(default_factory=list)
     #: verify the bytes of every read (settings.verify_bytes); a read may ask alone
     verify_bytes: bool = False
+    #: this registration's hold key (ipc/hold_token.py): issues and checks the
+    #: tokens of its holds; the checking half is in ``info`` for peers
+    hold_key: bytes = b""
     _seq: int = 0
     #: polls waiting for this rank's next completion (``Poll.wait_s``)
     _pollers: list[asyncio.Future[None]] = field(default_factory=list)
@@ -121,7 +124,9 @@ class EngineRank:
         self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
                               on_done=self.hold_done, lease_s=self.hold_lease_s,
                               max_life_s=self.hold_max_life_s,
-                              max_early=self.max_early_notifications)
+                              max_early=self.max_early_notifications,
+                              # one member's early claims never refuse another's
+                              max_early_per_member=max(1, self.max_early_notifications // 4))
 
     def complete(self, c: Completion) -> None:
         if self.metrics is not None:

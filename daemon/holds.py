@@ -23,6 +23,14 @@ a reader does: no lease reaches past ``max(timeout_s, max_life_s)`` after
 the hold was placed (``--hold-max-life``); near it leases are granted short,
 then refused, and the reader's read fails.
 
+Capabilities (see :mod:`~kvsidecar.ipc.hold_token`): a hold remembers the
+digest of the blocks it pins; a claim names the digest its (already checked)
+token carries, and one for other blocks is refused. Members: each claim binds
+its reading rank to the fleet member (the CURVE key) that sent it; a claim,
+renewal or abandon for that rank from another member is refused, and the
+service accepts that rank's notifications only from the agent this member
+declared. Early entries are bounded per member as well as in all.
+
 Asynchronous scheduling: notifications, claims and abandons may arrive
 before the engine calls ``hold``; they wait ``grace_s`` seconds in a bounded
 buffer and apply the moment the hold is placed. A claim for a request whose
@@ -51,6 +59,7 @@ from kvsidecar.daemon.planner import expected_notifications
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (engine_id, request_id)
+ReaderRank = tuple[str, int]  # (reading engine, its rank)
 
 MAX_REPORTS_PER_ENTRY = 1024
 """Reader ranks one early entry remembers (a D engine has at most a few hundred)."""
@@ -88,6 +97,9 @@ class _Hold:
     placed: float = 0.0  # when the engine placed it (this clock)
     #: the engine's block ids (one list per group), as the request named them
     block_ids: list[list[int]] | None = None
+    digest: bytes = b""  # the held blocks' digest (hold_token.blocks_digest); b"": unchecked
+    #: the fleet member (CURVE public key) each reading rank claimed from
+    members: dict[ReaderRank, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +107,9 @@ class _Early:
     arrived: float
     reports: list[Report] = field(default_factory=list)
     lease_until: float = 0.0
+    member: bytes = b""  # the member whose claim made this entry
+    digest: bytes = b""  # the blocks its claims' tokens name
+    members: dict[ReaderRank, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,12 +158,17 @@ class HoldBook:
     def __init__(self, *, default_timeout_s: float, grace_s: float,
                  on_done: Callable[[HoldOutcome], None], lease_s: float = 10.0,
                  max_early: int = 4096, max_ended: int = 65536,
-                 max_life_s: float = math.inf) -> None:
+                 max_life_s: float = math.inf, max_early_per_member: int | None = None
+                 ) -> None:
         self.default_timeout_s = default_timeout_s
         self.max_life_s = max_life_s
         self.grace_s = grace_s
         self.lease_s = lease_s
         self.max_early = max_early
+        #: early entries one fleet member may open (default: max_early)
+        self.max_early_per_member = (max_early_per_member if max_early_per_member is not None
+                                     else max_early)
+        self._early_of: dict[bytes, int] = {}
         self.max_ended = max_ended
         self._on_done = on_done
         self._holds: dict[Key, _Hold] = {}
@@ -191,18 +211,26 @@ class HoldBook:
     # ------------------------------------------------------------ the engine's side
 
     def add(self, engine_id: str, request_id: str, p_tp: int, readers: int,
-            timeout_s: float | None, now: float, *,
+            timeout_s: float | None, now: float, digest: bytes = b"", *,
             block_ids: list[list[int]] | None = None) -> None:
+        """Place a hold; ``digest`` names its blocks (claims must name the same);
+        ``block_ids`` are kept for digests of what it pins (``--verify-bytes``)."""
         key = (engine_id, request_id)
         if key in self._holds:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
         timeout = timeout_s if timeout_s is not None else self.default_timeout_s
         h = _Hold(engine_id, request_id, p_tp, readers, now + timeout,
-                  cap=now + max(timeout, self.max_life_s), placed=now, block_ids=block_ids)
+                  cap=now + max(timeout, self.max_life_s), placed=now, block_ids=block_ids,
+                  digest=digest)
         self._ended.pop(key, None)  # the engine holds this id again: a new hold
         self._holds[key] = h
-        early = self._early.pop(key, None)
+        early = self._pop_early(key)
+        if early and early.digest and digest and early.digest != digest:
+            log.warning("dropping early claims for request %r of engine %r: their tokens name "
+                        "other blocks than the hold pins", request_id, engine_id)
+            early = None
         if early:
+            h.members.update(early.members)
             h.deadline = max(h.deadline, early.lease_until)
             h.lease_until = early.lease_until
             for r in early.reports:
@@ -231,20 +259,29 @@ class HoldBook:
             del self._holds[k]
             self._remember_end(k, "the engine went away")
         for k in [k for k in self._early if k[0] == engine_id]:
-            del self._early[k]
+            self._pop_early(k)
         return len(keys)
 
     # ------------------------------------------------------------ the readers' side
 
-    def claim(self, engine_id: str, request_id: str, now: float) -> Lease:
+    def claim(self, engine_id: str, request_id: str, now: float, *, digest: bytes = b"",
+              member: bytes = b"", reader: ReaderRank | None = None) -> Lease:
         """A reader claims (or renews) its lease before (while) it reads.
 
         Granted while the hold lives (or before it is placed: early); refused
-        once the hold has ended, since its blocks may then be reused.
+        once the hold has ended, since its blocks may then be reused. ``digest``
+        (from the claim's checked token) must name the hold's blocks; ``reader``
+        is bound to ``member`` by its first claim, and refused to anyone else.
         """
         key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is not None:
+            if digest and h.digest and digest != h.digest:
+                return Lease(False, reason=f"the hold token names other blocks than the hold "
+                                           f"of {request_id!r} pins")
+            refused = self._bind(h.members, reader, member)
+            if refused:
+                return Lease(False, reason=refused)
             if h.released:
                 return Lease(False, reason=f"the hold of {request_id!r} was {h.released}")
             lease = min(self.lease_s, h.cap - now)
@@ -257,25 +294,71 @@ class HoldBook:
         ended = self._ended.get(key)
         if ended is not None:
             return Lease(False, reason=f"the hold of {request_id!r} has ended ({ended})")
-        early = self._early_entry(key, now)
+        early = self._early_entry(key, now, member)
         if early is None:
-            return Lease(False, reason=f"too many requests ({self.max_early}) wait for their "
-                                       f"hold on engine {engine_id!r}")
+            return Lease(False, reason=f"too many requests wait for their hold on engine "
+                                       f"{engine_id!r} ({self.max_early} in all, "
+                                       f"{self.max_early_per_member} per fleet member)")
+        if digest and early.digest and digest != early.digest:
+            return Lease(False, reason="the hold token names other blocks than earlier claims "
+                                       f"of {request_id!r}")
+        refused = self._bind(early.members, reader, member)
+        if refused:
+            return Lease(False, reason=refused)
+        early.digest = early.digest or digest
         early.lease_until = max(early.lease_until, now + self.lease_s)
         return Lease(True, self.lease_s)
 
-    def notify(self, note: ReadDone, now: float) -> None:
-        """A reading rank's completion notification (it read this rank's blocks)."""
-        self.report(note.target_engine, note.request_id, Report.of(note), now)
+    def member_of(self, engine_id: str, request_id: str, reader: ReaderRank) -> bytes | None:
+        """The fleet member ``reader`` claimed this hold from (None: no claim yet)."""
+        key = (engine_id, request_id)
+        h = self._holds.get(key)
+        members = h.members if h is not None else getattr(self._early.get(key), "members", {})
+        return members.get(reader)
 
-    def report(self, engine_id: str, request_id: str, r: Report, now: float) -> None:
-        """A reading rank is done: read, or gave up (``r.failure``)."""
+    def may_report(self, engine_id: str, request_id: str, reader: ReaderRank,
+                   member: bytes) -> str:
+        """Why ``member`` may not report for ``reader`` ('' when it may): a rank
+        that claimed from one member is that member's to abandon; an abandon
+        for a rank that never claimed binds it to ``member`` as a claim would."""
+        key = (engine_id, request_id)
+        h = self._holds.get(key)
+        early = self._early.get(key)
+        members = h.members if h is not None else early.members if early is not None else None
+        if members is None:
+            return ""
+        return self._bind(members, reader, member)
+
+    @staticmethod
+    def _bind(members: dict[ReaderRank, bytes], reader: ReaderRank | None,
+              member: bytes) -> str:
+        if reader is None:
+            return ""
+        bound = members.get(reader)
+        if bound is None:
+            if len(members) >= MAX_REPORTS_PER_ENTRY:
+                return "too many reading ranks claimed this hold"
+            members[reader] = member
+            return ""
+        if bound != member:
+            return (f"reader {reader[0][:200]!r} rank {reader[1]} claimed this hold from "
+                    "another fleet member")
+        return ""
+
+    def notify(self, note: ReadDone, now: float, member: bytes = b"") -> None:
+        """A reading rank's completion notification (it read this rank's blocks)."""
+        self.report(note.target_engine, note.request_id, Report.of(note), now, member)
+
+    def report(self, engine_id: str, request_id: str, r: Report, now: float,
+               member: bytes = b"") -> None:
+        """A reading rank is done: read, or gave up (``r.failure``); an early
+        one counts against ``member``'s early entries."""
         key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is None:
             if key in self._ended:
                 return  # late news of a hold that already ended: nothing to free
-            early = self._early_entry(key, now)
+            early = self._early_entry(key, now, member)
             if early is None or len(early.reports) >= MAX_REPORTS_PER_ENTRY:
                 self.early_dropped += 1
                 log.warning("dropping an early report for request %r of engine %r: too many "
@@ -302,7 +385,7 @@ class HoldBook:
                           f"before the deadline (reports per engine: {got or 'none'})")
         for key, e in list(self._early.items()):
             if now - e.arrived >= self.grace_s and now >= e.lease_until:
-                del self._early[key]
+                self._pop_early(key)
                 self.unclaimed += len(e.reports)
                 if e.reports:
                     log.warning("%d notification(s) for request %r of engine %r were never "
@@ -310,12 +393,24 @@ class HoldBook:
 
     # ------------------------------------------------------------ internals
 
-    def _early_entry(self, key: Key, now: float) -> _Early | None:
+    def _early_entry(self, key: Key, now: float, member: bytes) -> _Early | None:
         early = self._early.get(key)
         if early is None:
-            if len(self._early) >= self.max_early:
+            mine = self._early_of.get(member, 0)
+            if len(self._early) >= self.max_early or mine >= self.max_early_per_member:
                 return None
-            early = self._early[key] = _Early(now)
+            early = self._early[key] = _Early(now, member=member)
+            self._early_of[member] = mine + 1
+        return early
+
+    def _pop_early(self, key: Key) -> _Early | None:
+        early = self._early.pop(key, None)
+        if early is not None:
+            left = self._early_of[early.member] - 1
+            if left:
+                self._early_of[early.member] = left
+            else:
+                del self._early_of[early.member]
         return early
 
     def _count(self, h: _Hold, r: Report) -> None:

@@ -45,9 +45,10 @@ async def keep(client: HandshakeClient, items: Sequence[KeepItem], reader_engine
         r = item.remote
         for p in ranks_kept(r.tp_size, reader_tp, reader_rank):
             if p < len(r.handshake):
+                token = item.remote_tokens[p] if p < len(item.remote_tokens) else ""
                 sent.append(_claim(client, r.handshake[p], r.engine_id, p,
                                    item.remote_request_id, reader_engine, reader_rank,
-                                   reader_tp))
+                                   reader_tp, token))
     if not sent:
         return 0
     return sum(await asyncio.gather(*sent))
@@ -55,13 +56,13 @@ async def keep(client: HandshakeClient, items: Sequence[KeepItem], reader_engine
 
 async def _claim(client: HandshakeClient, address: str, engine_id: str, rank: int,
                  request_id: str, reader_engine: str, reader_rank: int,
-                 reader_tp: int) -> bool:
+                 reader_tp: int, token: str) -> bool:
     try:
         info = await client.fetch(address, engine_id, rank)
         reply, _ = await client.control(address, Claim(
             engine_id=engine_id, tp_rank=rank, agent_name=info.agent_name,
             request_id=request_id, reader_engine=reader_engine, reader_rank=reader_rank,
-            reader_tp=reader_tp, keep=True))
+            reader_tp=reader_tp, keep=True, token=token))
     except HandshakeFailed as e:
         log.info("keeping request %r at P rank %d (%s): %s", request_id, rank, address,
                  e.reason)

@@ -50,6 +50,7 @@ from kvsidecar.daemon.reads import (
     _retrieve,
     agents_of,
     check_results,
+    check_tokens,
     claims_of,
     lane_of,
     notify_ended,
@@ -58,6 +59,7 @@ from kvsidecar.daemon.reads import (
     targets_of,
 )
 from kvsidecar.daemon.thread_groups import ThreadGroups
+from kvsidecar.ipc.hold_token import TokenError
 from kvsidecar.metrics.registry import Metrics
 
 #: what ``settle`` gets for a read: its outcome, or why it failed
@@ -89,6 +91,17 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             for job in jobs:
                 settle(job, err)
             return
+    checked = []
+    for job in jobs:
+        try:
+            check_tokens(job.req, cands, peers, time.time())  # before anything is posted
+        except TokenError as e:
+            settle(job, e)
+        else:
+            checked.append(job)
+    jobs = checked
+    if not jobs:
+        return
     remote_bases = {p: peer.bases for p, peer in zip(cands, peers)}
     claimed_at = time.monotonic()
     sent = []

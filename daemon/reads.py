@@ -51,6 +51,7 @@ from kvsidecar.daemon.planner import (
     plan_many_addressed,
     plan_read,
 )
+from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.staging import Area, scatter
 from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
 from kvsidecar.daemon.thread_groups import ThreadGroups
@@ -64,6 +65,7 @@ from kvsidecar.daemon.transport.worker import (
     ReadOp,
     TransferStats,
 )
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
@@ -111,6 +113,9 @@ class ReadJob:
     on_abort: Callable[[ReadJob], None] | None = None
     #: set when its bytes are verified (``--verify-bytes`` or ``Read.verify``)
     verify: verify.Verifier | None = None
+    #: its hold tokens were presented by an earlier read on this sidecar: it is
+    #: never posted during its claim (see spent_tokens.py)
+    replayed: bool = False
 
     @property
     def trace_id(self) -> str:
@@ -257,8 +262,26 @@ def claims_of(handshakes: HandshakeClient, eng: EngineRank, req: Read,
         (r.handshake[p], Claim(
             engine_id=r.engine_id, tp_rank=p, agent_name=agent, request_id=rid,
             reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-            reader_tp=eng.layout.tp_size))
+            reader_tp=eng.layout.tp_size,
+            token=req.remote_tokens[p] if p < len(req.remote_tokens) else ""))
         for p, agent in ranks])
+
+
+def check_tokens(req: Read, cands: Sequence[int], peers: Sequence[Peer], now: float) -> None:
+    """Before anything is posted: each P rank read from issued the read's token
+    for this request and exactly the blocks it names (checked with the rank's
+    checking key from its handshake; see :mod:`~kvsidecar.ipc.hold_token`).
+    Raises :class:`~kvsidecar.ipc.hold_token.TokenError` naming the rank."""
+    rid = req.remote_request_id or req.request_id
+    for p, peer in zip(cands, peers):
+        if not peer.info.hold_key:
+            raise hold_token.TokenError(f"remote rank {p}'s sidecar issues no hold tokens "
+                                        "(an older kvsidecar): upgrade it")
+        try:
+            hold_token.check_for_reader(peer.info.hold_key, req.remote.engine_id, rid,
+                                        req.remote_block_ids, req.remote_tokens[p], now)
+        except hold_token.TokenError as e:
+            raise hold_token.TokenError(f"remote rank {p}: {e}") from None
 
 
 def agents_of(cands: Sequence[int], peers: list[Peer]) -> Iterator[tuple[int, str]]:
@@ -300,6 +323,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             peers = [peer for peer in known if peer is not None]
             eng.peers.hold(peers, job.links)
     job.peers = peers
+    check_tokens(req, cands, peers, time.time())
     layout = peers[0].info.layout
     for p, peer in zip(cands[1:], peers[1:]):
         if peer.info.layout != layout:
@@ -315,7 +339,7 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
             {p: peer.bases for p, peer in zip(cands, peers)}, modes)
     cost = sum(len(ids) for ids in req.local_block_ids)
     if (handshakes is not None and not modes and cost <= _INLINE_PLAN_BLOCKS
-            and eng.post_during_claim_s > 0
+            and eng.post_during_claim_s > 0 and not job.replayed
             and eng.peers.confirmed_within(peers, eng.post_during_claim_s, time.monotonic())):
         return await _post_first(eng, job, planner, timeout_s, metrics, handshakes, cands, peers,
                                  args)
@@ -334,7 +358,8 @@ async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: Thre
         planning.add_done_callback(_retrieve)
         if leases is not None:
             window = eng.post_during_claim_s
-            if window > 0 and eng.peers.confirmed_within(peers, window, time.monotonic()):
+            if (window > 0 and not job.replayed
+                    and eng.peers.confirmed_within(peers, window, time.monotonic())):
                 claiming = asyncio.ensure_future(_claim(eng, leases, peers, sent))
                 try:
                     plan, posts, staged = await planning
@@ -578,7 +603,8 @@ def _ask_digests(eng: EngineRank, job: ReadJob, cands: Sequence[int], peers: lis
     def request(rank: int, ranges: bytes, chunk_bytes: int) -> Digest:
         return Digest(engine_id=r.engine_id, tp_rank=rank, agent_name=agents[rank],
                       request_id=rid, reader_engine=eng.engine_id, reader_rank=eng.tp_rank,
-                      reader_tp=eng.layout.tp_size, ranges=ranges, chunk_bytes=chunk_bytes)
+                      reader_tp=eng.layout.tp_size, ranges=ranges, chunk_bytes=chunk_bytes,
+                      token=req.remote_tokens[rank] if rank < len(req.remote_tokens) else "")
 
     return verify.ask(job.verify, plan, {p: r.handshake[p] for p in cands}, request)
 
@@ -1199,6 +1225,7 @@ class ReadTable:
         self._abandons: set[asyncio.Task[None]] = set()
         #: set by the Sidecar: what verified reads use (``--verify-bytes``, ``Read.verify``)
         self.verifier: verify.Verifier | None = None
+        self._spent = SpentTokens()
 
     def count(self, engine_id: str) -> int:
         """Reads of ``engine_id`` accepted and not yet completed."""
@@ -1237,9 +1264,15 @@ class ReadTable:
                                 f"the layout has {len(eng.layout.groups)}")
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
+        if len(req.remote_tokens) != r.tp_size:
+            raise RequestError(BAD_REQUEST, (
+                f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
+                f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
+                "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
         job = ReadJob(req)
         if req.verify or eng.verify_bytes:
             job.verify = self._verifier_for(eng)
+        job.replayed = not self._spent.first_use(req.remote_tokens, time.time())
         self._jobs[key] = job
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
         self._route(eng, job)
@@ -1540,7 +1573,9 @@ class ReadTable:
             except PartialReadError:
                 self._forget_peers(eng, job)  # the next request re-links the failed ranks
                 raise
-            except (NixlError, LeaseRefused) as e:
+            except (NixlError, LeaseRefused, hold_token.TokenError) as e:
+                # A token refused over a link older than the request may be the
+                # rank's previous registration's key: re-link once, like a lease.
                 if isinstance(e, LeaseRefused) and not e.stale_link:
                     raise
                 reset = isinstance(e, (NixlAgentReset, NixlKilledByReset))

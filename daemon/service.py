@@ -21,6 +21,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import os
 import socket
 import time
@@ -90,6 +91,7 @@ from kvsidecar.daemon.verify import (
     Hashing,
     Verifier,
 )
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.cuda_handles import attach_policy, parse_cuda_device
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.layout import LayoutError, validate
@@ -169,16 +171,24 @@ class Sidecar:
         self.daemon_id = new_daemon_id()
         self._created = time.monotonic()
         self._engines: dict[str, EngineRank] = {}
-        #: (target engine, reader engine, reader rank) -> the agent that reader declared in
-        #: its handshake; notifications are accepted only from it. Bounded, oldest out.
-        self._readers: collections.OrderedDict[tuple[str, str, int], str] = (
+        #: (target engine, reader engine, reader rank, fleet member) -> the agent that
+        #: member declared for that reader in its handshake; a notification is accepted
+        #: only from the agent declared by the member the reader claimed from (one
+        #: member cannot re-declare another's). Bounded, oldest out.
+        self._readers: collections.OrderedDict[tuple[str, str, int, bytes], str] = (
             collections.OrderedDict())
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvs-plan",
                                            initializer=name_this_thread, initargs=("kvs-plan",))
         # No keys only when the operator said so (--insecure-peers); a missing
         # or unsafe key file raises ValueError here, before anything is bound.
         keys = None if settings.insecure_peers else load_keys(settings.peer_keys)
+        self._keys = keys
         self.peer_auth = "curve" if keys is not None else "none"
+        if keys is not None and keys.shared:
+            log.warning("peer keys: %s admits no member key but its own (one shared fleet "
+                        "key): members cannot be told apart, any one of them may claim, renew "
+                        "or abandon another's reads. Give each sidecar its own key (README, "
+                        "Security)", settings.peer_keys)
         self._hs_client = HandshakeClient(
             timeout_s=settings.handshake_timeout_s, keys=keys,
             max_connections=fd_budget(HANDSHAKE_CLIENT_CONNECTIONS, 0.25),
@@ -291,7 +301,8 @@ class Sidecar:
         bound = await self._hs_server.start()
         self._hs_bound = bound
         port = bound.rsplit(":", 1)[1]
-        self.handshake_address = f"{self.settings.advertised}:{port}"
+        self.handshake_address = f"{self.settings.advertised}:{port}" + (
+            self._keys.address_tag if self._keys is not None else "")
         try:
             await self._server.start()
         except BaseException:
@@ -631,6 +642,7 @@ class Sidecar:
             await self._release_regions(regions, owned)
             raise RequestError(BAD_REQUEST, f"NIXL registration failed: {e}") from None
         bases = [r.address for r in regions]
+        key = hold_token.new_key()
         eng = EngineRank(
             engine_id=req.engine_id, tp_rank=req.tp_rank, layout=layout, regions=regions,
             owned=owned, keep_on_exit=req.keep_on_exit, pid=req.pid, worker=worker,
@@ -650,6 +662,7 @@ class Sidecar:
                 agent_metadata=meta, layout=layout, bases=bases, daemon_id=self.daemon_id,
                 mem_type=mem_type, dev_id=device.index, device_uuid=device.uuid,
                 notif_batch_reads=self.settings.notif_batch_reads,
+                hold_key=hold_token.checking_key(key),
             ),
             hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
             hold_lease_s=self.settings.hold_lease_s, hold_max_life_s=self.settings.hold_max_life_s,
@@ -660,6 +673,7 @@ class Sidecar:
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
             post_during_claim_s=self.settings.post_during_claim_s,
             verify_bytes=self.settings.verify_bytes,
+            hold_key=key,
         )
         self._prefault(eng, mem_type)
         self._attach_staging(eng, mem_type)
@@ -691,7 +705,8 @@ class Sidecar:
         return Registered(engine_id=eng.engine_id, handshake_address=self.handshake_address,
                           agent_name=eng.worker.agent_name,
                           regions=[r.ref() for r in eng.regions] if eng.owned else [],
-                          fd_socket=self._fds.path if eng.fd_token else "")
+                          fd_socket=self._fds.path if eng.fd_token else "",
+                          hold_key=eng.hold_key)
 
     def _offer_fds(self, eng: EngineRank) -> str:
         return self._offer(eng.regions, eng.uid, f"engine {eng.engine_id!r} rank "
@@ -887,7 +902,8 @@ class Sidecar:
             raise RequestError(BAD_REQUEST, str(e)) from None
         try:
             eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                          req.timeout_s, time.monotonic(), block_ids=req.block_ids)
+                          req.timeout_s, time.monotonic(),
+                          digest=hold_token.blocks_digest(req.block_ids), block_ids=req.block_ids)
         except KeyError as e:
             raise RequestError(DUPLICATE, str(e.args[0])) from None
         eng.worker.set_hot(len(eng.holds) > 0)
@@ -897,8 +913,12 @@ class Sidecar:
             self._hold_spans[(req.engine_id, req.request_id)] = self.tracing.start(
                 "kvsidecar.hold", req.request_id, engine=req.engine_id, rank=eng.tp_rank,
                 readers=req.readers)
-        return Held(lease_s=eng.holds.lease_s,
-                    timeout_s=req.timeout_s or eng.holds.default_timeout_s)
+        timeout = req.timeout_s or eng.holds.default_timeout_s
+        # Valid as long as a lease on the hold can run (see HoldBook.claim).
+        life = max(timeout, eng.holds.max_life_s) + eng.holds.lease_s
+        return Held(lease_s=eng.holds.lease_s, timeout_s=timeout,
+                    token=hold_token.issue(eng.hold_key, req.engine_id, req.request_id,
+                                           req.block_ids, math.ceil(time.time() + life)))
 
     def _traced_completion(self, engine_id: str, c: Completion) -> None:
         span = self._hold_spans.pop((engine_id, c.request_id), None)
@@ -919,9 +939,10 @@ class Sidecar:
 
     # ------------------------------------------------------------ notifications
 
-    def _declare_reader(self, target_engine: str, reader: Reader) -> None:
-        """A handshake request declared which agent a reading engine rank uses."""
-        key = (target_engine, reader.engine_id, reader.tp_rank)
+    def _declare_reader(self, target_engine: str, reader: Reader, member: bytes) -> None:
+        """A handshake request from ``member`` declared which agent a reading
+        engine rank uses."""
+        key = (target_engine, reader.engine_id, reader.tp_rank, member)
         self._readers[key] = reader.agent
         self._readers.move_to_end(key)
         while len(self._readers) > MAX_DECLARED_READERS:
@@ -959,10 +980,14 @@ class Sidecar:
             log.warning("notification for unknown engine %r (request %r) from %s",
                         note.target_engine, note.request_id, agent)
             return
-        declared = self._readers.get((note.target_engine, note.reader_engine, note.reader_rank))
+        member = eng.holds.member_of(note.target_engine, note.request_id,
+                                     (note.reader_engine, note.reader_rank))
+        declared = None if member is None else self._readers.get(
+            (note.target_engine, note.reader_engine, note.reader_rank, member))
         if declared != agent:
             # Anyone who can reach our NIXL agent can send a notification and name any
-            # request: only the agent the reader declared (in its handshake) may end a hold.
+            # request: only the agent that the member the reader claimed from declared
+            # (in its handshake) may end a hold; a reader that never claimed, none.
             self.metrics.notifications_received.labels(outcome="wrong_sender").inc()
             log.warning("rejecting a notification for engine %r request %r claiming reader "
                         "%r rank %d: sent by agent %r, the reader declared %r",
@@ -976,11 +1001,11 @@ class Sidecar:
                 self._hold_spans.get((note.target_engine, note.request_id)),
                 engine=note.target_engine, peer=note.reader_engine, rank=note.reader_rank))
         dropped = eng.holds.early_dropped
-        eng.holds.notify(note, time.monotonic())
+        eng.holds.notify(note, time.monotonic(), member or b"")
         if eng.holds.early_dropped != dropped:
             self.metrics.limit_refusals.labels(eng.engine_id, "early_notifications").inc()
 
-    def _on_control(self, frame: bytes) -> bytes | Awaitable[bytes]:
+    def _on_control(self, frame: bytes, member: bytes = b"") -> bytes | Awaitable[bytes]:
         """Answer a reader's claim, abandon, or batch of them (see peers/control.py
         and holds). A batch is answered item by item: one refused (or failing)
         item never refuses the others; only an undecodable message is refused
@@ -997,11 +1022,12 @@ class Sidecar:
         if isinstance(msg, ControlBatch):
             self.metrics.series(self.metrics.control_items, "answered").observe(len(msg.items))
             return peer_control.encode(ControlBatchReply(
-                replies=[self._answer_item(item) for item in msg.items], req_id=msg.req_id))
+                replies=[self._answer_item(item, member) for item in msg.items],
+                req_id=msg.req_id))
         self.metrics.series(self.metrics.control_items, "answered").observe(1)
-        return peer_control.encode(self._answer_item(msg))
+        return peer_control.encode(self._answer_item(msg, member))
 
-    def _answer_item(self, msg: ControlRequest) -> ControlReply:
+    def _answer_item(self, msg: ControlRequest, member: bytes) -> ControlReply:
         """The reply to one claim or abandon, counted; never raises."""
         op = _CONTROL_OPS[type(msg)]
         if msg.v != peer_control.CONTROL_VERSION:
@@ -1009,7 +1035,7 @@ class Sidecar:
                 f"control item v{msg.v}, this side speaks v{peer_control.CONTROL_VERSION}"))
         else:
             try:
-                reply = self._control_reply(msg)
+                reply = self._control_reply(msg, member)
             except Exception as e:  # one bad item must not cost the others their answers
                 log.exception("answering a %s for %r failed", op, msg.request_id[:200])
                 reply = ControlReply(granted=False, reason=f"internal error: {type(e).__name__}")
@@ -1075,6 +1101,12 @@ class Sidecar:
         eng = self._linked_engine(msg)
         if isinstance(eng, ControlReply):
             return eng
+        # As a claim: only the reader the hold issued its token to may ask.
+        try:
+            hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id, msg.token,
+                                    time.time())
+        except hold_token.TokenError as e:
+            return ControlReply(granted=False, reason=f"digest refused: {e}")
         try:
             digester = digest.digester_for(eng.info.mem_type)
         except digest.DigestUnavailable as e:
@@ -1122,13 +1154,25 @@ class Sidecar:
                 f"the hold of {msg.request_id[:200]!r} ended while its bytes were hashed"))
         return ControlReply(granted=True, digest=out)
 
-    def _control_reply(self, msg: ControlRequest) -> ControlReply:
+    def _control_reply(self, msg: ControlRequest, member: bytes) -> ControlReply:
         eng = self._linked_engine(msg)
         if isinstance(eng, ControlReply):
             return eng
+        op = _CONTROL_OPS[type(msg)]
+        if not msg.token:
+            return ControlReply(granted=False, reason=(
+                f"{op} of request {msg.request_id[:200]!r} carries no hold token: reads need "
+                "the token the hold issued (Read.remote_tokens; vLLM: kv_transfer_params)"))
+        try:
+            digest = hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id,
+                                             msg.token, time.time())
+        except hold_token.TokenError as e:
+            return ControlReply(granted=False, reason=f"{op} refused: {e}")
         now = time.monotonic()
+        reader = (msg.reader_engine, msg.reader_rank)
         if isinstance(msg, Claim):
-            lease = eng.holds.claim(msg.engine_id, msg.request_id, now)
+            lease = eng.holds.claim(msg.engine_id, msg.request_id, now, digest=digest,
+                                    member=member, reader=reader)
             if lease.granted and not msg.keep:
                 # The reader posts its READ when this reply arrives: progress tightly
                 # while its lease runs (wire-up, its READ's closing flush, and over
@@ -1141,13 +1185,16 @@ class Sidecar:
                                       soon=len(eng.holds) <= _SOON_MAX_HOLDS))
             return ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                 reason=lease.reason)
+        refused = eng.holds.may_report(msg.engine_id, msg.request_id, reader, member)
+        if refused:
+            return ControlReply(granted=False, reason=f"abandon refused: {refused}")
         report = Report(msg.reader_engine, msg.reader_rank, msg.reader_tp,
                         msg.reason or "abandoned by the reader")
 
         def apply(done: asyncio.Future[Any] | None = None) -> None:
             if done is not None and not done.cancelled():
                 done.exception()  # a worker that stopped meanwhile changes nothing here
-            eng.holds.report(msg.engine_id, msg.request_id, report, time.monotonic())
+            eng.holds.report(msg.engine_id, msg.request_id, report, time.monotonic(), member)
             eng.worker.set_hot(len(eng.holds) > 0)
 
         # The reader may have sent its read's completion notification (over NIXL)

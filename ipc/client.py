@@ -228,6 +228,9 @@ class Registration:
     handshake_address: str
     agent_name: str
     regions: list[Region]
+    #: the rank's hold key (ipc/hold_token.py): lets the engine issue its own hold
+    #: tokens, as the vLLM scheduler does; as secret as the KV memory itself
+    hold_key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,8 @@ class ReadSpec:
     num_tokens: int | None = None
     #: verify its bytes (see :meth:`SidecarClient.read`)
     verify: bool = False
+    #: the hold token each remote rank's hold issued (``Held.token``), in rank order
+    remote_tokens: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -333,7 +338,8 @@ def _registration(reply: Registered, regions: Sequence[Region] | None) -> Regist
     memfd / CUDA VMM kinds); the caller deregisters if this raises."""
     mapped: list[Region] = (list(regions) if regions is not None
                             else map_refs(reply.regions, reply.fd_socket))
-    return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped)
+    return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped,
+                        reply.hold_key)
 
 
 REGISTER_S_PER_GB = 2.0
@@ -466,10 +472,11 @@ class ClientCore:
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike,
              remote_request_id: str | None, skip_tokens: int | None,
-             num_tokens: int | None, verify: bool = False) -> Ask[Ok]:
+             num_tokens: int | None, verify: bool = False,
+             remote_tokens: Sequence[str] = ()) -> Ask[Ok]:
         return Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
                     block_id_lists(remote_block_ids), remote_request_id, skip_tokens,
-                    num_tokens, verify, id=next(self._ids)), Ok
+                    num_tokens, verify, list(remote_tokens), id=next(self._ids)), Ok
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
              timeout_s: float | None) -> Ask[Held]:
@@ -484,7 +491,7 @@ class ClientCore:
         reqs: list[Read | Hold | Release] = [
             Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
                  block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
-                 s.num_tokens, s.verify, id=self._next_id())
+                 s.num_tokens, s.verify, list(s.remote_tokens), id=self._next_id())
             for s in specs]
         out = yield from self._batch(reqs)
         return [o if isinstance(o, SidecarError) else None for o in out]
@@ -694,8 +701,15 @@ class SidecarClient:
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
              remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
              remote_request_id: str | None = None, skip_tokens: int | None = None,
-             num_tokens: int | None = None, verify: bool = False) -> None:
+             num_tokens: int | None = None, verify: bool = False,
+             remote_tokens: Sequence[str] = ()) -> None:
         """Ask the sidecar to pull ``remote_block_ids`` of ``remote`` into local blocks.
+
+        ``remote_tokens``: the token each remote rank's ``hold`` issued
+        (``Held.token``; vLLM: ``kv_transfer_params["remote_tokens"]``), one per
+        remote rank in rank order. Required: a hold is a capability, and a read
+        without its tokens (or with a token for other blocks, another request
+        or engine, or expired) moves no byte and fails naming what is wrong.
 
         Errors, one rule: what the local sidecar can judge from the request
         itself (malformed, unknown engine, local ids out of range or named
@@ -733,12 +747,13 @@ class SidecarClient:
             _can_verify(self.ping().minor)
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
                                     remote_block_ids, remote_request_id, skip_tokens, num_tokens,
-                                    verify)
+                                    verify, remote_tokens)
         _expect(self._exchange(req), kind)
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> Held:
-        """Keep blocks for readers; the reply's lease travels to them with the request."""
+        """Keep blocks for readers; the reply's lease and ``token`` travel to them with
+        the request (a reader presents the token: nothing moves without it)."""
         req, kind = self._core.hold(engine_id, request_id, block_ids, readers, timeout_s)
         return _expect(self._exchange(req), kind)
 
@@ -1057,13 +1072,13 @@ class AsyncSidecarClient:
                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
                    remote_request_id: str | None = None,
                    skip_tokens: int | None = None, num_tokens: int | None = None,
-                   verify: bool = False) -> None:
+                   verify: bool = False, remote_tokens: Sequence[str] = ()) -> None:
         """As :meth:`SidecarClient.read`."""
         if verify:
             _can_verify((await self.ping()).minor)
         req, kind = self._core.read(engine_id, request_id, local_block_ids, remote,
                                     remote_block_ids, remote_request_id, skip_tokens, num_tokens,
-                                    verify)
+                                    verify, remote_tokens)
         _expect(await self._exchange(req), kind)
 
     async def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,

@@ -36,7 +36,7 @@ from msgspec import Meta
 from .layout import Layout
 
 PROTOCOL_VERSION: Final = 1
-PROTOCOL_MINOR: Final = 10
+PROTOCOL_MINOR: Final = 11
 """Additions within major version 1 that a client may rely on, announced in
 :class:`Pong` (a daemon older than the field answers 0):
 
@@ -66,6 +66,9 @@ PROTOCOL_MINOR: Final = 10
   :class:`Pong` ``engine_lease_s`` says how long that lease is.
 * 10: :class:`Keep`: a decode engine keeps the holds of the requests it has
   admitted alive at their prefill sidecars while they wait to be read.
+* 11: hold tokens (:mod:`~kvsidecar.ipc.hold_token`): ``Held.token``,
+  ``Registered.hold_key``, ``Read.remote_tokens`` (one per remote rank; a
+  read without them is refused).
 
 Additions are new reply fields with defaults, which a client of an older
 minor ignores (replies do not forbid unknown fields), or new request fields
@@ -104,6 +107,7 @@ RequestId = Annotated[str, Meta(max_length=4 * MAX_ID_CHARS)]
 #: A ``host:port`` (IPv6 in brackets) with room for long DNS names.
 Address = Annotated[str, Meta(min_length=1, max_length=300)]
 BlockIds = list[list[int]]
+HoldToken = Annotated[str, Meta(max_length=160)]
 """One list of block ids per KV-cache group, in the layout's group order.
 
 Plain ints, no ``ge=0`` constraint: decoding is dominated by creating Python
@@ -334,6 +338,9 @@ class Read(_RequestBase, tag="read", frozen=True):
     #: verify the bytes (minor 7): P's sidecar digests what this read's plan takes
     #: from it, this sidecar what landed; a difference fails the read
     verify: bool = False
+    #: one hold token per remote rank (what each P rank's hold issued; see
+    #: :mod:`~kvsidecar.ipc.hold_token`): required, a read without them is refused
+    remote_tokens: Annotated[list[HoldToken], Meta(max_length=4096)] = []
 
 
 class Hold(_RequestBase, tag="hold", frozen=True):
@@ -419,10 +426,12 @@ class Status(_RequestBase, tag="status", frozen=True):
 
 
 class KeepItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One admitted request: the prefill engine holding its blocks, and its id there."""
+    """One admitted request: the prefill engine holding its blocks, its id there,
+    and the hold token of each P rank (a keep claims as a read would, with them)."""
 
     remote: RemoteEngine
     remote_request_id: RequestId
+    remote_tokens: Annotated[list[HoldToken], Meta(max_length=4096)] = []
 
 
 class Keep(_RequestBase, tag="keep", frozen=True):
@@ -471,6 +480,10 @@ class Registered(_ReplyBase, tag="registered"):
     #: Where the file descriptors of ``memfd``/``cuda_vmm`` regions are fetched
     #: (a Unix socket next to the engine socket); empty when none are needed.
     fd_socket: str = ""
+    #: this rank's hold key (:mod:`~kvsidecar.ipc.hold_token`, 64 bytes, new on every
+    #: registration): an engine that issues its own hold tokens (the vLLM
+    #: connector's scheduler) issues them with it. Keep it as secret as the KV.
+    hold_key: bytes = b""
 
 
 class Reserved(_ReplyBase, tag="reserved"):
@@ -489,6 +502,9 @@ class Held(_ReplyBase, tag="held"):
 
     lease_s: float
     timeout_s: float
+    #: the hold's token: readers present it (``Read.remote_tokens``), nothing
+    #: moves without it; it expires with the hold's longest life
+    token: str = ""
 
 
 class ReaderReport(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -81,6 +81,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from . import hold_token
 from .client import (
     Duplicate,
     HoldSpec,
@@ -145,6 +146,10 @@ DEFAULT_HOLD_TIMEOUT_S = 30.0
 ``kv_lease_duration``): the time for D to admit the request; from then on D
 keeps them (``keep_every_s``) until it reads, and a D that is gone lets them
 go one ``--hold-lease`` after its last claim."""
+TOKEN_MINOR = 11
+"""The minor that brought hold tokens (a sidecar without them cannot be read from)."""
+TOKEN_LIFE_S = 600.0
+"""How long the hold tokens the scheduler issues are valid (past vLLM's 480 s hold)."""
 
 
 # --------------------------------------------------------------------------
@@ -211,11 +216,15 @@ class Settings:
 
 @dataclass
 class KvSidecarHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler: where peers reach its sidecar."""
+    """What a worker tells the scheduler: where peers reach its sidecar, and
+    the rank's hold key, with which the scheduler issues each finished
+    request's hold tokens (it answers before its workers place the holds).
+    Stays inside the engine: vLLM hands it from workers to the scheduler only."""
 
     engine_id: str
     tp_rank: int
     address: str
+    hold_key: bytes = b""
 
 
 @dataclass
@@ -226,10 +235,13 @@ class KvSidecarAddresses(KVConnectorWorkerMetadata):
     from then on name the new address to their readers."""
 
     addresses: dict[int, str] = field(default_factory=dict)
+    #: the rank's new hold key (a new registration issues tokens with a new key)
+    hold_keys: dict[int, bytes] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvSidecarAddresses):
-            return KvSidecarAddresses({**self.addresses, **other.addresses})
+            return KvSidecarAddresses({**self.addresses, **other.addresses},
+                                      {**self.hold_keys, **other.hold_keys})
         return self
 
 
@@ -247,6 +259,8 @@ class ReadJob:
     skip_tokens: int
     num_tokens: int
     awaited: bool  # the scheduler waits for it (False: a full prefix hit or an abort: notify only)
+    #: each P rank's hold token (kv_transfer_params["remote_tokens"])
+    remote_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -260,7 +274,8 @@ def _read_spec(job: ReadJob) -> ReadSpec:
                     RemoteEngine(job.remote_engine_id, job.remote_tp_size, job.remote_handshake),
                     job.remote_block_ids, remote_request_id=job.remote_request_id,
                     skip_tokens=job.skip_tokens,
-                    num_tokens=job.num_tokens if job.awaited else None)
+                    num_tokens=job.num_tokens if job.awaited else None,
+                    remote_tokens=job.remote_tokens)
 
 
 @dataclass
@@ -329,6 +344,8 @@ class _SchedulerSide:
                             for g in groups]
         self.has_mamba = "mamba" in self.kinds
         self.addresses: list[str] = []
+        self.hold_keys: list[bytes] = []
+        self.token_life_s = TOKEN_LIFE_S
         self._reads: dict[str, ReadJob] = {}
         self._holds: dict[str, HoldJob] = {}
         self._releases: set[str] = set()
@@ -342,15 +359,18 @@ class _SchedulerSide:
 
     def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         addrs: dict[int, str] = {}
+        keys: dict[int, bytes] = {}
         for rank, meta in metadata.items():
             if not isinstance(meta, KvSidecarHandshake):
                 raise UnsupportedConfig(f"rank {rank} sent {type(meta).__name__}, not the "
                                         "kvsidecar handshake (mixed connectors?)")
             addrs[rank] = meta.address
+            keys[rank] = meta.hold_key
         missing = sorted(set(range(self.tp_size)) - set(addrs))
         if missing:
             raise UnsupportedConfig(f"no sidecar address from tp ranks {missing}")
         self.addresses = [addrs[r] for r in range(self.tp_size)]
+        self.hold_keys = [keys[r] for r in range(self.tp_size)]
 
     # ------------------------------------------------------------ P side
 
@@ -410,6 +430,9 @@ class _SchedulerSide:
             raise UnsupportedConfig("no sidecar addresses: set_xfer_handshake_metadata was "
                                     "never called")
         self._holds[rid] = HoldJob(rid, blocks)
+        # The holds are placed by the workers next step; their tokens are issued
+        # now, with each rank's hold key, for exactly the blocks held.
+        expires = math.ceil(time.time() + self.token_life_s)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -420,6 +443,8 @@ class _SchedulerSide:
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
             "transfer_mode": "kvsidecar",
+            "remote_tokens": hold_token.issue_all(self.hold_keys, self.engine_id, rid, blocks,
+                                                  expires),
         }
 
     # ------------------------------------------------------------ D side
@@ -482,6 +507,7 @@ class _SchedulerSide:
                 [str(a) for a in params["remote_handshake"]],
                 str(params["remote_request_id"]),
                 [list(map(int, g)) for g in params["remote_block_ids"]], skip, num, awaited,
+                [str(t) for t in params.get("remote_tokens", ())],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"request {rid}: kv_transfer_params are not kvsidecar's "
@@ -492,9 +518,13 @@ class _SchedulerSide:
             self._reading.discard(rid)
 
     def update_addresses(self, meta: KVConnectorWorkerMetadata | None) -> None:
-        """Ranks that registered again with a restarted sidecar: their new address."""
+        """Ranks that registered again with a restarted sidecar: their new address
+        and hold key (the tokens of requests that finish prefill from now on)."""
         if not isinstance(meta, KvSidecarAddresses):
             return
+        for rank, key in meta.hold_keys.items():
+            if 0 <= rank < len(self.hold_keys):
+                self.hold_keys[rank] = key
         for rank, address in meta.addresses.items():
             if 0 <= rank < len(self.addresses) and self.addresses[rank] != address:
                 log.warning("kvsidecar: engine %s tp rank %d: sidecar address %s -> %s",
@@ -520,7 +550,8 @@ def _keep_item(params: dict[str, Any]) -> KeepItem | None:
     try:
         return KeepItem(RemoteEngine(str(params["remote_engine_id"]), int(params["tp_size"]),
                                      [str(a) for a in params["remote_handshake"]]),
-                        str(params["remote_request_id"]))
+                        str(params["remote_request_id"]),
+                        [str(t) for t in params.get("remote_tokens", ())])
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -621,6 +652,12 @@ class _WorkerSide:
                 f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
                 f"this connector needs {pong.version}.{NEEDS_MINOR} or later (it reports "
                 "descriptor counts): upgrade the sidecar")
+        if pong.minor < TOKEN_MINOR:
+            self.client.close()
+            raise UnsupportedConfig(
+                f"the kvsidecar at {self.socket} speaks protocol {pong.version}.{pong.minor}; "
+                f"this connector needs {pong.version}.{TOKEN_MINOR} or later (hold tokens): "
+                "upgrade the sidecar")
         if self.memory != "shm" and pong.minor < RESERVE_MINOR:
             self.client.close()
             raise UnsupportedConfig(
@@ -713,7 +750,7 @@ class _WorkerSide:
             raise UnsupportedConfig(f"the kvsidecar at {self.socket} refused tp rank "
                                     f"{self.tp_rank}'s KV cache: {e}{hint}") from e
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
-                                            reg.handshake_address)
+                                            reg.handshake_address, reg.hold_key)
         self.registrations += 1
         log.info("kvsidecar: engine %s rank %d registered %d regions of %d B at %s "
                  "(handshake %s)", self.engine_id, self.tp_rank, len(self.regions),
@@ -935,7 +972,8 @@ class _WorkerSide:
             self.client.read(self.engine_id, spec.request_id, spec.local_block_ids,
                              spec.remote, spec.remote_block_ids,
                              remote_request_id=spec.remote_request_id,
-                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens)
+                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens,
+                             remote_tokens=spec.remote_tokens)
         except SidecarError as e:
             refused = e
         self._started(job, refused, t0, time.perf_counter() - t0)
@@ -1226,7 +1264,8 @@ class _WorkerSide:
         if not self._unpublished or self.handshake is None:
             return None
         self._unpublished = False
-        return KvSidecarAddresses({self.tp_rank: self.handshake.address})
+        return KvSidecarAddresses({self.tp_rank: self.handshake.address},
+                                  {self.tp_rank: self.handshake.hold_key})
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -1465,6 +1504,9 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = _SchedulerSide(vllm_config, kv_cache_config)
+            # A token lives as long as the hold may (vLLM keeps P's blocks 480 s).
+            self.scheduler.token_life_s = max(TOKEN_LIFE_S,
+                                              2 * (self.settings.hold_timeout_s or 0.0))
             # Refuse unsupported layouts in the scheduler process too: start-up, not
             # the first request.
             layout_for(vllm_config, kv_cache_config, self.settings.kernel_block_size)

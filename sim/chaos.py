@@ -411,7 +411,7 @@ class Chaos:
             sents.append(pair.P.prefill(rid, Request(seed=self._ids, prompt_tokens=32)))
         self.report.requests += len(sents)
         spec = [{"rid": s.request_id, "engine": s.remote.engine_id, "tp": s.remote.tp_size,
-                 "hs": s.remote.handshake, "ids": s.block_ids} for s in sents]
+                 "hs": s.remote.handshake, "ids": s.block_ids, "tokens": s.tokens} for s in sents]
         script = textwrap.dedent(f"""
             import json, os, sys
             from kvsidecar.ipc.client import SidecarClient
@@ -423,7 +423,8 @@ class Chaos:
             for i, s in enumerate(json.loads(sys.argv[1])):
                 local = [list(range(i * 8, i * 8 + len(s["ids"][0])))]
                 c.read("doomed-{self._ids}", s["rid"], local,
-                       RemoteEngine(s["engine"], s["tp"], s["hs"]), s["ids"], num_tokens=32)
+                       RemoteEngine(s["engine"], s["tp"], s["hs"]), s["ids"], num_tokens=32,
+                       remote_tokens=s["tokens"])
             os.kill(os.getpid(), 9)
         """)
         subprocess.run([sys.executable, "-c", script, json.dumps(spec)], timeout=120,

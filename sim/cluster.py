@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar.daemon.engines import remove_stale_segments, shm_prefix_for
 from kvsidecar.daemon.peer_auth import generate_keys
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.client import HoldSpec, ReadSpec, Registration, SidecarClient
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
@@ -61,6 +63,19 @@ def fleet_keys() -> str:
         return _fleet_keys
 
 
+def member_keys(parent: Path, names: Sequence[str]) -> dict[str, str]:
+    """A key directory per member (each its own CURVE keypair), every one
+    admitting all of the members' public keys: a fleet with member identity.
+    Pass each as ``--peer-keys``."""
+    dirs = {n: parent / f"keys-{n}" for n in names}
+    for d in dirs.values():
+        generate_keys(d)
+    for d in dirs.values():
+        for n, other in dirs.items():
+            shutil.copy(other / "sidecar.key", d / "authorized" / f"{n}.key")
+    return {n: str(d) for n, d in dirs.items()}
+
+
 class SidecarProcess:
     """One ``kvsidecar serve`` child process; logs go to ``<workdir>/<name>.log``."""
 
@@ -74,7 +89,10 @@ class SidecarProcess:
         self.args = list(args)
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
+        #: ``host:port`` of the handshake port (what a raw ZMQ client connects to)
         self.handshake = ""
+        #: the address the sidecar advertises: ``host:port/<its CURVE key>``
+        self.handshake_address = ""
         self.metrics_port = -1
         #: the READY line's fields (version, socket, handshake, ...) of the last start
         self.ready: dict[str, Any] = {}
@@ -114,7 +132,8 @@ class SidecarProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"sidecar {self.name} did not start; log:\n{self.read_log()}")
-        self.handshake = str(ready["handshake"])
+        self.handshake_address = str(ready["handshake"])
+        self.handshake = self.handshake_address.split("/", 1)[0]
         self.metrics_port = int(ready["metrics_port"])
         self.ready = ready
         return self
@@ -182,6 +201,8 @@ class Sent:
     remote: RemoteEngine
     block_ids: list[list[int]]
     req: Request
+    #: each P rank's hold token (``Held.token``), filled when the request is held
+    tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -352,24 +373,41 @@ class SimEngine:
         mid-transfer fault tests, where hashing 384 MiB would take minutes on two
         cores and only what lands after a failure matters."""
         ids = self.blocks_for(req.prompt_tokens)
+        sent = Sent(request_id, self.remote, ids, req)
         for rank in range(self.tp):
             if fill:
                 fill_shard(self.buffers[rank], self.layout, rank, ids, req)
                 self._push(rank)
             if hold:
-                self.clients[rank].hold(self.engine_id, request_id, ids, readers=readers,
-                                        timeout_s=timeout_s)
-        return Sent(request_id, self.remote, ids, req)
+                sent.tokens.append(self.clients[rank].hold(
+                    self.engine_id, request_id, ids, readers=readers, timeout_s=timeout_s).token)
+        if not hold:
+            # Held later (or never): the engine issues the tokens itself with each
+            # rank's hold key, as vLLM's scheduler does before its workers hold.
+            sent.tokens.extend(self.issue_tokens(request_id, ids))
+        return sent
+
+    def issue_tokens(self, request_id: str, block_ids: list[list[int]],
+                     life_s: float = 600.0) -> list[str]:
+        """Every rank's hold token for ``request_id``'s ``block_ids``, issued here."""
+        expires = math.ceil(time.time() + life_s)
+        return hold_token.issue_all([reg.hold_key for reg in self.registrations],
+                                    self.engine_id, request_id, block_ids, expires)
 
     def hold_many(self, sents: Sequence[Sent], *, readers: int = 1) -> None:
         """Hold several prefilled requests (``prefill(..., hold=False)``) in one
         message per rank (``hold_many``), as a scheduler step would."""
         specs = [HoldSpec(x.request_id, x.block_ids, readers=readers) for x in sents]
+        for x in sents:
+            x.tokens.clear()
         for rank in range(self.tp):
-            refused = [e for e in self.clients[rank].hold_many(self.engine_id, specs)
-                       if isinstance(e, Exception)]
+            out = self.clients[rank].hold_many(self.engine_id, specs)
+            refused = [e for e in out if isinstance(e, Exception)]
             if refused:
                 raise refused[0]
+            for x, held in zip(sents, out):
+                assert not isinstance(held, Exception)
+                x.tokens.append(held.token)
 
     # ------------------------------------------------------------ D role
 
@@ -382,7 +420,7 @@ class SimEngine:
                                     sent.block_ids, remote_request_id=sent.request_id,
                                     skip_tokens=rec.skip_tokens if explicit_skip else None,
                                     num_tokens=sent.req.prompt_tokens if trim else None,
-                                    verify=verify)
+                                    verify=verify, remote_tokens=sent.tokens)
         return rec
 
     def start_reads(self, sents: Sequence[Sent]) -> list[Receiving]:
@@ -390,7 +428,8 @@ class SimEngine:
         recs = [self._receive(sent, None, 0, False) for sent in sents]
         specs = [ReadSpec(rec.request_id, rec.block_ids, rec.sent.remote, rec.sent.block_ids,
                           remote_request_id=rec.sent.request_id,
-                          skip_tokens=rec.skip_tokens, num_tokens=rec.sent.req.prompt_tokens)
+                          skip_tokens=rec.skip_tokens, num_tokens=rec.sent.req.prompt_tokens,
+                          remote_tokens=rec.sent.tokens)
                  for rec in recs]
         for rank in range(self.tp):
             refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]

@@ -264,3 +264,46 @@ def test_a_long_timeout_is_kept_beyond_the_longest_life() -> None:
     assert not b.claim("P", "r", now=100).granted
     b.expire(100)
     assert [d.kind for d in done] == ["expired"]
+
+
+def test_a_claim_naming_other_blocks_than_the_hold_is_refused() -> None:
+    b, _ = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=5, now=0, digest=b"a" * 16)
+    refused = b.claim("P", "r", now=1, digest=b"b" * 16, member=b"D", reader=("D", 0))
+    assert not refused.granted and "other blocks" in refused.reason
+    assert b.claim("P", "r", now=1, digest=b"a" * 16, member=b"D", reader=("D", 0)).granted
+
+
+def test_a_reading_rank_is_its_first_claimants_alone() -> None:
+    b, done = leased()
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=5, now=0)
+    assert b.claim("P", "r", now=1, member=b"D", reader=("D", 0)).granted
+    other = b.claim("P", "r", now=1, member=b"M", reader=("D", 0))
+    assert not other.granted and "another fleet member" in other.reason
+    assert "another fleet member" in b.may_report("P", "r", ("D", 0), b"M")
+    assert b.may_report("P", "r", ("D", 0), b"D") == ""
+    assert b.member_of("P", "r", ("D", 0)) == b"D"
+    assert b.claim("P", "r", now=1, member=b"M", reader=("M", 0)).granted  # its own rank
+    assert done == []
+
+
+def test_early_claims_are_bounded_per_member_and_bind_when_the_hold_comes() -> None:
+    b, _ = leased(max_early=8, max_early_per_member=2)
+    assert b.claim("P", "a", now=0, member=b"M", reader=("M", 0)).granted
+    assert b.claim("P", "b", now=0, member=b"M", reader=("M", 0)).granted
+    refused = b.claim("P", "c", now=0, member=b"M", reader=("M", 0))
+    assert not refused.granted and "2 per fleet member" in refused.reason
+    assert b.claim("P", "d", now=0, digest=b"d" * 16, member=b"D", reader=("D", 0)).granted
+    b.add("P", "d", p_tp=1, readers=1, timeout_s=5, now=1, digest=b"d" * 16)
+    assert b.member_of("P", "d", ("D", 0)) == b"D"  # the early claim's binding carried over
+    assert b.early == 2
+    b.expire(now=100)  # the early ones lapse: M's room is back
+    assert b.claim("P", "c", now=100, member=b"M", reader=("M", 0)).granted
+
+
+def test_early_claims_for_other_blocks_than_the_hold_lose_their_lease() -> None:
+    b, done = leased()
+    assert b.claim("P", "r", now=0, digest=b"x" * 16, member=b"D", reader=("D", 0)).granted
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=2, now=1, digest=b"y" * 16)
+    b.expire(now=3.5)  # the early lease (to 3) did not stretch it; its timeout ends it
+    assert [d.kind for d in done] == ["expired"]

@@ -154,7 +154,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
             sent = P.prefill("gone", Request(seed=7, prompt_tokens=30), hold=False)
             dead = Sent("gone", msgspec.structs.replace(sent.remote,
                                                         handshake=["127.0.0.1:9"]),
-                        sent.block_ids, sent.req)
+                        sent.block_ids, sent.req, sent.tokens)
             D.start_read(dead)
             assert {c.kind for c in D.wait_for(["gone"])["gone"].values()} == {"failed"}
             # A hold nobody reads expires; a request for an unknown engine is refused.

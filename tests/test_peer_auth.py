@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.daemon.peer_auth import PeerKeys, generate_keys, load_keys
+from kvsidecar.daemon.peers import control as peer_control
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.messages import (
     HandshakeError,
@@ -220,3 +221,55 @@ def test_undecodable_control_messages_are_bad_control_not_a_crash(frame: bytes) 
     with pytest.raises(control.BadControl):
         control.decode_request(frame)
     assert control.request_id_of(frame) in (0, 5)
+
+
+async def test_member_keys_dial_the_key_an_address_names_if_admitted(tmp_path: Path) -> None:
+    """Each member its own keypair: a reader dials the key in P's address
+    (``host:port/<hex>``) and nothing else; an address naming a key that is
+    not admitted is not even dialled. The server tags the connection with the
+    client's key: it reaches the control handler as the member."""
+    import shutil
+
+    for n in ("p", "d", "stranger"):
+        generate_keys(tmp_path / n)
+    shutil.copy(tmp_path / "d" / "sidecar.key", tmp_path / "p" / "authorized" / "d.key")
+    shutil.copy(tmp_path / "p" / "sidecar.key", tmp_path / "d" / "authorized" / "p.key")
+    p, d = load_keys(tmp_path / "p"), load_keys(tmp_path / "d")
+    assert not p.shared and load_keys(tmp_path / "stranger").shared
+    members: list[bytes] = []
+
+    def answer(frame: bytes, member: bytes) -> bytes:
+        members.append(member)
+        return msgspec.msgpack.encode({"type": "control", "granted": False, "reason": "seen"})
+
+    srv = HandshakeServer("127.0.0.1:0", lookup, keys=p, control=answer)
+    addr = await srv.start()
+    cli = HandshakeClient(timeout_s=10, keys=d)
+    try:
+        assert await cli.fetch(addr + p.address_tag, "prefill-0", 0) == INFO
+        stranger = load_keys(tmp_path / "stranger").address_tag
+        with pytest.raises(HandshakeFailed, match="no admitted fleet member's"):
+            await cli.fetch(addr + stranger, "prefill-0", 0)
+        bare = HandshakeClient(timeout_s=2, keys=d)
+        try:  # an address naming no key: dialled with d's own key, which P does not serve
+            with pytest.raises(HandshakeFailed, match="no answer"):
+                await bare.fetch(addr, "prefill-0", 0)
+        finally:
+            await bare.close()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+            d.public, d.secret, p.public)
+        sock.connect(f"tcp://{addr}")
+        try:
+            await sock.send(peer_control.encode(peer_control.Claim(
+                engine_id="prefill-0", tp_rank=0, agent_name="agent", request_id="r",
+                reader_engine="D", reader_rank=0, reader_tp=1)))
+            assert await asyncio.wait_for(sock.recv(), 10)
+        finally:
+            sock.close(0)
+            ctx.term()
+    finally:
+        await cli.close()
+        await srv.stop()
+    assert members == [zmq.utils.z85.decode(d.public)]  # the claim came as member d

@@ -50,9 +50,10 @@ async def test_p_and_d_spans_join_in_one_trace(tmp_path: Path) -> None:
         reg_p = await cp.register("P0", 0, layout, allocate=True)
         await cd.register("D0", 0, layout, allocate=True)
         tokens = layout.groups[0].sub_blocks * layout.groups[0].block_tokens
-        await cp.hold("P0", "req-7", [[1], [2]])
+        held = await cp.hold("P0", "req-7", [[1], [2]])
         await cd.read("D0", "dreq-7", [[3], [4]], RemoteEngine("P0", 1, [reg_p.handshake_address]),
-                      [[1], [2]], remote_request_id="req-7", num_tokens=tokens)
+                      [[1], [2]], remote_request_id="req-7", num_tokens=tokens,
+                      remote_tokens=[held.token])
         kinds: dict[str, str] = {}
         for _ in range(6000):
             for c in await cd.poll("D0"):

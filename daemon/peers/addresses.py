@@ -1,14 +1,32 @@
-"""Peer addresses: ``host:port`` (IPv6 hosts in brackets), as both ends spell them."""
+"""Peer addresses: ``host:port`` (IPv6 hosts in brackets), as both ends spell them.
+
+A sidecar with member keys advertises ``host:port/<64 hex>``: its CURVE public
+key, which the reader dials (see :mod:`~kvsidecar.daemon.peer_auth`).
+"""
 
 from __future__ import annotations
 
-__all__ = ["check_address", "ipv6", "normalise", "split_address"]
+__all__ = ["check_address", "ipv6", "normalise", "split_address", "split_key"]
+
+
+def split_key(address: str) -> tuple[str, bytes | None]:
+    """``host:port/<64 hex>`` -> (``host:port``, the 32-byte key); anything else
+    -> (address, None): it names no key (and is dialled, or refused, as it is)."""
+    addr = address.removeprefix("tcp://")
+    head, sep, tail = addr.rpartition("/")
+    if not sep or len(tail) != 64:
+        return address, None
+    try:
+        return head, bytes.fromhex(tail)
+    except ValueError:
+        return address, None
 
 
 
 def split_address(address: str) -> tuple[str, str]:
-    """``host:port`` or ``tcp://host:port`` -> (host, port); IPv6 hosts in brackets."""
-    addr = address.removeprefix("tcp://")
+    """``host:port`` or ``tcp://host:port`` (either with a key after a slash)
+    -> (host, port); IPv6 hosts in brackets."""
+    addr = split_key(address)[0].removeprefix("tcp://")
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port:
         raise ValueError(f"expected host:port, got {address!r}")
@@ -16,8 +34,10 @@ def split_address(address: str) -> tuple[str, str]:
 
 
 def normalise(address: str) -> str:
+    """``host:port`` (with ``/<key>`` when the address names one)."""
     host, port = split_address(address)
-    return f"{host}:{port}"
+    key = split_key(address)[1]
+    return f"{host}:{port}" + (f"/{key.hex()}" if key is not None else "")
 
 
 def ipv6(host: str) -> bool:

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from kvsidecar.daemon.peer_auth import PeerKeys
 from kvsidecar.daemon.peers import control
-from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address
+from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address, split_key
 from kvsidecar.daemon.peers.coalesce import Outbox
 from kvsidecar.daemon.peers.control import (
     BATCH_OVERHEAD_BYTES,
@@ -538,6 +538,7 @@ class HandshakeClient:
             return conn
         try:
             host, _ = split_address(addr)
+            plain, server = split_key(addr)
         except ValueError as e:
             raise HandshakeFailed(addr[:300], f"cannot dial it: {e}") from None
         if owner and self._unanswered(owner) >= self.engine_share:
@@ -546,6 +547,11 @@ class HandshakeClient:
                                         f"{self.engine_share} peer connections waiting for "
                                         "a first answer, its share of this sidecar's; try "
                                         "again once they are answered or time out")
+        if server is not None:
+            server = zmq.utils.z85.encode(server)
+        if server is not None and self._keys is not None and server not in self._keys.admitted():
+            raise HandshakeFailed(addr[:300], "its CURVE key is no admitted fleet member's "
+                                              "(not in the authorized keys): not dialled")
         if len(self._conns) >= self.max_connections:
             # Room first: idle connections go, least recently used first. Those
             # waiting for an answer stay, and past the bound no socket is made:
@@ -569,10 +575,10 @@ class HandshakeClient:
             sock.sock.setsockopt(zmq.LINGER, 0)
             sock.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             if self._keys is not None:
-                self._keys.dial_with(sock.sock)
+                self._keys.dial_with(sock.sock, server)
             if ipv6(host):
                 sock.sock.setsockopt(zmq.IPV6, 1)
-            sock.sock.connect(f"tcp://{addr}")
+            sock.sock.connect(f"tcp://{plain.removeprefix('tcp://')}")
         except zmq.ZMQError as e:
             # An address from an engine's read that libzmq refuses (a port that is
             # not a number, say): the socket is closed here, or it would be leaked

@@ -18,7 +18,7 @@ Wire (msgpack)::
 
     DEALER -> ROUTER   {"op": "claim"|"abandon", engine_id, tp_rank, agent_name,
                         request_id, reader_engine, reader_rank, reader_tp,
-                        [reason], req_id, v}
+                        [reason], req_id, v, token}
     ROUTER -> DEALER   {"type": "control", granted, lease_s, reason, req_id, v}
 
     DEALER -> ROUTER   {"op": "digest", <claim's fields>, ranges, chunk_bytes}
@@ -40,6 +40,11 @@ D sends a batch only to an address whose last handshake said so; everything
 else travels as single messages, exactly as before. Should a batch still get
 a plain reply (the peer was replaced by an older one between handshakes), D
 sends those items again one by one and stops batching to that address.
+
+Capability and identity: every claim and abandon carries the hold token
+(see :mod:`~kvsidecar.ipc.hold_token`), refused without one P's rank issued;
+P binds each reading rank to the fleet member (CURVE key) of its first claim
+and refuses that rank's claims, renewals and abandons from anyone else.
 
 ``agent_name`` is the P rank's NIXL agent that D linked to: a P engine that
 re-registered since (new agent, new memory) refuses, so D never takes a
@@ -93,6 +98,9 @@ class _Control(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     keep: bool = False
     req_id: int = 0
     v: int = CONTROL_VERSION
+    #: the hold token the reader's engine was given (ipc/hold_token.py): P grants
+    #: a claim and applies an abandon only with a token its rank issued
+    token: Annotated[str, Meta(max_length=160)] = ""
 
 
 class Claim(_Control, tag="claim", frozen=True, kw_only=True):

@@ -100,6 +100,10 @@ class HandshakeInfo(msgspec.Struct, frozen=True, kw_only=True):
     control_batch_items: int = 0
     notif_batch_reads: int = 0
     sidecar_version: str = ""
+    #: the checking half of this rank's hold key (:mod:`~kvsidecar.ipc.hold_token`):
+    #: a reader checks the hold token of every read against it before posting;
+    #: empty from a sidecar that issues no tokens (its reads are refused)
+    hold_key: bytes = b""
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True):
@@ -210,6 +214,7 @@ def make_handshake_info(
     control_batch_items: int = MAX_BATCH_ITEMS,
     notif_batch_reads: int = MAX_NOTIF_READS,
     sidecar_version: str = __version__,
+    hold_key: bytes = b"",
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent."""
@@ -229,6 +234,7 @@ def make_handshake_info(
         control_batch_items=control_batch_items,
         sidecar_version=sidecar_version,
         notif_batch_reads=notif_batch_reads,
+        hold_key=hold_key,
     )
 
 

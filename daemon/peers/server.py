@@ -81,18 +81,19 @@ class HandshakeServer:
         bind: str,
         lookup: Callable[[str, int], HandshakeInfo | None],
         *,
-        on_reader: Callable[[str, Reader], None] | None = None,
+        on_reader: Callable[[str, Reader, bytes], None] | None = None,
         engines: Callable[[], Iterable[str]] | None = None,
         ctx: zmq.asyncio.Context | None = None,
         keys: PeerKeys | None = None,
         max_message_bytes: int = MAX_REQUEST_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         on_refuse: Callable[[str], None] | None = None,
-        control: Callable[[bytes], bytes | Awaitable[bytes]] | None = None,
+        control: Callable[[bytes, bytes], bytes | Awaitable[bytes]] | None = None,
     ) -> None:
         self._host, self._port = split_address(bind)
         self._lookup = lookup
-        #: told (target engine, reader) for every request that declares its reader
+        #: told (target engine, reader, member) for every request that declares its
+        #: reader; ``member`` is the sender's CURVE public key (b"" without CURVE)
         self._on_reader = on_reader
         self._keys = keys
         self.size_limit = SizeLimit("handshake", max_message_bytes, on_refuse)
@@ -100,8 +101,10 @@ class HandshakeServer:
         self._on_refuse = on_refuse
         self._zap: ZapHandler | None = None
         self.guard: ConnectionGuard | None = None
-        #: answers control messages (claims, abandons; see peers/control.py): at
-        #: once, or later (a digest is hashed on a thread; its reply goes when done)
+        #: answers control messages (claims, abandons, digests; see peers/control.py)
+        #: given the sender's CURVE public key, which ZAP authenticated (b"" without
+        #: CURVE): at once, or later (a digest is hashed on a thread; its reply
+        #: goes when done)
         self._control = control
         self._later: set[asyncio.Task[None]] = set()
         self._own_ctx = ctx is None
@@ -124,7 +127,7 @@ class HandshakeServer:
         if ipv6(self._host):
             sock.sock.setsockopt(zmq.IPV6, 1)
         if self._keys is not None:
-            self._zap = ZapHandler(self._ctx, self._keys.authorized, on_refuse=self._on_refuse)
+            self._zap = ZapHandler(self._ctx, self._keys.admitted, on_refuse=self._on_refuse)
             self._zap.start()
             self._keys.serve_with(sock.sock)
         port = "*" if self._port in ("0", "*") else self._port
@@ -194,15 +197,16 @@ class HandshakeServer:
     async def _serve(self, sock: LoopSocket) -> None:
         while True:
             try:
-                frames = await sock.recv_multipart()
+                raw = await sock.recv_multipart(copy=False)
             except zmq.ZMQError as e:
                 if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     return
                 log.warning("handshake server receive failed: %s", e)
                 continue
             self.requests_received += 1
+            frames = [f.bytes for f in raw]
             try:
-                out = self._handle(frames)
+                out = self._handle(frames, _member(raw[-1]) if self._keys is not None else b"")
             except Exception as e:  # one bad request must not take the server down
                 log.exception("handshake server failed to handle a request")
                 out = [frames[0], self._error(0, "internal", type(e).__name__)]
@@ -230,7 +234,7 @@ class HandshakeServer:
             if e.errno not in (zmq.ETERM, zmq.ENOTSOCK):
                 log.warning("handshake server reply failed: %s", e)
 
-    def _handle(self, frames: list[bytes]) -> list[Any] | None:
+    def _handle(self, frames: list[bytes], member: bytes = b"") -> list[Any] | None:
         # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter
         # we must echo. Everything after that is the payload.
         if len(frames) < 2:
@@ -244,11 +248,11 @@ class HandshakeServer:
         too_large = self.size_limit.check(body)
         if too_large is not None:
             return [*envelope, self._error(0, "bad_message", too_large)]
-        return [*envelope, self._answer(body[0])]
+        return [*envelope, self._answer(body[0], member)]
 
-    def _answer(self, frame: bytes) -> bytes | Awaitable[bytes]:
+    def _answer(self, frame: bytes, member: bytes = b"") -> bytes | Awaitable[bytes]:
         if self._control is not None and control.op_of(frame):
-            return self._control(frame)
+            return self._control(frame, member)
         try:
             req = decode_request(frame)
         except Exception as e:  # DecodeError, and UnicodeDecodeError for non-UTF-8 strings
@@ -262,7 +266,7 @@ class HandshakeServer:
         key = (req.engine_id, req.tp_rank)
         if req.reader_agent and self._on_reader is not None:
             self._on_reader(req.engine_id, Reader(req.reader_engine, req.reader_rank,
-                                                  req.reader_agent))
+                                                  req.reader_agent), member)
         cached = self._cache.get(key)
         if cached is None:
             try:
@@ -287,3 +291,13 @@ class HandshakeServer:
         return self._error(
             req_id, "version", f"client speaks handshake v{v}, this server v{HANDSHAKE_VERSION}"
         )
+
+
+def _member(frame: zmq.Frame) -> bytes:
+    """The CURVE public key ZAP authenticated for the connection ``frame``
+    came over (the ZAP reply's User-Id: the key in Z85), raw 32 bytes."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return b""
+    return zmq.utils.z85.decode(user) if isinstance(user, str) and len(user) == 40 else b""

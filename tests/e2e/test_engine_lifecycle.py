@@ -174,10 +174,10 @@ def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
         reg = c.register("bounded", 0, LAYOUT, allocate=True)
         try:
             for i in range(3):
-                c.read("bounded", f"r{i}", [[i]], remote, [[i]])
+                c.read("bounded", f"r{i}", [[i]], remote, [[i]], remote_tokens=["unchecked"])
             with pytest.raises(Unavailable, match=r"3 reads in flight, the limit is 3 "
                                                   r"\(--max-reads-per-engine\)"):
-                c.read("bounded", "r3", [[3]], remote, [[3]])
+                c.read("bounded", "r3", [[3]], remote, [[3]], remote_tokens=["unchecked"])
             c.hold("bounded", "h0", [[0]], timeout_s=1000)
             c.hold("bounded", "h1", [[1]], timeout_s=1000)
             # reads + holds + completions: 3 + 2 = 5 of 6

@@ -37,12 +37,14 @@ def test_a_failed_read_releases_the_hold_at_once_not_at_its_deadline(pool) -> No
         sent = P.prefill("doomed", Request(seed=2, prompt_tokens=24), timeout_s=1000)
         n = P.layout.num_blocks
         for c in D.clients:
-            c.read(D.engine_id, "doomed", [D.alloc(1)], sent.remote, [[n + 5]])
+            c.read(D.engine_id, "doomed", [D.alloc(1)], sent.remote, [[n + 5]],
+                   remote_tokens=sent.tokens)
         got = D.wait_for(["doomed"])["doomed"]
         assert {c.kind for c in got.values()} == {"failed"}
         held = P.wait_for(["doomed"])["doomed"][0]
         assert held.kind == "aborted", held
-        assert "gave up" in held.reason and "block id" in held.reason
+        # Refused before posting: the read names blocks the hold's token does not pin.
+        assert "gave up" in held.reason and "other blocks than the hold token pins" in held.reason
 
 
 def test_the_hold_reply_carries_the_lease_for_the_decode_side(pool) -> None:
@@ -120,7 +122,8 @@ def test_a_lease_that_runs_out_mid_read_fails_the_read_and_ends_the_hold(tmp_pat
         for attempt in range(5):
             rid = f"lapse{attempt}"
             sent = Sent(rid, P.remote, P.blocks_for(big.prompt_tokens), big)
-            P.clients[0].hold(P.engine_id, rid, sent.block_ids, readers=1, timeout_s=60)
+            sent.tokens.append(P.clients[0].hold(P.engine_id, rid, sent.block_ids, readers=1,
+                                                 timeout_s=60).token)
             lost = d.metric("kvsidecar_leases_lost_total", engine="lease-D")
             D.start_read(sent)
             if stop_mid_read(d, p, D, 2 + attempt, [rid], lapses=1):  # warm + this
@@ -228,15 +231,13 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
 
 def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
         tmp_path) -> None:
-    """P rank 1 re-registers (new agent, new memory) right after D confirmed both
-    links. Four reads follow at once; those that find the confirmed links (the
-    first, at least) post during their claims over the stale link: the READ
-    from rank 1 fails (or reads memory that is no longer the hold's), nothing
-    is notified, rank 1 refuses the claim (registered again since the reader
-    linked), and the read re-links and is retried whole: every read is
-    received, oracle-exact, and P's holds on both ranks end ``sent``. A failed
-    transfer there is never a PartialReadError (nothing was notified), and a
-    read that died with the agent reset another read caused is retried too."""
+    """P rank 1 re-registers (new agent, new memory, new hold key) right after D
+    confirmed both links. Four reads follow at once; those that find the
+    confirmed links would post during their claims over the stale link, but
+    rank 1's hold token does not check against the key D linked with, so
+    nothing is posted: the read re-links and is retried whole. Every read is
+    received, oracle-exact, and P's holds on both ranks end ``sent``; no
+    failure is a PartialReadError (nothing was notified)."""
     ps = [SidecarProcess(tmp_path, f"rr-p{i}", args=["--metrics-port", "0"]).start()
           for i in range(2)]
     d = SidecarProcess(tmp_path, "rr-d", args=["--metrics-port", "0",
@@ -261,10 +262,9 @@ def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
             assert D.verify(rid) == []
         held = P.wait_for(rids, timeout_s=30)
         assert {c.kind for rid in rids for c in held[rid].values()} == {"sent"}
-        # The first read posts over the confirmed (stale) links; the others may
-        # find them already dropped by its failure and link afresh (claim first).
-        assert d.metric(early, engine="rr-D") >= 1
-        assert "registered again since the reader linked" in d.read_log()
+        # Caught by the token check over the stale link, before anything was posted.
+        assert "remote rank 1: the hold token was not issued" in d.read_log()
+        assert "retrying with a fresh handshake" in d.read_log()
         assert "PartialReadError" not in d.read_log()
     finally:
         D.close()

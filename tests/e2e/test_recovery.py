@@ -43,7 +43,7 @@ def test_release_right_after_read_always_completes_and_frees_the_id(pool) -> Non
             ids = D.alloc(1)
             used.append(ids)
             c.read(D.engine_id, rid, [ids], sent.remote, sent.block_ids,
-                   remote_request_id=f"p-{rid}")
+                   remote_request_id=f"p-{rid}", remote_tokens=sent.tokens)
             c.release(D.engine_id, rid)
         got = D.wait_for(rids)
         held = P.wait_for([f"p-{r}" for r in rids])
@@ -176,9 +176,10 @@ def test_reads_work_after_the_prefill_sidecar_restarts_on_the_same_address(pool,
 def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_posted(
         pool) -> None:
     """P rank 1 re-registers under D's feet while rank 0 stays. Before leases the read
-    from rank 0 went through and the request could only fail half-done; now the
-    claim on rank 1 is refused (new registration, other memory) before anything
-    is posted, so the read re-links and receives the right bytes."""
+    from rank 0 went through and the request could only fail half-done; now
+    rank 1's hold token does not check against the key of the registration D
+    linked to (a new registration has a new hold key) before anything is
+    posted, so the read re-links and receives the right bytes."""
     with pool.engines(attn(8), 2, 1) as (P, (D,)):
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
@@ -187,7 +188,9 @@ def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_pos
         got = D.wait_for(["after"])["after"][0]
         assert got.kind == "received", got
         assert not D.verify("after")
-        assert "registered again since the reader linked" in pool.d[0].read_log()
+        assert ("remote rank 1: the hold token was not issued for request 'after'"
+                in pool.d[0].read_log())
+        assert "retrying with a fresh handshake" in pool.d[0].read_log()
 
 
 SENTINEL = 0x5A
@@ -269,7 +272,9 @@ def test_bad_remote_description_fails_the_read_not_the_daemon(pool) -> None:
         n = P.layout.num_blocks
         c = D.clients[0]
         ids = D.alloc(2)
-        c.read(D.engine_id, "far", [ids], sent.remote, [[n + 5, 2**62]])
+        far = [[n + 5, 2**62]]  # a token for them (P's engine issues it): the peer's layout refuses
+        c.read(D.engine_id, "far", [ids], sent.remote, far, remote_request_id="far-x",
+               remote_tokens=P.issue_tokens("far-x", far))
         got = D.wait_for(["far"])["far"][0]
         assert got.kind == "failed" and "remote group 0: block id" in got.reason
         # An address that is not host:port is refused at the door, nothing accepted.

@@ -229,7 +229,8 @@ def test_a_cut_mid_transfer_fails_that_read_and_nothing_lands_after(link: Link,
         for page in _pages(P, ids):
             page[:] = FILL
         sent = Sent("big", P.remote, ids, big)
-        P.clients[0].hold(P.engine_id, "big", ids, readers=1, timeout_s=BIG_HOLD_TIMEOUT_S)
+        sent.tokens.append(P.clients[0].hold(P.engine_id, "big", ids, readers=1,
+                                             timeout_s=BIG_HOLD_TIMEOUT_S).token)
         posted = _in_ns(link.ns_d, _WAIT_SAMPLE, str(d.metrics_port),
                         "kvsidecar_read_queue_seconds_count", D.engine_id, "2")  # warm + this
         rec = D.start_read(sent)

@@ -510,6 +510,39 @@ def test_p_sidecar_dies_d_recomputes(tmp_path: Path, sidecars: Sidecars,
         own.kill()
 
 
+def test_params_without_their_hold_tokens_read_nothing(sidecars: Sidecars,
+                                                      models: dict[bool, str]) -> None:
+    """D's read moves bytes only with the tokens P's scheduler put in the
+    request's ``kv_transfer_params``: without them, or with another request's,
+    the read fails (finished and failed in one step, vLLM recomputes) and not
+    one byte lands in D's pages; the request with its own tokens reads."""
+    P, D = pair(sidecars, models, 1, 1, False, {"t0": 11, "t1": 12})
+    try:
+        params = {rid: prefill(P, rid, 40, 11 + i) for i, rid in enumerate(("t0", "t1"))}
+        assert all(len(p["remote_tokens"]) == 1 for p in params.values())
+        bare = {k: v for k, v in params["t0"].items() if k != "remote_tokens"}
+        swapped = {**params["t1"], "remote_tokens": params["t0"]["remote_tokens"]}
+        for rid, p in (("t0", bare), ("t1", swapped)):
+            D.sched.add_request(request(D, rid, 40, p, seed=0))
+        failed: set[str] = set()
+
+        def both_failed() -> bool:
+            _, agg = D.step()
+            out = agg.kv_connector_output
+            if out is not None:
+                failed.update(out.failed_recving or ())
+            return failed == {"t0", "t1"}
+
+        deadline = time.monotonic() + WAIT_S
+        while not both_failed() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert failed == {"t0", "t1"}
+        assert all((b == POISON).all() for b in D.buffers(0))  # not one byte landed
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
 def test_unsupported_kv_groups_are_refused_at_start_up(models: dict[bool, str]) -> None:
     """A chunked-local-attention group (Llama 4 with the hybrid allocator forced
     on): the scheduler-side connector refuses it when built, naming the spec and
