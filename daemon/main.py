@@ -96,8 +96,15 @@ async def _serve(s: settings_mod.Settings) -> int:
     interval = watchdog_interval()
     dog = (asyncio.ensure_future(_watchdog(notifier, sidecar, interval))
            if notifier.enabled and interval else None)
-    await stop.wait()
-    log.info("signal received: shutting down")
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(sidecar.refused.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    rc = 0
+    if stop.is_set():
+        log.info("signal received: shutting down")
+    else:  # the transport self-check failed: a start-up refusal, found a moment late
+        rc = 2
     notifier.send(stopping=1, status="draining: refusing new work, finishing posted reads")
     await sidecar.stop()
     if dog is not None:
@@ -105,7 +112,9 @@ async def _serve(s: settings_mod.Settings) -> int:
     if http is not None:
         http.stop()
     notifier.close()
-    return 0
+    if rc:
+        print(f"kvsidecar: {sidecar.refusal}", file=sys.stderr, flush=True)
+    return rc
 
 
 async def _watchdog(notifier: Notifier, sidecar: Sidecar, interval: float) -> None:

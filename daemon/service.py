@@ -260,6 +260,12 @@ class Sidecar:
         self._hs_bound = ""
         #: start-up transport self-check: None while it runs (or when off)
         self.transport_check: CheckResult | None = None
+        #: set when the start-up transport self-check failed under
+        #: ``--transport-check require-zero-copy``: ``kvsidecar serve`` then stops
+        #: and exits 2 with :attr:`refusal` (a misconfigured host is a crash loop
+        #: with its reason, not a sidecar that never becomes ready)
+        self.refused = asyncio.Event()
+        self.refusal = ""
         #: the same on the GPU's memory (GPU sidecars only): None while it runs
         self.vram_check: CheckResult | None = None
         # One handler per request type (each takes exactly that type).
@@ -1251,6 +1257,11 @@ class Sidecar:
             "transport self-check %s: path %s (%s), loopback READ %.2f GB/s; %s",
             "passed" if r.passed else "FAILED", r.path, ",".join(r.transports) or "-",
             r.bandwidth_bytes_s / 1e9, r.detail)
+        if not r.passed and self.settings.transport_check == "require-zero-copy":
+            self.refusal = (f"--transport-check require-zero-copy: the start-up loopback READ "
+                            f"took the {r.path} path: {r.detail}")
+            self.refused.set()
+            return
         gpu = self._gpu
         if gpu is None:
             return

@@ -263,7 +263,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "env KVSIDECAR_OTLP_ENDPOINT)")
     p.add_argument("--transport-check", default=_env("TRANSPORT_CHECK", "require-zero-copy"),
                    help="start-up loopback READ that proves the data path: "
-                        "require-zero-copy (tcp fails /readyz), allow-tcp, off "
+                        "require-zero-copy (tcp stops the sidecar, exit 2), allow-tcp, off "
                         "(env KVSIDECAR_TRANSPORT_CHECK)")
     p.add_argument("--cuda-attach", default=_env("CUDA_ATTACH", "warn"),
                    help="engine-allocated GPU memory (attach mode with CUDA IPC handles): "

@@ -174,3 +174,26 @@ def test_a_refusal_exits_2_at_once_with_one_line(name: str, metrics: str, startu
     assert says in lines[0], lines[0]
     assert took < BOUND_S + startup_s, (took, startup_s)
     assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize("metrics", METRICS)
+def test_a_failed_transport_self_check_exits_2(metrics: str, tmp_path: Path) -> None:
+    """``UCX_TLS=^cma`` passes every check made before start (it lists no
+    transports preflight can judge), but the start-up loopback READ then takes
+    tcp: under the default ``--transport-check require-zero-copy`` the sidecar
+    stops and exits 2 as soon as the check ends, its last line the check's
+    finding and the fix, metrics on or off (no server thread keeps it alive)."""
+    argv = ["--socket", str(tmp_path / "s.sock"), "--peer-keys", fleet_keys()]
+    env = {"UCX_TLS": "^cma"}
+    if metrics == "metrics on (flag)":
+        argv += ["--metrics-port", "0"]
+    elif metrics == "metrics on (env)":
+        env["KVSIDECAR_METRICS_PORT"] = "0"
+    proc, took = _run(["serve", *argv], env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvsidecar: --transport-check require-zero-copy: the start-up "
+                           "loopback READ took the tcp path: "), last
+    assert "--transport-check allow-tcp" in last, last
+    assert not (tmp_path / "s.sock").exists()
+    assert took < 60, took  # the check's own READ (seconds), then a prompt stop
