@@ -22,6 +22,15 @@ What is checked (the report; :func:`problems` turns it into assertions):
 - 0 holds alive past their lease bound: each P sidecar's longest overrun of
   a hold deadline (``kvsidecar_hold_overrun_seconds``) stays under the
   housekeeping bound, plus the pause for a paused sidecar;
+- holds outlive a killed P engine (drain, issue #29): every request a P
+  engine process held before it was SIGKILLed (and its sidecars noticed)
+  is ``received`` by D with oracle-exact bytes (counted apart:
+  ``drained_reads``); its sidecars end every such hold ``sent``
+  (``kvsidecar_drained_holds_total``, ``drained_holds`` against
+  ``drained_holds_placed``); afterwards its memory is released (drain
+  gauges 0, its registered bytes 0, no ``/dev/shm`` name or mapping of it
+  left in the sidecar) and a fresh process registers the same engine id and
+  serves the next such fault (``drain_leftovers`` lists what was not so);
 - back to baseline: engines, ``/dev/shm`` segments, fds and threads of every
   sidecar that was not killed return to what they were before the run.
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -45,6 +55,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +64,7 @@ import numpy as np
 
 from kvsidecar.daemon.engines import shm_prefix_for
 from kvsidecar.ipc.client import SidecarClient, SidecarError
-from kvsidecar.ipc.protocol import Completion
+from kvsidecar.ipc.protocol import Completion, RemoteEngine
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine
 from kvsidecar.sim.models import MakeLayout, attn, hybrid, mla
 from kvsidecar.sim.oracle import Request
@@ -89,6 +100,14 @@ class Report:
     duplicate_completions: int = 0
     missing_completions: int = 0
     ended_by_sidecar_death: int = 0
+    #: D's read outcomes of requests whose P engine was killed after holding them
+    drained_reads: Counter[str] = field(default_factory=Counter)
+    #: holds (request x P rank) those killed P engines had placed
+    drained_holds_placed: int = 0
+    #: how the P sidecars ended them (their kvsidecar_drained_holds_total, by outcome)
+    drained_holds: Counter[str] = field(default_factory=Counter)
+    #: what a killed P engine left behind, or a replacement that could not register
+    drain_leftovers: list[str] = field(default_factory=list)
     wrong_bytes_requests: list[str] = field(default_factory=list)
     sentinel_violations: list[str] = field(default_factory=list)
     hold_overrun_s: dict[str, float] = field(default_factory=dict)
@@ -113,6 +132,13 @@ def problems(r: Report) -> list[str]:
         out.append(f"wrong bytes in received blocks: {r.wrong_bytes_requests[:5]}")
     if r.sentinel_violations:
         out.append(f"blocks written after failure: {r.sentinel_violations[:5]}")
+    if set(r.drained_reads) - {"received"}:
+        out.append(f"reads of a killed P engine's holds not received: {dict(r.drained_reads)}")
+    if r.drained_holds != Counter({"sent": r.drained_holds_placed} if r.drained_holds_placed
+                                  else {}):
+        out.append(f"a killed P engine's {r.drained_holds_placed} holds ended "
+                   f"{dict(r.drained_holds)}, not all sent")
+    out.extend(r.drain_leftovers)
     for name, over in r.hold_overrun_s.items():
         allowed = HOUSEKEEPING_BOUND_S + r.paused_s.get(name, 0.0)
         if over > allowed:
@@ -168,6 +194,87 @@ class Endings:
         return found
 
 
+class PEngineProcess:
+    """A P engine in its own process (attention K=8, tp 2 on both P sidecars):
+    it registers with sidecar-allocated memory, then on each ``prefill`` line of
+    its stdin fills and holds the requests named and prints what D needs to
+    read them (handshakes, block ids, hold tokens). Killed with SIGKILL by the
+    ``kill_p_engine`` fault; a fresh one with the same engine id takes its place."""
+
+    TP = 2
+
+    def __init__(self, engine_id: str, sockets: list[str], log_path: Path) -> None:
+        self.engine_id = engine_id
+        script = textwrap.dedent(f"""
+            import json, sys
+            from kvsidecar.sim.cluster import SimEngine
+            from kvsidecar.sim.models import attn
+            from kvsidecar.sim.oracle import Request
+            P = SimEngine({engine_id!r}, attn(8), {self.TP}, 64, {sockets!r}, timeout_s=20)
+            print(json.dumps({{"handshake": P.remote.handshake}}), flush=True)
+            for line in sys.stdin:
+                cmd = json.loads(line)
+                if cmd is None:
+                    P.close()
+                    break
+                out = []
+                for rid, seed, tokens in cmd:
+                    s = P.prefill(rid, Request(seed=seed, prompt_tokens=tokens))
+                    out.append({{"ids": s.block_ids, "tokens": s.tokens}})
+                print(json.dumps(out), flush=True)
+        """)
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+        self._handshake: list[str] | None = None
+
+    def _line(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"P engine process {self.engine_id!r} ended "
+                               f"(exit {self.proc.wait(30)}): see its log")
+        return json.loads(line)
+
+    def prefill(self, reqs: list[tuple[str, Request]]) -> list[Sent]:
+        """Fill and hold ``reqs`` (request id, request) in the process; what D reads."""
+        if self._handshake is None:  # its registration line
+            self._handshake = self._line()["handshake"]
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([[rid, r.seed, r.prompt_tokens]
+                                          for rid, r in reqs]) + "\n")
+        self.proc.stdin.flush()
+        remote = RemoteEngine(self.engine_id, self.TP, self._handshake)
+        return [Sent(rid, remote, got["ids"], r, got["tokens"])
+                for (rid, r), got in zip(reqs, self._line())]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def close(self) -> int:
+        """Deregister (an engine's normal exit), wait for the process; its exit code
+        (not 0 if it could not register, e.g. its id was refused)."""
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write("null\n")
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close_pipes()
+        return self.proc.wait()
+
+
 class Chaos:
     def __init__(self, workdir: Path, *, seed: int = 7, wave: int = 24,
                  log: Any = None) -> None:
@@ -187,6 +294,11 @@ class Chaos:
         self.killed: set[int] = set()  # D sidecars killed during the current wave
         self.endings = Endings()
         self._ids = 0
+        self.p_proc: PEngineProcess | None = None  # the kill_p_engine fault's P engine
+        # Its own stream, in waves no other fault takes: the other faults and the
+        # requests of a seed stay as they were. About one P kill every 25 waves.
+        self.p_kills = random.Random(seed ^ 0x29)
+        self._p_kill_due = self.p_kills.randint(5, 25)
 
     # ------------------------------------------------------------ set-up
 
@@ -208,6 +320,12 @@ class Chaos:
                            [self.d[i] for i in pair.d_sidecars], timeout_s=5)
 
     def close_engines(self) -> None:
+        if self.p_proc is not None:
+            rc = self.p_proc.close()
+            if rc:
+                self.report.drain_leftovers.append(
+                    f"P engine process {self.p_proc.engine_id!r} exited {rc}: see its log")
+            self.p_proc = None
         for pair in self.pairs:
             for e in (pair.D, pair.P):
                 if e is not None:
@@ -292,6 +410,9 @@ class Chaos:
             return "kill_d_sidecar"
         if x < 0.13:
             return "kill_engine"
+        if self.report.waves >= self._p_kill_due:  # the first wave free of other faults
+            self._p_kill_due += self.p_kills.randint(15, 35)
+            return "kill_p_engine"
         return ""
 
     def _rid(self) -> str:
@@ -376,6 +497,8 @@ class Chaos:
             return t
         if fault == "kill_engine":
             self._kill_engine()
+        if fault == "kill_p_engine":
+            self._kill_p_engine()
         return None
 
     def _revive(self) -> None:
@@ -434,6 +557,76 @@ class Chaos:
             for c in got[s.request_id].values():
                 self.report.hold_outcomes[c.kind] += 1
             pair.P.free(s.block_ids)
+
+    def _kill_p_engine(self) -> None:
+        """A P engine process prefills and holds a few requests and is SIGKILLed
+        before D reads them. Once its sidecars noticed (its id is gone from their
+        engines), D reads: the holds must be served from the memory they kept,
+        every one end ``sent``, and that memory be freed after; then a fresh
+        process registers the same engine id (it serves the next such fault)."""
+        pair = self.pairs[0]  # its D (attention K=8, tp 1) reads
+        assert pair.D is not None
+        engine_id = "P-killed"
+        ps = [self.p[0], self.p[1]]
+        if self.p_proc is None:
+            self.p_proc = PEngineProcess(engine_id, [s.socket for s in ps],
+                                         self.workdir / "p-engine.log")
+        before = [Counter({o: s.metric("kvsidecar_drained_holds_total", outcome=o)
+                           for o in ("sent", "aborted", "expired", "dropped")}) for s in ps]
+        reqs = []
+        for _ in range(4):
+            rid = self._rid()
+            reqs.append((rid, Request(seed=self._ids,
+                                      prompt_tokens=self.p_kills.randint(1, 48))))
+        try:
+            sents = self.p_proc.prefill(reqs)
+        except RuntimeError as e:  # it could not register (again) or hold
+            self.report.drain_leftovers.append(str(e))
+            self.p_proc.kill()
+            self.p_proc = None
+            return
+        self.report.requests += len(sents)
+        self.report.drained_holds_placed += len(sents) * PEngineProcess.TP
+        self.p_proc.kill()
+        self.p_proc = None
+        gone = _until(lambda: all(engine_id not in _engines(s) for s in ps))
+        if not gone:
+            self.report.drain_leftovers.append(f"{engine_id} still registered after its kill")
+        for sent in sents:
+            pair.D.start_read(sent)
+        got = self._wait(pair.D, [s.request_id for s in sents])
+        for rid, by_rank in got.items():
+            kinds = {c.kind for c in by_rank.values()}
+            kind = "received" if kinds == {"received"} else sorted(kinds - {"received"})[0]
+            self.report.drained_reads[kind] += 1
+            if kind == "received":
+                bad = pair.D.verify(rid)
+                if bad:
+                    self.report.wrong_bytes_requests.append(f"{rid}: {bad[0]}")
+                pair.D.finish(rid)
+            else:
+                self._sentinel(pair.D, rid, pair.D.receiving[rid].block_ids)
+        for s, base in zip(ps, before):
+            done = _until(functools.partial(_drained, s))
+            for o in base:
+                n = int(s.metric("kvsidecar_drained_holds_total", outcome=o) - base[o])
+                if n:
+                    self.report.drained_holds[o] += n
+            left = []
+            if not done:
+                left.append("still draining")
+            if not _until(functools.partial(_unregistered, s, engine_id)):
+                left.append("registered bytes")
+            if not _until(functools.partial(_unmapped, s, f"-{engine_id}-")):
+                left.append("its memory still mapped")
+            if [n for n in os.listdir("/dev/shm") if f"-{engine_id}-" in n]:
+                left.append("a /dev/shm name")
+            if left:
+                self.report.drain_leftovers.append(f"{s.name}: killed P engine left "
+                                                   + ", ".join(left))
+        # Its successor registers the same id meanwhile; the next fault uses it.
+        self.p_proc = PEngineProcess(engine_id, [s.socket for s in ps],
+                                     self.workdir / "p-engine.log")
 
     # ------------------------------------------------------------ outcomes
 
@@ -519,6 +712,38 @@ class Chaos:
                 continue
             keep.append((D, rid, ids))
         self.watch = [] if not final else keep
+
+
+def _until(ok: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Whether ``ok()`` came true within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _engines(side: SidecarProcess) -> list[str]:
+    with SidecarClient(side.socket) as c:
+        return c.ping().engines
+
+
+def _drained(side: SidecarProcess) -> bool:
+    """Whether ``side`` keeps nothing for ended engines (its drain gauges are 0)."""
+    return (side.metric("kvsidecar_engines_draining") == 0
+            and side.metric("kvsidecar_drain_bytes") == 0)
+
+
+def _unregistered(side: SidecarProcess, engine_id: str) -> bool:
+    return side.metric("kvsidecar_registered_bytes", engine=engine_id) == 0
+
+
+def _unmapped(side: SidecarProcess, name: str) -> bool:
+    """Whether the sidecar process maps no region whose name holds ``name`` (shm or memfd)."""
+    assert side.proc is not None
+    with open(f"/proc/{side.proc.pid}/maps") as f:
+        return not any(name in line for line in f)
 
 
 def _reason_class(reason: str) -> str:

@@ -1,5 +1,6 @@
 """The lifecycle chaos run (issue #7 "Done when"): 2 P + 2 D real sidecars, mixed
-layer families, random aborts, engine kills, sidecar kills and SIGSTOP pauses.
+layer families, random aborts, D engine kills, P engine kills after their holds
+(issue #29: the holds are still served), sidecar kills and SIGSTOP pauses.
 The long form is ``make chaos`` (10,000 requests)."""
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def test_chaos_short_form(tmp_path) -> None:
     assert chaos.problems(report) == []
     assert sum(report.outcomes.values()) + report.ended_by_sidecar_death >= 1
     assert report.outcomes["received"] > 0
+    # P engine processes were SIGKILLed after holding: their holds were served (drain)
+    assert report.faults["kill_p_engine"] >= 1
+    assert report.drained_reads["received"] * chaos.PEngineProcess.TP \
+        == report.drained_holds_placed > 0
 
 
 def test_a_hold_that_ends_while_the_driver_waits_for_another_is_not_lost(pool) -> None:
