@@ -402,7 +402,8 @@ def bench_verify(fleet: Fleet, s: Scale) -> list[Figure]:
                 for verify in ((False, True) if i % 2 else (True, False)):
                     sent = Sent(f"{first.request_id}-{i}-{int(verify)}", first.remote,
                                 first.block_ids, first.req)
-                    P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids)
+                    sent.tokens.append(P.clients[0].hold(P.engine_id, sent.request_id,
+                                                         sent.block_ids).token)
                     c0 = sum(proc_threads_cpu_s(pid) for pid in pids)
                     t0 = time.perf_counter()
                     D.start_read(sent, verify=verify)
@@ -1045,7 +1046,8 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
 
                 def min_read(rid: str, ids: list[int]) -> object:
                     return floors.expect(md(Read(D.engine_id, rid, [ids], P.remote, [ids], rid,
-                                                 None, None, [tokens.pop(rid)], id=next(mids))),
+                                                 None, None, remote_tokens=[tokens.pop(rid)],
+                                                 id=next(mids))),
                                          Ok)
 
                 def min_poll() -> list[Completion]:

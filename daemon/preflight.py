@@ -91,7 +91,8 @@ def _socket(s: Settings) -> None:
     access = AccessPolicy.of(s.allow_uids, s.allow_gids)
     try:
         # Creates a missing directory (0700) as the start-up would; changes nothing else.
-        prepare_socket_dir(os.path.dirname(path) or ".", shared=access.shared, group=access.group)
+        prepare_socket_dir(os.path.dirname(path) or ".", shared=access.shared, group=access.group,
+                           uids=access.other_uids)
     except OSError as e:  # not ours, not a directory, a read-only file system...
         raise Refusal(f"cannot serve {path}: {e}") from None
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import threading
 import time
@@ -30,7 +31,7 @@ from kvsidecar.daemon.peer_auth import load_keys
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim, ControlReply, Digest
 from kvsidecar.daemon.verify import MAX_DIGEST_BYTES_IN_FLIGHT
-from kvsidecar.ipc import protocol, seqpacket
+from kvsidecar.ipc import hold_token, protocol, seqpacket
 from kvsidecar.ipc.client import AsyncSidecarClient, ReadSpec, SidecarClient, Unavailable
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion, RemoteEngine
@@ -178,7 +179,8 @@ def test_read_many_verifies_each_read_that_asks(sidecars: Sidecars) -> None:
         recs = [D._receive(s, None, 0, False) for s in sents]
         specs = [ReadSpec(r.request_id, r.block_ids, r.sent.remote, r.sent.block_ids,
                           skip_tokens=0, num_tokens=r.sent.req.prompt_tokens,
-                          verify=not r.request_id.endswith("unverified-many"))
+                          verify=not r.request_id.endswith("unverified-many"),
+                          remote_tokens=r.sent.tokens)
                  for r in recs]
         assert D.clients[0].read_many(D.engine_id, specs) == [None, None, None]
         got = D.wait_for([r.request_id for r in recs])
@@ -200,7 +202,8 @@ def test_async_client_asks_for_verification(sidecars: Sidecars) -> None:
             client = AsyncSidecarClient(sidecars.d[0].socket)
             try:
                 await client.read(D.engine_id, rec.request_id, rec.block_ids, sent.remote,
-                                  sent.block_ids, num_tokens=30, skip_tokens=0, verify=True)
+                                  sent.block_ids, num_tokens=30, skip_tokens=0, verify=True,
+                                  remote_tokens=sent.tokens)
             finally:
                 await client.close()
 
@@ -227,6 +230,8 @@ class Asker:
         self.p, self.engine = p, engine
         self.client = HandshakeClient(keys=load_keys(fleet_keys()))
         self.agent = ""
+        #: the blocks each request's token names (what P's engine handed its reader)
+        self.blocks: dict[str, list[list[int]]] = {}
 
     async def __aenter__(self) -> Asker:
         info = await self.client.fetch(self.p.handshake, self.engine.engine_id, 0)
@@ -237,22 +242,28 @@ class Asker:
         await self.client.close()
 
     def _ids(self, request_id: str) -> dict[str, object]:
+        token = self.engine.issue_tokens(request_id, self.blocks.get(request_id, [[0]]))[0]
         return {"engine_id": self.engine.engine_id, "tp_rank": 0, "agent_name": self.agent,
                 "request_id": request_id, "reader_engine": "someone", "reader_rank": 0,
-                "reader_tp": 1}
+                "reader_tp": 1, "token": token}
 
     async def claim(self, request_id: str) -> bool:
         answer = await self.client.control(self.p.handshake, Claim(**self._ids(request_id)))
         return answer.reply.granted
 
     async def digest(self, request_id: str, block: int,
-                     pieces: list[tuple[int, int, int]] | None = None) -> ControlReply:
-        """One page of region 0 (or ``pieces``: region, offset, length)."""
+                     pieces: list[tuple[int, int, int]] | None = None,
+                     token: str | None = None) -> ControlReply:
+        """One page of region 0 (or ``pieces``: region, offset, length); ``token``
+        instead of the one P's engine issued."""
         page = self.engine.layout.page_bytes
         a = np.array(pieces or [(0, block * page, page)], dtype=np.int64)
         ranges = digest.pack_ranges(a[:, 0], a[:, 1], a[:, 2])
+        ids = self._ids(request_id)
+        if token is not None:
+            ids["token"] = token
         answer = await self.client.control(self.p.handshake, Digest(
-            **self._ids(request_id), ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
+            **ids, ranges=ranges, chunk_bytes=digest.CHUNK_BYTES))
         return answer.reply
 
 
@@ -280,6 +291,31 @@ def test_digest_refused_outside_the_hold(sidecars: Sidecars) -> None:
         P.clients[0].release(P.engine_id, "held")
 
 
+def test_digest_needs_the_holds_token(sidecars: Sidecars) -> None:
+    """Only a reader holding the token the hold issued may have P hash its pages,
+    as only such a reader may claim it: a digest without it, or with a token of
+    another key, is refused before anything is hashed."""
+    with engines(sidecars.p, sidecars.d, sidecars.uid, FAMILIES["attention"], 1, 1) as (P, _):
+        sent = P.prefill("tokened", Request(seed=6, prompt_tokens=8))
+        held = sent.block_ids[0][0]
+        forged = hold_token.issue(os.urandom(hold_token.KEY_BYTES), P.engine_id, "tokened",
+                                  sent.block_ids, int(time.time()) + 600)
+
+        async def run() -> list[ControlReply]:
+            async with Asker(sidecars.p[0], P) as ask:
+                ask.blocks["tokened"] = sent.block_ids
+                return [await ask.digest("tokened", held, token=""),
+                        await ask.digest("tokened", held, token=forged),
+                        await ask.digest("tokened", held)]
+
+        none, other_key, issued = asyncio.run(run())
+        assert not none.granted and "digest refused: malformed hold token" in none.reason
+        assert not other_key.granted and "was not issued for request" in other_key.reason
+        assert not none.digest and not other_key.digest
+        assert issued.granted and len(issued.digest) == 8
+        P.clients[0].release(P.engine_id, "tokened")
+
+
 def test_digest_before_the_hold_is_refused_for_now(sidecars: Sidecars) -> None:
     """A digest for a request claimed before its hold (asynchronous scheduling)
     is refused at once with ``retry`` (P never waits), granted once it is held."""
@@ -289,6 +325,7 @@ def test_digest_before_the_hold_is_refused_for_now(sidecars: Sidecars) -> None:
 
         async def run() -> tuple[ControlReply, ControlReply, ControlReply]:
             async with Asker(sidecars.p[0], P) as ask:
+                ask.blocks["late"] = sent.block_ids
                 never = await ask.digest("late", block)  # nobody claimed it: no hold at all
                 assert await ask.claim("late")  # early: its hold is not placed yet
                 early = await ask.digest("late", block)

@@ -43,7 +43,7 @@ class Sidecars:
     are watched from outside, as an operator's Prometheus does)."""
 
     def __init__(self, workdir: Path) -> None:
-        args = ["--metrics-port", "0", "--hold-timeout", "60"]
+        args = ["--metrics-port", "0", "--hold-timeout", "60", "--allow-unsealed-shm"]
         self.p = [SidecarProcess(workdir, f"dr-p{i}", args=args) for i in range(2)]
         self.d = [SidecarProcess(workdir, f"dr-d{i}", args=args) for i in range(2)]
         self._ids = itertools.count()

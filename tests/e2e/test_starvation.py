@@ -9,6 +9,7 @@ stayed; 64 idle fd-socket connections made memfd registrations fail.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.memfd import MemfdRegion
@@ -73,8 +75,12 @@ def test_a_read_naming_thousands_of_dead_addresses_fails_alone(pool, tmp_path: P
         n = 4096
         dead = [f"127.1.{i // 256}.{i % 256}:9" for i in range(n)]
         for rnd in range(3):
+            # Well-formed tokens of a key of its own: D can check them only against
+            # the P ranks' handshakes, so the read goes on to its 4,096 handshakes.
+            forged = hold_token.issue(os.urandom(hold_token.KEY_BYTES), "gone", f"wide-{rnd}",
+                                      [[0]], int(time.time()) + 600)
             attacker.read("st-attacker", f"wide-{rnd}", [[0]], RemoteEngine("gone", n, dead),
-                          [[0]])
+                          [[0]], remote_tokens=[forged] * n)
             time.sleep(0.5)  # its handshakes are under way
             with engines(pool.p[:1], [d], _uid, hybrid, 1, 1) as (P, (D,)):
                 rid = f"legit-{rnd}"

@@ -91,7 +91,7 @@ def test_the_read_in_flight_and_the_link_on_d(scene: Scene) -> None:
     r = _status(scene.d)
     after = time.monotonic()
     assert (r.version, r.socket, r.handshake_address) == (
-        kvsidecar.__version__, scene.d.socket, scene.d.handshake)
+        kvsidecar.__version__, scene.d.socket, scene.d.handshake_address)
     assert r.daemon_id == scene.d.ready["daemon_id"]
     assert (r.ready, r.draining, r.transport) == (True, False, "off")
     (e,) = r.engines
