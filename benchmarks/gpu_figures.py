@@ -1,6 +1,6 @@
 """GPU figures, each next to its baselines measured in the same run.
 
-    python benchmarks/gpu_figures.py [--memory cuda_malloc|cuda_vmm|shm] [--device N]
+    python benchmarks/gpu_figures.py [--memory cuda_malloc|cuda_vmm|memfd] [--device N]
                                      [--mib 256] [--repeats 5] [--latency-reads 200]
                                      [--json PATH] [--dry-run]
 
@@ -24,7 +24,7 @@ Each record names the ``UCX_*`` variables of the run (``scripts/gpu-check.sh``
 runs the figures with UCX's defaults, then with
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``, which UCX leaves off without NVLink).
 
-``--memory shm`` runs the same on host memory without a GPU (sidecars
+``--memory memfd`` runs the same on host memory without a GPU (sidecars
 without ``--device``, DRAM descriptors, a numpy copy): the CPU rehearsal the
 test suite runs. Each figure is printed and, with ``--json``, appended to
 that file as one JSON line (``benchmarks/gpu_check.py summary`` renders them).
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_e2e
 from gpu_check import append
 
-HOST = "shm"
+HOST = "memfd"
 
 
 def ucx_setting() -> str:
@@ -84,7 +84,8 @@ def bulk(p0: Any, d0: Any, memory: str, device: int | None, mib: int,
                 sent = first
                 if i:
                     sent = Sent(f"bulk-{i}", first.remote, first.block_ids, first.req)
-                    P.clients[0].hold(P.engine_id, sent.request_id, sent.block_ids)
+                    sent.tokens.append(P.clients[0].hold(P.engine_id, sent.request_id,
+                                                         sent.block_ids).token)
                 t0 = time.perf_counter()
                 D.start_read(sent)
                 got = suite.wait_all(D, [sent.request_id])

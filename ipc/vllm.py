@@ -1145,7 +1145,7 @@ class _WorkerSide:
         if self._keepalive is not None:
             self._keepalive.clear(self.engine_id)
         self.handshake = KvSidecarHandshake(self.engine_id, self.tp_rank,
-                                            reg.handshake_address)
+                                            reg.handshake_address, reg.hold_key)
         log.warning("kvsidecar: engine %s rank %d registered again with the sidecar at %s "
                     "(handshake %s)", self.engine_id, self.tp_rank, self.socket,
                     reg.handshake_address)

@@ -309,14 +309,14 @@ def test_the_scan_finds_our_driver_calls_and_what_a_binding_lacks() -> None:
 def test_the_gpu_benchmarks_run_on_host_memory_and_the_summary_shows_them(
         tmp_path: Path) -> None:
     """gpu_e2e (hetero TP, every byte against the oracle) and gpu_figures (bulk vs
-    raw NIXL vs a copy, and latency) with ``--memory shm``: the code the GPU run
+    raw NIXL vs a copy, and latency) with ``--memory memfd``: the code the GPU run
     executes, minus CUDA, against real sidecars; tiny sizes, and one TP direction
     (P tp2 -> D tp1: the other is the same code with the sizes swapped)."""
     results = tmp_path / "results.jsonl"
     env = _env(PYTHONUNBUFFERED="1")
-    for cmd in (["gpu_e2e.py", "--memory", "shm", "--requests", "2", "--blocks", "32",
+    for cmd in (["gpu_e2e.py", "--memory", "memfd", "--requests", "2", "--blocks", "32",
                  "--directions", "2x1"],
-                ["gpu_figures.py", "--memory", "shm", "--mib", "4", "--repeats", "1",
+                ["gpu_figures.py", "--memory", "memfd", "--mib", "4", "--repeats", "1",
                  "--latency-reads", "3"]):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / cmd[0]), *cmd[1:],
                                "--json", str(results)], capture_output=True, text=True,

@@ -85,6 +85,7 @@ def _start_p(p_sidecars: list[SidecarProcess], engine_id: str, tp: int, memory: 
         print(json.dumps({{
             "handshake": P.remote.handshake,
             "block_ids": [s.block_ids for s in sents],
+            "tokens": [s.tokens for s in sents],
         }}), flush=True)
         end = {end!r}
         if end == "kill":
@@ -106,8 +107,9 @@ def _start_p(p_sidecars: list[SidecarProcess], engine_id: str, tp: int, memory: 
 
 def _sents(engine_id: str, tp: int, info: dict[str, Any], rids: list[str]) -> list[Sent]:
     remote = RemoteEngine(engine_id, tp, info["handshake"])
-    return [Sent(rid, remote, ids, Request(seed=100 + i, prompt_tokens=TOKENS))
-            for i, (rid, ids) in enumerate(zip(rids, info["block_ids"]))]
+    return [Sent(rid, remote, ids, Request(seed=100 + i, prompt_tokens=TOKENS), tokens)
+            for i, (rid, ids, tokens) in enumerate(zip(rids, info["block_ids"],
+                                                        info["tokens"]))]
 
 
 def _until(what: str, ok: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -235,9 +237,12 @@ def test_a_new_registration_of_the_id_never_frees_memory_under_a_transfer(pool) 
             D1.start_read(old[1])  # over D1's link to the old generation
             assert {c.kind for c in D1.wait_for(rids[1:2])[rids[1]].values()} == {"received"}
             assert not D1.verify(rids[1])
-            D2.start_read(old[2])  # a new link reaches the new registration
+            # A new link reaches the new registration, whose hold key did not issue
+            # the old request's token: D refuses the read before posting anything.
+            D2.start_read(old[2])
             (c2,) = D2.wait_for(rids[2:])[rids[2]].values()
-            assert c2.kind == "failed" and "earlier registration" in c2.reason, c2
+            assert c2.kind == "failed" and "the hold token was not issued" in c2.reason, c2
+            assert c2.nbytes == 0
             _until("old generation not freed",
                    lambda: side.metric("kvsidecar_engines_draining") == 0)
             assert side.metric("kvsidecar_drain_bytes") == 0

@@ -215,9 +215,12 @@ def sidecars_alive() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    # The fuzzer's holds are never read: on SIGTERM the sidecar would serve them
+    # up to --drain-timeout (30 s by default) before stopping.
     side = SidecarProcess(tmp_path_factory.mktemp("fuzz"), "fz", args=[
         "--max-message-bytes", str(MAX_MESSAGE), "--max-engine-connections",
-        str(MAX_CONNECTIONS), "--metrics-port", "0"]).start(timeout_s=600)
+        str(MAX_CONNECTIONS), "--metrics-port", "0", "--drain-timeout", "1"]
+    ).start(timeout_s=600)
     good = SidecarClient(side.socket, timeout_s=60)
     good.register(GOOD, 0, LAYOUT, allocate=True)
     owner = SidecarClient(side.socket, timeout_s=60)

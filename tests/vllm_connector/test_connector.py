@@ -31,7 +31,7 @@ from kvsidecar.sim.cluster import SidecarProcess
 from kvsidecar.sim.oracle import POISON, check_received
 from kvsidecar.sim.oracle import Request as OracleRequest
 
-from .harness import Engine, make_engine, oracle_fill, request
+from .harness import Engine, failed_reads, make_engine, oracle_fill, request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -514,8 +514,8 @@ def test_params_without_their_hold_tokens_read_nothing(sidecars: Sidecars,
                                                       models: dict[bool, str]) -> None:
     """D's read moves bytes only with the tokens P's scheduler put in the
     request's ``kv_transfer_params``: without them, or with another request's,
-    the read fails (finished and failed in one step, vLLM recomputes) and not
-    one byte lands in D's pages; the request with its own tokens reads."""
+    the read fails (finished with its blocks invalid in one step, vLLM
+    recomputes) and not one byte lands in D's pages."""
     P, D = pair(sidecars, models, 1, 1, False, {"t0": 11, "t1": 12})
     try:
         params = {rid: prefill(P, rid, 40, 11 + i) for i, rid in enumerate(("t0", "t1"))}
@@ -529,8 +529,7 @@ def test_params_without_their_hold_tokens_read_nothing(sidecars: Sidecars,
         def both_failed() -> bool:
             _, agg = D.step()
             out = agg.kv_connector_output
-            if out is not None:
-                failed.update(out.failed_recving or ())
+            failed.update(failed_reads(out))
             return failed == {"t0", "t1"}
 
         deadline = time.monotonic() + WAIT_S

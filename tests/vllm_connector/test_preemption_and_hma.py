@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.vllm import KvSidecarConnector, KvSidecarHandshake
 
 from .flows import (
@@ -192,7 +193,8 @@ def test_sliding_window_group_hands_only_its_window(models: dict[bool, str]) -> 
                          KVCacheGroupSpec(layers[1:], window)])
     cfg = vllm_config(models[False], "kv_producer", "swP", 1, ["/nonexistent.sock"], False)
     conn = KvSidecarConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
-    conn.set_xfer_handshake_metadata({0: KvSidecarHandshake("swP", 0, "tcp://127.0.0.1:1")})
+    conn.set_xfer_handshake_metadata({0: KvSidecarHandshake(
+        "swP", 0, "tcp://127.0.0.1:1", bytes(hold_token.KEY_BYTES))})
     req = request_finished_after(96)
     delay, params = conn.request_finished_all_groups(
         req, ([1, 2, 3, 4, 5, 6], [0, 0, 9, 10, 11, 12]))
