@@ -118,6 +118,7 @@ from kvsidecar.ipc.protocol import (
     Register,
     Registered,
     Release,
+    RemoteEngine,
     Replies,
     Reply,
     Request,
@@ -435,9 +436,7 @@ class Sidecar:
             raise RequestError(BAD_REQUEST, f"engine {req.engine_id[:200]!r} asked to read "
                                             "from itself (the remote engine is the reading "
                                             "engine): its KV cache is already here")
-        for address in req.remote.handshake:
-            if address not in self._dialable:
-                self._check_address(address)
+        self._check_addresses(req.remote)
         self._admit(eng, "reads", self._reads.count(eng.engine_id),
                     self.settings.max_reads_per_engine, "reads in flight")
         self._reads.accept(eng, req)
@@ -448,9 +447,7 @@ class Sidecar:
         the claims go out in the background; answered at once."""
         eng = self._engine(req.engine_id)
         for item in req.items:
-            for address in item.remote.handshake:
-                if address not in self._dialable:
-                    self._check_address(address)
+            self._check_addresses(item.remote)
         if req.items:
             self._spawn(self._keep_claims(eng, req))
         return Ok()
@@ -461,17 +458,20 @@ class Sidecar:
         log.debug("engine %r kept %d request(s): %d claim(s) granted", eng.engine_id,
                   len(req.items), granted)
 
-    def _check_address(self, address: str) -> None:
-        """Refuse a read naming a peer address that is not ``host:port`` in
-        printable ASCII (see check_address); remember good ones (bounded), so
-        the check costs a set lookup per read."""
-        try:
-            check_address(address)
-        except ValueError as e:
-            raise RequestError(BAD_REQUEST, str(e)) from None
-        if len(self._dialable) >= MAX_DIALABLE:
-            self._dialable.clear()
-        self._dialable.add(address)
+    def _check_addresses(self, remote: RemoteEngine) -> None:
+        """Refuse a read (or keep) naming a peer address that is not ``host:port``
+        in printable ASCII (see check_address); remember good ones (bounded), so
+        the check costs a set lookup per address."""
+        for address in remote.handshake:
+            if address in self._dialable:
+                continue
+            try:
+                check_address(address)
+            except ValueError as e:
+                raise RequestError(BAD_REQUEST, str(e)) from None
+            if len(self._dialable) >= MAX_DIALABLE:
+                self._dialable.clear()
+            self._dialable.add(address)
 
     def _admit(self, eng: EngineRank, limit: str, used: int, bound: int, what: str) -> None:
         """Refuse new work that would pass a per-engine bound, and work whose
@@ -906,10 +906,10 @@ class Sidecar:
             check_block_ids(eng.layout, req.block_ids, "held")
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
+        held = hold_token.blocks_digest(req.block_ids)
         try:
             eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                          req.timeout_s, time.monotonic(),
-                          digest=hold_token.blocks_digest(req.block_ids), block_ids=req.block_ids)
+                          req.timeout_s, time.monotonic(), digest=held, block_ids=req.block_ids)
         except KeyError as e:
             raise RequestError(DUPLICATE, str(e.args[0])) from None
         eng.worker.set_hot(len(eng.holds) > 0)
@@ -923,8 +923,9 @@ class Sidecar:
         # Valid as long as a lease on the hold can run (see HoldBook.claim).
         life = max(timeout, eng.holds.max_life_s) + eng.holds.lease_s
         return Held(lease_s=eng.holds.lease_s, timeout_s=timeout,
-                    token=hold_token.issue(eng.hold_key, req.engine_id, req.request_id,
-                                           req.block_ids, math.ceil(time.time() + life)))
+                    token=hold_token.issue_digested([eng.hold_key], req.engine_id,
+                                                    req.request_id, held,
+                                                    math.ceil(time.time() + life))[0])
 
     def _traced_completion(self, engine_id: str, c: Completion) -> None:
         span = self._hold_spans.pop((engine_id, c.request_id), None)
@@ -1108,11 +1109,9 @@ class Sidecar:
         if isinstance(eng, ControlReply):
             return eng
         # As a claim: only the reader the hold issued its token to may ask.
-        try:
-            hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id, msg.token,
-                                    time.time())
-        except hold_token.TokenError as e:
-            return ControlReply(granted=False, reason=f"digest refused: {e}")
+        checked = self._token_digest(eng, msg, "digest")
+        if isinstance(checked, ControlReply):
+            return checked
         try:
             digester = digest.digester_for(eng.info.mem_type)
         except digest.DigestUnavailable as e:
@@ -1160,20 +1159,29 @@ class Sidecar:
                 f"the hold of {msg.request_id[:200]!r} ended while its bytes were hashed"))
         return ControlReply(granted=True, digest=out)
 
-    def _control_reply(self, msg: ControlRequest, member: bytes) -> ControlReply:
-        eng = self._linked_engine(msg)
-        if isinstance(eng, ControlReply):
-            return eng
-        op = _CONTROL_OPS[type(msg)]
+    @staticmethod
+    def _token_digest(eng: EngineRank, msg: ControlRequest | Digest,
+                      op: str) -> bytes | ControlReply:
+        """The blocks digest of the hold token a control item carries, checked
+        under ``eng``'s hold key (issued for this engine and request, not
+        expired), or the refusal naming what is wrong."""
         if not msg.token:
             return ControlReply(granted=False, reason=(
                 f"{op} of request {msg.request_id[:200]!r} carries no hold token: reads need "
                 "the token the hold issued (Read.remote_tokens; vLLM: kv_transfer_params)"))
         try:
-            digest = hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id,
-                                             msg.token, time.time())
+            return hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id,
+                                           msg.token, time.time())
         except hold_token.TokenError as e:
             return ControlReply(granted=False, reason=f"{op} refused: {e}")
+
+    def _control_reply(self, msg: ControlRequest, member: bytes) -> ControlReply:
+        eng = self._linked_engine(msg)
+        if isinstance(eng, ControlReply):
+            return eng
+        digest = self._token_digest(eng, msg, _CONTROL_OPS[type(msg)])
+        if isinstance(digest, ControlReply):
+            return digest
         now = time.monotonic()
         reader = (msg.reader_engine, msg.reader_rank)
         if isinstance(msg, Claim):

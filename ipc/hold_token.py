@@ -106,7 +106,12 @@ def issue(key: bytes, engine_id: str, request_id: str, block_ids: list[list[int]
 def issue_all(keys: list[bytes], engine_id: str, request_id: str,
               block_ids: list[list[int]], expires: int) -> list[str]:
     """One token per rank's key (the blocks digested once), in the keys' order."""
-    digest = blocks_digest(block_ids)
+    return issue_digested(keys, engine_id, request_id, blocks_digest(block_ids), expires)
+
+
+def issue_digested(keys: list[bytes], engine_id: str, request_id: str, digest: bytes,
+                   expires: int) -> list[str]:
+    """:func:`issue_all` for blocks already digested (:func:`blocks_digest`)."""
     msg = _message(engine_id, request_id, expires, digest)
     out = []
     for key in keys:
