@@ -311,23 +311,27 @@ class HoldBook:
 
     def member_of(self, engine_id: str, request_id: str, reader: ReaderRank) -> bytes | None:
         """The fleet member ``reader`` claimed this hold from (None: no claim yet)."""
-        key = (engine_id, request_id)
-        h = self._holds.get(key)
-        members = h.members if h is not None else getattr(self._early.get(key), "members", {})
-        return members.get(reader)
+        members = self._members((engine_id, request_id))
+        return None if members is None else members.get(reader)
 
     def may_report(self, engine_id: str, request_id: str, reader: ReaderRank,
                    member: bytes) -> str:
         """Why ``member`` may not report for ``reader`` ('' when it may): a rank
         that claimed from one member is that member's to abandon; an abandon
         for a rank that never claimed binds it to ``member`` as a claim would."""
-        key = (engine_id, request_id)
-        h = self._holds.get(key)
-        early = self._early.get(key)
-        members = h.members if h is not None else early.members if early is not None else None
+        members = self._members((engine_id, request_id))
         if members is None:
             return ""
         return self._bind(members, reader, member)
+
+    def _members(self, key: Key) -> dict[ReaderRank, bytes] | None:
+        """Reading rank -> fleet member of the hold, else of its early entry
+        (None: neither exists)."""
+        h = self._holds.get(key)
+        if h is not None:
+            return h.members
+        early = self._early.get(key)
+        return None if early is None else early.members
 
     @staticmethod
     def _bind(members: dict[ReaderRank, bytes], reader: ReaderRank | None,
