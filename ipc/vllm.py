@@ -328,7 +328,8 @@ def _clip(block_ids: Sequence[Sequence[int]], kinds: Sequence[str],
 class _SchedulerSide:
     """Bookkeeping only: decides reads, holds and releases; no I/O."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: Settings) -> None:
         kt = vllm_config.kv_transfer_config
         assert kt is not None and kt.engine_id is not None
         self.engine_id: str = kt.engine_id
@@ -345,14 +346,15 @@ class _SchedulerSide:
         self.has_mamba = "mamba" in self.kinds
         self.addresses: list[str] = []
         self.hold_keys: list[bytes] = []
-        self.token_life_s = TOKEN_LIFE_S
+        # A token lives as long as the hold may (vLLM keeps P's blocks 480 s).
+        self.token_life_s = max(TOKEN_LIFE_S, 2 * (settings.hold_timeout_s or 0.0))
         self._reads: dict[str, ReadJob] = {}
         self._holds: dict[str, HoldJob] = {}
         self._releases: set[str] = set()
         self._reading: set[str] = set()  # awaited reads handed to the workers
         #: D: admitted requests not read yet (their P holds are kept alive)
         self._waiting: dict[str, KeepItem] = {}
-        self._keep_every_s = float((kt.kv_connector_extra_config or {}).get("keep_every_s", 3.0))
+        self._keep_every_s = settings.keep_every_s
         self._last_keep = -math.inf
 
     # ------------------------------------------------------------ handshake
@@ -1503,10 +1505,7 @@ class KvSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: _SchedulerSide | None = None
         self.worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = _SchedulerSide(vllm_config, kv_cache_config)
-            # A token lives as long as the hold may (vLLM keeps P's blocks 480 s).
-            self.scheduler.token_life_s = max(TOKEN_LIFE_S,
-                                              2 * (self.settings.hold_timeout_s or 0.0))
+            self.scheduler = _SchedulerSide(vllm_config, kv_cache_config, self.settings)
             # Refuse unsupported layouts in the scheduler process too: start-up, not
             # the first request.
             layout_for(vllm_config, kv_cache_config, self.settings.kernel_block_size)
