@@ -8,6 +8,7 @@ the victim's engine, nor get the sidecar to map memory it does not own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,22 +99,30 @@ def _as_user(uid: int, gid: int, groups: list[int], fn: Callable[..., dict[str, 
     return out
 
 
-@pytest.fixture
-def shared_sidecar() -> Iterator[SidecarProcess]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the attacker runs as another user (nobody)")
-    # A parent directory nobody can traverse (pytest's own tmp dirs are 0700).
-    workdir = Path(tempfile.mkdtemp(prefix="kvs-sec-", dir="/tmp"))
+@contextlib.contextmanager
+def _sidecar_for_others(prefix: str, name: str, args: list[str]) -> Iterator[SidecarProcess]:
+    """A sidecar whose socket other users may reach: its work folder under /tmp
+    is traversable (pytest's own tmp dirs are 0700), its socket in a directory
+    the sidecar creates."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(workdir, 0o755)
-    side = SidecarProcess(workdir, "shared", args=["--allow-gid", str(NOBODY),
-                                                          "--allow-unsealed-shm"])
-    side.socket = str(workdir / "run" / "shared.sock")  # a directory the sidecar creates
+    side = SidecarProcess(workdir, name, args=args)
+    side.socket = str(workdir / "run" / f"{name}.sock")
     try:
         side.start()
         yield side
     finally:
         side.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_sidecar() -> Iterator[SidecarProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the attacker runs as another user (nobody)")
+    with _sidecar_for_others("kvs-sec-", "shared",
+                             ["--allow-gid", str(NOBODY), "--allow-unsealed-shm"]) as side:
+        yield side
 
 
 def test_another_user_cannot_see_use_or_steal_an_engine(shared_sidecar: SidecarProcess) -> None:
@@ -227,17 +236,9 @@ def uid_sidecar() -> Iterator[SidecarProcess]:
     """A sidecar that allows the user nobody by uid alone (no --allow-gid)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the engine runs as another user (nobody)")
-    workdir = Path(tempfile.mkdtemp(prefix="kvs-uid-", dir="/tmp"))
-    os.chmod(workdir, 0o755)
-    side = SidecarProcess(workdir, "byuid", args=["--allow-uid", str(NOBODY),
-                                                   "--allow-unsealed-shm"])
-    side.socket = str(workdir / "run" / "byuid.sock")  # a directory the sidecar creates
-    try:
-        side.start()
+    with _sidecar_for_others("kvs-uid-", "byuid",
+                             ["--allow-uid", str(NOBODY), "--allow-unsealed-shm"]) as side:
         yield side
-    finally:
-        side.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _use(sock_path: str, memory: str) -> dict[str, Any]:
