@@ -189,11 +189,10 @@ def test_a_failed_transport_self_check_exits_2(metrics: str, tmp_path: Path) -> 
         argv += ["--metrics-port", "0"]
     elif metrics == "metrics on (env)":
         env["KVSIDECAR_METRICS_PORT"] = "0"
-    proc, took = _run(["serve", *argv], env)
+    proc, _ = _run(["serve", *argv], env)  # a sidecar left running fails at _run's timeout
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kvsidecar: --transport-check require-zero-copy: the start-up "
                            "loopback READ took the tcp path: "), last
     assert "--transport-check allow-tcp" in last, last
     assert not (tmp_path / "s.sock").exists()
-    assert took < 60, took  # the check's own READ (seconds), then a prompt stop
