@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.kvsidecar-installed
-# vLLM for the connector tests (tests/vllm): the wheel pins a CUDA torch, so it
+# vLLM for the connector tests (tests/vllm_connector): the wheel pins a CUDA torch, so it
 # goes in without dependencies, then the `vllm` extra adds what it imports.
 VLLM_SPEC ?= vllm==0.33.0
 VLLM_STAMP := $(VENV)/.vllm-installed
@@ -26,13 +26,13 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test,dev,vllm]'
 	touch $@
 
-# TORCH_SPEC: tests/test_wheel.py installs the same torch into its fresh venv.
+# TORCH_SPEC: tests/e2e/test_wheel.py installs the same torch into its fresh venv.
 test: $(STAMP) $(VLLM_STAMP) system-deps
 	TORCH_SPEC='$(TORCH_SPEC)' KVSIDECAR_REQUIRE_VLLM=1 $(VENV)/bin/python -m pytest
 
-# Unit and in-process tests only: no sidecar processes, no slow cases.
-test-fast: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/python -m pytest -m 'not slow and not e2e'
+# The unit tier (tests/unit): pure logic and fake agents, no processes, no vLLM.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest tests/unit
 
 # prometheus/promtool and systemd-analyze for the ops tests (installed when root).
 system-deps:

@@ -18,7 +18,7 @@ with ``--json``, which appends each case as one JSON line, and
   facts, UCX version).
 
 Without a GPU it prints one line saying so and exits with status 2
-(``tests/test_gpu_e2e_script.py`` checks that). ``--memory memfd`` runs the same
+(``tests/e2e/test_gpu_e2e_script.py`` checks that). ``--memory memfd`` runs the same
 cases on host memory without a GPU (sidecars without ``--device``, a numpy
 copy as the baseline): the CPU rehearsal the test suite runs.
 """

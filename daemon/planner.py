@@ -2,7 +2,7 @@
 
 No I/O and no state: every function maps layouts and block ids to numpy
 arrays, so the whole transfer logic can be tested exhaustively without NIXL
-(``tests/test_planner_oracle.py``) and the daemon only turns offsets into
+(``tests/unit/test_planner_oracle.py``) and the daemon only turns offsets into
 addresses.
 
 The rule (LAYOUT.md sections 3-4) is the same for every segment of every

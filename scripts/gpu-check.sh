@@ -163,7 +163,7 @@ install_wheels() {
 }
 
 run_tests() {
-    (cd "$ROOT" && "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    (cd "$ROOT" && "$PY" -m pytest -q -m gpu tests/integration/test_gpu.py -p no:cacheprovider \
         --junit-xml="$WORK/junit.xml")
     local rc=$?
     [ -f "$WORK/junit.xml" ] && "$PY" "$ROOT/benchmarks/gpu_check.py" junit "$WORK/junit.xml" \

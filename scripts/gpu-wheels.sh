@@ -29,7 +29,7 @@ PY_TAG=3.12
 
 # What is carried, and what the image already has (README "GPU memory"; the
 # device notes' package list). Every runtime dependency in pyproject.toml must
-# be in one of the two lists (tests/test_gpu_check_script.py checks it).
+# be in one of the two lists (tests/e2e/test_gpu_check_script.py checks it).
 CARRY=(nixl nixl-cu13 msgspec pyzmq)
 IMAGE_HAS=(numpy uvloop prometheus-client xxhash torch cuda-bindings pytest pytest-timeout)
 

@@ -62,8 +62,12 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 
 @pytest.fixture(autouse=True)
-def sidecars_alive(pool: Pool) -> Iterator[None]:
+def sidecars_alive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that used the shared pool: every pool sidecar still runs."""
     yield
+    if "pool" not in request.fixturenames:
+        return
+    pool: Pool = request.getfixturevalue("pool")
     dead = [s.name for s in pool.all if not s.alive()]
     assert not dead, f"sidecars died during the test: {dead}: " + "".join(
         pool.all[[s.name for s in pool.all].index(n)].read_log() for n in dead)

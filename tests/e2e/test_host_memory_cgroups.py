@@ -6,7 +6,7 @@ check and the sidecar was OOM-killed; with the limit on a parent cgroup only, a
 
 These cgroups are real (cgroup v1's memory controller, which is where this
 machine mounts it; as root). The v2 layout is covered with a fake tree in
-tests/test_host_memory.py: no v2 memory controller can be had here.
+tests/unit/test_host_memory.py: no v2 memory controller can be had here.
 """
 
 from __future__ import annotations

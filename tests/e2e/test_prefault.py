@@ -2,7 +2,7 @@
 after the engine registers (daemon/prefault.py), so no read pays a page fault per
 4 KiB on its first touch of a block: seen from outside, the sidecar's resident
 shared memory covers the regions before any read. (Attached memory, where only
-pages that already hold data are mapped: tests/test_prefault.py.)"""
+pages that already hold data are mapped: tests/unit/test_prefault.py.)"""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from kvsidecar.sim.oracle import Request as OracleRequest
 
 from .harness import Engine, failed_reads, make_engine, oracle_fill, request
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 _ids = itertools.count()
 

@@ -25,7 +25,7 @@ from .flows import (
 from .harness import request
 from .test_connector import WAIT_S, Sidecars, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 SEED = 5
 TOKENS = 70  # hybrid: several attention blocks and the Mamba state

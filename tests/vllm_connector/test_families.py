@@ -36,7 +36,7 @@ from .families import HYBRID, build_specs, make_family_engine, write_models
 from .harness import Engine, request
 from .test_connector import FAST, prefill, run_until, start_all
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 _ids = itertools.count()
 

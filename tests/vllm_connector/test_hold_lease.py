@@ -24,7 +24,7 @@ from kvsidecar.sim.cluster import SidecarProcess
 from .harness import make_engine, oracle_fill, request, write_model
 from .test_connector import FAST, prefill, run_until, start_all, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 HOLD_TIMEOUT_S = 4.0  # P's hold of a request no reader claimed
 LEASE_S = 2.0  # each claim keeps it this much longer (P's --hold-lease)

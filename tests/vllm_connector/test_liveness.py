@@ -33,7 +33,7 @@ from kvsidecar.sim.cluster import SidecarProcess
 from .harness import Engine, failed_reads, make_engine, oracle_fill, request, write_model
 from .test_connector import WAIT_S, prefill, run_until, schedule_reads, start_all, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 LEASE_S = Settings.__dataclass_fields__["engine_lease_s"].default  # the default in use
 

@@ -45,7 +45,7 @@ from .flows import (
 from .harness import BLOCK, Engine, failed_reads, request
 from .test_connector import Sidecars
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 SEED = 5
 TOKENS = int(BLOCK * 2.5)

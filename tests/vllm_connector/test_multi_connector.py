@@ -41,7 +41,7 @@ from .harness import (
 )
 from .test_connector import FAST, prefill, run_until, start_all, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 
 class MultiEngine(Engine):

@@ -51,7 +51,7 @@ from .flows import (
 from .harness import BLOCK, request, vllm_config
 from .test_connector import Sidecars, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 SEED = 6
 

@@ -39,7 +39,7 @@ from .flows import (
 from .harness import BLOCK, Engine, request
 from .test_connector import Sidecars, schedule_reads, verify
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 SEED = 4
 

@@ -41,7 +41,7 @@ from .test_connector import (
     verify,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = pytest.mark.vllm
 
 _ids = itertools.count()
 CLIENT_TIMEOUT_S = 1.0  # the connector's per-call wait (default 10 s): SIGSTOP tests stay short

@@ -32,7 +32,7 @@ import pytest
 
 import kvsidecar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Top-level folders of the repository that are not part of the runtime package.
 REPO_ONLY = {"tests", "benchmarks", "scripts", "deploy", "docs", "dashboards", "systemd"}
 #: Root files that build the package and are not modules of it.

@@ -19,7 +19,7 @@ yaml = pytest.importorskip("yaml")
 
 from kvsidecar.daemon import settings as settings_mod  # noqa: E402
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MODELS = {("v1", "Pod"): "V1Pod", ("v1", "Service"): "V1Service",
           ("v1", "Secret"): "V1Secret",
           ("resource.k8s.io/v1", "ResourceClaimTemplate"): "V1ResourceClaimTemplate"}

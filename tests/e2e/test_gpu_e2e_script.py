@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_gpu import NO_GPU
+from tests.integration.test_gpu import NO_GPU
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_e2e.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_e2e.py"
 
 
 @pytest.mark.skipif(NO_GPU is None, reason="a GPU is present: the script would run for real")

@@ -1,5 +1,5 @@
 """Byte verification's pure parts: digests of pieces, the pieces a hold allows,
-the wire message, the flag (real sidecars: tests/test_verify_bytes.py)."""
+the wire message, the flag (real sidecars: tests/e2e/test_verify_bytes.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from kvsidecar.daemon.sdnotify import Notifier, watchdog_interval
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.sim.cluster import fleet_keys
 
-UNIT = Path(__file__).resolve().parents[1] / "systemd" / "kvsidecar@.service"
+UNIT = Path(__file__).resolve().parents[2] / "systemd" / "kvsidecar@.service"
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
 

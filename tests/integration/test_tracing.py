@@ -32,7 +32,6 @@ def test_tracing_off_without_configuration(monkeypatch: pytest.MonkeyPatch) -> N
     assert t.start("kvsidecar.read", "r") is None
 
 
-@pytest.mark.e2e
 async def test_p_and_d_spans_join_in_one_trace(tmp_path: Path) -> None:
     ep, ed = InMemorySpanExporter(), InMemorySpanExporter()
     p = Sidecar(Settings(socket=str(tmp_path / "p.sock"), transport_check="off",

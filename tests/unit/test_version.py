@@ -18,7 +18,7 @@ from kvsidecar.daemon.peers.messages import HandshakeInfo, decode_info, make_han
 from kvsidecar.metrics.registry import Metrics
 from kvsidecar.sim.models import hybrid
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,7 +37,7 @@ from kvsidecar.sim.oracle import Request
 pytestmark = pytest.mark.e2e
 
 N_READS = 3
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
 #: Grafana variables as an "All" selection and the rate window Prometheus evaluates.
 VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$engine": ".*", "$peer": ".*"}

@@ -26,9 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_gpu import NO_GPU
+from tests.integration.test_gpu import NO_GPU
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "scripts" / "gpu-check.sh"
 WHEELS = ROOT / "scripts" / "gpu-wheels.sh"
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -19,7 +19,7 @@ import pytest
 
 from kvsidecar.sim.cluster import SidecarProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
 CODE = [(lang, body) for lang, body in BLOCKS if lang in ("python", "bash", "sh")]
