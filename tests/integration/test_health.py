@@ -31,7 +31,6 @@ from kvsidecar.metrics.server import MetricsServer
 from kvsidecar.sim.cluster import fleet_keys
 from kvsidecar.sim.models import hybrid
 
-
 BOUND_S = 1.0  # health bound for the test: short, so red comes quickly
 WAIT_S = 120.0  # how long a state change may take on a loaded machine
 

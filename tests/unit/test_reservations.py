@@ -3,7 +3,6 @@ limit, per-uid visibility and expiry of reservations nobody registered."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from kvsidecar.daemon.reservations import Reservation, Reservations
