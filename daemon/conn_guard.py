@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.metrics.log_rate import worth_logging
 
 __all__ = ["ConnectionGuard", "fd_budget", "raise_fd_limit"]
 

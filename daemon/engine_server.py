@@ -79,7 +79,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.metrics.log_rate import worth_logging
 
 from ..ipc.protocol import (
     BAD_MESSAGE,

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.daemon.engine_access import AccessPolicy, open_to, peer_cred, restricted_umask
-from kvsidecar.daemon.logs import worth_logging
 from kvsidecar.ipc.fdpass import (
     FdPassError,
     batches,
@@ -36,6 +35,7 @@ from kvsidecar.ipc.fdpass import (
     encode_header,
     parse_request,
 )
+from kvsidecar.metrics.log_rate import worth_logging
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,6 @@ LIBRARY_LOGGERS = ("nixl", "nixl_cu12", "nixl_cu13")
 FORMATS = ("text", "json")
 
 
-def worth_logging(count: int) -> bool:
-    """Whether the ``count``-th refusal of one kind gets a log line: the first ten,
-    then every thousandth, so a flood of bad connections cannot flood the log
-    (the metrics count every one)."""
-    return count <= 10 or count % 1000 == 0
-
-
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, plus event fields."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence, Sized
 
-from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.metrics.log_rate import worth_logging
 
 __all__ = ["HARD_FACTOR", "SizeLimit"]
 

@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
-from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.metrics.log_rate import worth_logging
 
 __all__ = ["FLEET_KEY", "KEY_NAME", "PeerKeys", "ZapHandler", "generate_keys", "load_keys"]
 

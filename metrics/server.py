@@ -48,7 +48,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
-from kvsidecar.daemon.logs import worth_logging
+from kvsidecar.metrics.log_rate import worth_logging
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
