@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 system-deps:
 	./scripts/system-deps.sh
 
-# The long chaos run of the lifecycle guarantees (README "Failure handling").
+# The long chaos run of the lifecycle guarantees (docs/failure-handling.md).
 chaos: $(STAMP)
 	$(VENV)/bin/python -m kvsidecar.sim.chaos --requests 10000
 
@@ -64,7 +64,7 @@ bench-quick: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
-# The long form of the hostile-input fuzzing (README "Security"): 100,000
+# The long form of the hostile-input fuzzing (docs/security.md): 100,000
 # inputs per protocol against a real sidecar; prints counts, RSS, fds, threads.
 # `make fuzz-engine` / `make fuzz-peer` run one protocol only.
 FUZZ_RUN = KVSIDECAR_FUZZ_EXAMPLES=100000 KVSIDECAR_FUZZ_TIMEOUT=14400 \

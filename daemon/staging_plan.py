@@ -31,7 +31,7 @@ MODES = ("off", "auto", "always")
 
 #: ``auto`` stages a post only if its runs carry at most this share of bytes
 #: beyond the post's own (the gaps between its pieces: other ranks' heads). Why:
-#: measured on the hetero demo (README, Measured), staging whose runs carry no
+#: measured on the hetero demo (docs/performance.md), staging whose runs carry no
 #: foreign bytes (2→1: wire = delivered) won 1.6x, while staging 1→2 (the runs
 #: carry the other D rank's halves too: wire 1.36-1.66x delivered) used as much
 #: D CPU as posting scattered (49.5 vs 51.8 ms in one quick run) and took

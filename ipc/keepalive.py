@@ -1,9 +1,9 @@
 """An engine's keepalive: its liveness told to its sidecar independently of its work.
 
 The sidecar takes an engine rank that sends nothing for ``--engine-lease``
-seconds for dead and releases it (README, "Engines that die"). An engine
-that only talks to its sidecar from its own steps (vLLM's workers: no step
-while no request is waiting) would be released while idle. :class:`Keepalive`
+seconds for dead and releases it (docs/failure-handling.md, "Engines that
+die"). An engine that only talks to its sidecar from its own steps (vLLM's
+workers: no step while no request is waiting) would be released while idle. :class:`Keepalive`
 is a daemon thread of the engine process, on its own connection, that pings
 the sidecar naming the engine's ranks (``Ping.engines``, protocol minor 9)
 every third of the sidecar's lease (``Pong.engine_lease_s``): an idle engine

@@ -13,7 +13,7 @@ outcome, op, error code, side, result. Never request ids.
 
 Where vLLM's NixlConnector has the same quantity (``vllm:nixl_*``), the
 metric keeps its meaning and bucket layout, so dashboards and habits carry
-over; the README's "Operating kvsidecar" section has the mapping table.
+over; docs/metrics.md has the mapping table.
 Names follow Prometheus conventions (``kvsidecar_`` prefix, base units,
 ``_total`` counters).
 """

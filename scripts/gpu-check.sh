@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue #28): the one command a GPU machine runs (README, "GPU memory").
+# The GPU check (issue #28): the one command a GPU machine runs (docs/gpu.md).
 #
 #   scripts/gpu-check.sh [--dry-run] [--wheels DIR] [--site DIR] [--budget SECONDS]
 #                        [--limit STEP=SECONDS]... OUTDIR

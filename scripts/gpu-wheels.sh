@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels the GPU machine lacks, for `scripts/gpu-check.sh` there (README, "GPU memory").
+# Wheels the GPU machine lacks, for `scripts/gpu-check.sh` there (docs/gpu.md).
 #
 #   scripts/gpu-wheels.sh [--wheels DIR] [--no-download] [--plan] [--limit-mib N]
 #
@@ -27,7 +27,7 @@ DOWNLOAD=1
 PLAN=0
 PY_TAG=3.12
 
-# What is carried, and what the image already has (README "GPU memory"; the
+# What is carried, and what the image already has (docs/gpu.md; the
 # device notes' package list). Every runtime dependency in pyproject.toml must
 # be in one of the two lists (tests/e2e/test_gpu_check_script.py checks it).
 CARRY=(nixl nixl-cu13 msgspec pyzmq)

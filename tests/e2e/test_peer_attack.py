@@ -176,7 +176,7 @@ class _Thief:
 @pytest.mark.parametrize("victim", ["insecure-tcp"], indirect=True)
 def test_metadata_of_a_deregistered_engine_stops_working(
         victim: tuple[SidecarProcess, ShmRegion], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's promise: metadata of an engine that deregistered stops working.
+    """docs/security.md's promise: metadata of an engine that deregistered stops working.
     Over UCX/TCP (the transport between hosts), an outsider that got the metadata
     (positive control: its READ works) can neither READ nor WRITE once the engine
     deregistered, not even after the same engine registers again in the same

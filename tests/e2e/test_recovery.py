@@ -248,7 +248,7 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         D.finish("stuck")  # the engine frees the failed blocks (poisons them again)
         # D still serves: a fresh read (new agent, fresh links) gets the oracle's bytes.
         # From a P sidecar that was never stopped: the stopped one may not survive its
-        # reader's teardown (UCX aborts P when it resumes; README, Failure handling).
+        # reader's teardown (UCX aborts P when it resumes; docs/failure-handling.md).
         D.start_read(Q.prefill("after", Request(seed=3, prompt_tokens=64 * 2)))
         assert D.wait_for(["after"])["after"][0].kind == "received"
         assert not D.verify("after")

@@ -143,7 +143,7 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
         for buf in D.buffers[0]:  # free blocks are POISON again, as the oracle expects
             buf[:] = POISON
         # D still serves, staged, from its new agent (a fresh P: the stopped one may
-        # not survive its reader's teardown; README, Failure handling).
+        # not survive its reader's teardown; docs/failure-handling.md).
         q = SidecarProcess(tmp_path, "sst-q", env=env).start()
         Q = SimEngine("sst-Q", stall_layout, 1, 100, [q], timeout_s=60)
         try:

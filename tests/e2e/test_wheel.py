@@ -206,7 +206,7 @@ def test_the_wheels_vllm_adapter_imports_next_to_vllm(built: Built,
     assert Path(r.stdout.strip()).parent.parent == only / "kvsidecar"
 
 
-# ---- the image recipe: no container engine here (README "Container image"), so
+# ---- the image recipe: no container engine here (docs/operations.md), so
 # the Containerfile is read, and its install steps are the ones run above.
 
 

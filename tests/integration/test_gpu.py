@@ -2,7 +2,7 @@
 
 Tests marked ``gpu`` need a CUDA device and the gpu extra; elsewhere they are
 skipped and the reason is printed (``-ra``). No GPU was available where this
-suite was written: those tests have never run (see the README, "GPU memory").
+suite was written: those tests have never run (see docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -247,8 +247,8 @@ def _demo_posts(p_tp: int, d_tp: int, tokens: int) -> list[tuple[np.ndarray, ...
 def test_auto_stages_the_demo_shapes_2_to_1() -> None:
     """The hetero demo's 2→1 posts of a long prompt (thousands of 2 KiB pieces,
     each P rank's whole pages) are staged by the calibrated model, into few runs
-    that carry no foreign bytes: the choice behind the measured A/B (README,
-    Measured). A model that drifts into declining them fails here."""
+    that carry no foreign bytes: the choice behind the measured A/B (docs/performance.md).
+    A model that drifts into declining them fails here."""
     for local, remote, length in _demo_posts(2, 1, 5000):
         assert length.size > 1000
         plan = plan_staging(local, remote, length)
