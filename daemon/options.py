@@ -71,13 +71,11 @@ class Option:
     shown: str = ""
     #: another variable read when the ``KVSIDECAR_*`` one is unset
     env_fallback: str = ""
-    #: the environment variable, when not the one the flag names
-    env_name: str = ""
 
     @property
     def env(self) -> str:
-        """``--hold-timeout`` -> ``KVSIDECAR_HOLD_TIMEOUT``."""
-        return self.env_name or ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
+        """The variable the flag names: ``--hold-timeout`` -> ``KVSIDECAR_HOLD_TIMEOUT``."""
+        return ENV_PREFIX + self.dest.upper()
 
     @property
     def dest(self) -> str:
@@ -301,7 +299,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "each; a read from several P ranks posts P rank i on lane i mod N, a read of 16 MiB "
            "or more from one P rank is cut into a part per lane (not within a read_many batch "
            "of one P engine: each of its reads is posted whole on lane 0), so their copies run "
-           f"in parallel; 1..{MAX_POST_LANES}", DATA_PATH, kind="int",
+           "in parallel; lane 0 notifies every rank once all transfers ended; "
+           f"1..{MAX_POST_LANES}", DATA_PATH, kind="int",
            check=within(1, MAX_POST_LANES)),
     Option("--notif-batch-reads", "notif_batch_reads", 64, "P side: advertise that a reader may "
            "merge up to this many reads it posts together into one NIXL transfer carrying one "
@@ -311,8 +310,9 @@ OPTIONS: Final[tuple[Option, ...]] = (
     # checked against --device in settings.from_args (no digest of GPU memory yet)
     Option("--verify-bytes", "verify_bytes", False, "D side: verify every read's bytes: P's "
            "sidecar digests the pieces the read's plan takes from it, this sidecar what landed, "
-           "and a read whose bytes differ fails (host memory only; a read may also ask alone, "
-           "read(verify=True))", DATA_PATH, kind="switch"),
+           "and a read whose bytes differ fails (host memory only: refused at start-up with "
+           "--device cuda:N; a read may also ask alone, read(verify=True))", DATA_PATH,
+           kind="switch"),
     # -- logs, metrics, traces
     Option("--log-level", "log_level", "INFO", "logging level (any case)", OBSERVE,
            convert="upper", choices=LOG_LEVELS, check=one_of(LOG_LEVELS, any_case=True)),
@@ -329,4 +329,3 @@ OPTIONS: Final[tuple[Option, ...]] = (
 )
 
 BY_FIELD: Final = {o.field: o for o in OPTIONS}
-BY_FLAG: Final = {o.flag: o for o in OPTIONS}

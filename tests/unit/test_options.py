@@ -40,9 +40,10 @@ def test_names_are_unique_and_follow_the_flag() -> None:
         values = [getattr(o, key) for o in OPTIONS]
         assert len(set(values)) == len(values), key
     for o in OPTIONS:
-        assert o.flag.startswith("--") and o.env.startswith("KVSIDECAR_")
-        assert o.env == "KVSIDECAR_" + o.dest.upper()
+        assert o.flag.startswith("--") and o.flag == o.flag.lower()
         assert o.section in options.SECTIONS and o.help.strip() == o.help
+    assert options.BY_FIELD["hold_timeout_s"].env == "KVSIDECAR_HOLD_TIMEOUT"
+    assert options.BY_FIELD["allow_uids"].env == "KVSIDECAR_ALLOW_UID"
 
 
 def test_table_defaults_are_the_settings_defaults(clean_env: pytest.MonkeyPatch) -> None:
