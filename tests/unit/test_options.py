@@ -142,3 +142,9 @@ def test_range_port_and_choice_wording() -> None:
     assert options.positive(0) == "must be > 0, got 0"
     assert options.device("cuda:12") is None and options.device("cuda") is not None
     assert options.some_backend(" , ") == "names no backend; e.g. UCX"
+
+
+def test_transport_check_choices_are_the_checks_modes() -> None:
+    from kvsidecar.daemon.transport import check
+
+    assert options.CHECK_MODES == check.MODES
