@@ -14,6 +14,10 @@ from typing import NoReturn
 
 from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
+from kvsidecar.daemon.options import BY_FIELD
+
+_SOCKET_ENV = BY_FIELD["socket"].env
+_DEVICE = BY_FIELD["device"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser(
         "serve", help="run one sidecar (one per GPU)",
-        description="Run one sidecar. Every flag has a KVSIDECAR_* environment default.",
+        description="Run one sidecar. Every flag has a KVSIDECAR_* environment default; a "
+                    "flag wins over its variable (docs/configuration.md has the table).",
     )
     settings_mod.add_arguments(p_serve)
     p_demo = sub.add_parser("demo", help="move hybrid attention+Mamba2 KV from P tp1 to D tp2 "
@@ -51,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Ask a running sidecar over its engine socket (as an allowed user). "
                     "Exit status: 0 ready, 1 answered but not ready (or draining), 2 no "
                     "answer.")
-    p_status.add_argument("--socket", default=os.environ.get("KVSIDECAR_SOCKET", ""),
-                          help="the sidecar's engine socket (env KVSIDECAR_SOCKET; default: "
-                               "serve's default for KVSIDECAR_DEVICE, else the only "
+    p_status.add_argument("--socket", default=os.environ.get(_SOCKET_ENV, ""),
+                          help=f"the sidecar's engine socket (env {_SOCKET_ENV}; default: "
+                               f"serve's default for {_DEVICE.env}, else the only "
                                "socket in that folder)")
     p_status.add_argument("--json", action="store_true", help="one JSON object")
     p_status.add_argument("--timeout", type=float, default=5.0,
@@ -95,7 +100,7 @@ def _default_status_socket() -> str:
     folder holds exactly one socket, that one: a sidecar whose ``--device`` was a
     flag (as a container's arguments pass it, which the image's HEALTHCHECK
     cannot see) is found all the same. Two or more: none is guessed."""
-    path = settings_mod.default_socket(os.environ.get("KVSIDECAR_DEVICE", "cpu"))
+    path = settings_mod.default_socket(os.environ.get(_DEVICE.env, str(_DEVICE.default)))
     if os.path.exists(path):
         return path
     folder = os.path.dirname(path)
@@ -113,7 +118,7 @@ def _status(socket: str, as_json: bool, timeout_s: float) -> int:
 
     if not os.path.exists(socket):  # the client would wait for it to appear
         print(f"kvsidecar: no socket at {socket}: is `kvsidecar serve --socket {socket}` "
-              "running? (--socket, env KVSIDECAR_SOCKET)", file=sys.stderr)
+              f"running? (--socket, env {_SOCKET_ENV})", file=sys.stderr)
         return 2
     try:
         with SidecarClient(socket, timeout_s=timeout_s) as client:
