@@ -21,9 +21,6 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 # ARCHITECTURE.md is rewritten after the code moves of issue #30 land; until
 # then it names modules by their planned names, so its paths are not checked.
 PATH_CHECKED = [d for d in DOCS if d.name != "ARCHITECTURE.md"]
-# docs/configuration.md (the option table) is generated on another branch of
-# issue #30; links to it are checked once it lands (then remove this).
-PENDING = {ROOT / "docs" / "configuration.md"}
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 SOURCE_PATH = re.compile(r"`([\w.-]+(?:/[\w.@-]+)*/[\w.-]+\.py)(?:::\s*([\w]+))?")
@@ -50,13 +47,13 @@ def test_readme_is_a_front_door() -> None:
 def test_the_documents_exist() -> None:
     assert {"security.md", "failure-handling.md", "gpu.md", "operations.md", "metrics.md",
             "protocol.md", "vllm.md", "planner.md", "testing.md",
-            "performance.md"} <= {d.name for d in DOCS}
+            "performance.md", "configuration.md"} <= {d.name for d in DOCS}
 
 
 @pytest.mark.parametrize("doc", [README, *DOCS], ids=_name)
 def test_relative_links_resolve(doc: Path) -> None:
     missing = [t for t in _relative_links(doc.read_text())
-               if not (doc.parent / t).exists() and (doc.parent / t).resolve() not in PENDING]
+               if not (doc.parent / t).exists()]
     assert missing == [], f"{_name(doc)} links to missing files: {missing}"
 
 
