@@ -157,7 +157,7 @@ class SidecarClient:
         """Have the sidecar allocate one region of ``nbytes`` for ``engine_id`` and
         map it here; register ``RegionView``s into it later (attach mode). For
         engines that learn their layout from their own allocation (vLLM: see
-        :mod:`kvsidecar.ipc.kv_pool`). ``deregister(engine_id)`` drops it."""
+        :mod:`kvsidecar.integrations.vllm.pool`). ``deregister(engine_id)`` drops it."""
         return self._run(self._core.reserve(engine_id, nbytes, memory))
 
     def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
@@ -180,7 +180,7 @@ class SidecarClient:
         everything that needs the peer (handshake, model fingerprint, remote
         ids, the transfer) arrives later as a ``failed``
         completion from :meth:`poll`. An adapter that wants a single route
-        turns the exception into a failed read itself (``kvsidecar.ipc.vllm``
+        turns the exception into a failed read itself (``kvsidecar.integrations.vllm``
         does).
 
         Units (one convention for read, hold and the vLLM adapter, defined in
