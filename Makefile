@@ -51,7 +51,7 @@ lint: $(STAMP)
 	@# named kvsidecar lets it check the real import paths.
 	mkdir -p .typecheck && ln -sfn .. .typecheck/kvsidecar
 	MYPYPATH=.typecheck $(VENV)/bin/mypy -m kvsidecar.cli -p kvsidecar.daemon -p kvsidecar.ipc \
-		-p kvsidecar.metrics -p kvsidecar.sim
+		-p kvsidecar.metrics -p kvsidecar.sim -p kvsidecar.integrations
 
 # Every figure of issue #12 against its baseline, measured in the same run:
 # writes benchmarks/RESULTS.md (full: < 8 min on the 2-core machine; quick: < 3 min).

@@ -1,7 +1,7 @@
 """Allocations an engine reserved before it knew its layout (``Reserve``).
 
 vLLM allocates its KV cache as one buffer and derives the layout from it; a
-memory pool in the engine (:mod:`kvsidecar.ipc.kv_pool`) therefore asks the
+memory pool in the engine (:mod:`kvsidecar.integrations.vllm.pool`) therefore asks the
 sidecar for one fixed-size allocation first, carves vLLM's buffer from it,
 and then registers ``reserved`` views into it. The sidecar registers its own
 memory: nothing is imported, nothing re-exported (the GPU case needs that).

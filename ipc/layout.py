@@ -198,6 +198,28 @@ def segment_regions(seg: Segment, num_regions: int) -> tuple[int, ...]:
 
 def validate(layout: Layout) -> Layout:
     """Reject a layout whose numbers cannot describe real memory."""
+    _check_sizes(layout)
+    for gi, g in enumerate(layout.groups):
+        where = f"group {gi} ({g.kind})"
+        view = _group_view(layout, g, where)
+        if not g.segments:
+            raise LayoutError(f"{where}: no segments")
+        names = [s.name for s in g.segments]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"{where}: duplicate segment names {names}")
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for s in g.segments:
+            _check_segment(layout, g, s, f"{where} segment {s.name!r}", view, spans)
+        for r, sp in spans.items():
+            sp.sort()
+            for (_, e0), (b1, _) in itertools.pairwise(sp):
+                if b1 < e0:
+                    raise LayoutError(f"{where}: segments overlap in region {r}")
+    return layout
+
+
+def _check_sizes(layout: Layout) -> None:
+    """The layout's own numbers: positive, within the limits, at least one group."""
     tp = layout.tp_size
     if tp < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp}")
@@ -214,66 +236,61 @@ def validate(layout: Layout) -> Layout:
         )
     if not layout.groups:
         raise LayoutError("a layout needs at least one group")
-    for gi, g in enumerate(layout.groups):
-        where = f"group {gi} ({g.kind})"
-        if g.kind == "attention":
-            if g.sub_blocks > layout.page_bytes:
-                raise LayoutError(f"{where}: {g.sub_blocks} kernel blocks cannot fit a page")
-            if g.window_tokens < 0:
-                raise LayoutError(f"{where}: window_tokens must be >= 0")
-            if g.sub_blocks < 1 or g.kernel_block_bytes < 1 or g.block_tokens < 1:
-                raise LayoutError(
-                    f"{where}: sub_blocks, kernel_block_bytes and block_tokens must be >= 1"
-                )
-            view = g.kernel_block_bytes
-            if g.sub_blocks * g.kernel_block_bytes > layout.page_bytes:
-                raise LayoutError(
-                    f"{where}: {g.sub_blocks} kernel blocks of {g.kernel_block_bytes} B "
-                    f"exceed the page ({layout.page_bytes} B)"
-                )
-        elif g.kind == "mamba":
-            if g.sub_blocks != 1 or g.window_tokens:
-                raise LayoutError(f"{where}: mamba groups have sub_blocks 1 and no window")
-            view = layout.page_bytes
-        else:  # pragma: no cover - msgspec enforces the literal
-            raise LayoutError(f"{where}: unknown kind {g.kind!r}")
-        if not g.segments:
-            raise LayoutError(f"{where}: no segments")
-        names = [s.name for s in g.segments]
-        if len(set(names)) != len(names):
-            raise LayoutError(f"{where}: duplicate segment names {names}")
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for s in g.segments:
-            sw = f"{where} segment {s.name!r}"
-            if s.units_total < 1:
-                raise LayoutError(f"{sw}: units_total must be >= 1")
-            if s.sharding == "split" and tp <= s.units_total and s.units_total % tp:
-                raise LayoutError(
-                    f"{sw}: {s.units_total} units cannot be split evenly over tp {tp}"
-                )
-            if s.sharding == "split" and tp > s.units_total and tp % s.units_total:
-                raise LayoutError(
-                    f"{sw}: tp {tp} replicates {s.units_total} units unevenly (tp must be a "
-                    "multiple of the unit count when it exceeds it)"
-                )
-            n = units_local(s, tp)
-            if s.nbytes_local < 1 or s.nbytes_local % n:
-                raise LayoutError(f"{sw}: {s.nbytes_local} B is not a whole number of {n} units")
-            if g.kind == "attention" and (s.nbytes_local // n) % g.block_tokens:
-                raise LayoutError(f"{sw}: a unit is not a whole number of {g.block_tokens} tokens")
-            if s.offset < 0 or s.offset + s.nbytes_local > view:
-                end = s.offset + s.nbytes_local
-                raise LayoutError(f"{sw}: [{s.offset}, {end}) outside its view")
-            for r in segment_regions(s, layout.num_regions):
-                if not 0 <= r < layout.num_regions:
-                    raise LayoutError(f"{sw}: region {r} out of range")
-                spans.setdefault(r, []).append((s.offset, s.offset + s.nbytes_local))
-        for r, sp in spans.items():
-            sp.sort()
-            for (_, e0), (b1, _) in itertools.pairwise(sp):
-                if b1 < e0:
-                    raise LayoutError(f"{where}: segments overlap in region {r}")
-    return layout
+
+
+def _group_view(layout: Layout, g: Group, where: str) -> int:
+    """The bytes one of ``g``'s views spans (a kernel block, or a whole mamba
+    page), once its kind's numbers are checked."""
+    if g.kind == "attention":
+        if g.sub_blocks > layout.page_bytes:
+            raise LayoutError(f"{where}: {g.sub_blocks} kernel blocks cannot fit a page")
+        if g.window_tokens < 0:
+            raise LayoutError(f"{where}: window_tokens must be >= 0")
+        if g.sub_blocks < 1 or g.kernel_block_bytes < 1 or g.block_tokens < 1:
+            raise LayoutError(
+                f"{where}: sub_blocks, kernel_block_bytes and block_tokens must be >= 1"
+            )
+        if g.sub_blocks * g.kernel_block_bytes > layout.page_bytes:
+            raise LayoutError(
+                f"{where}: {g.sub_blocks} kernel blocks of {g.kernel_block_bytes} B "
+                f"exceed the page ({layout.page_bytes} B)"
+            )
+        return g.kernel_block_bytes
+    if g.kind == "mamba":
+        if g.sub_blocks != 1 or g.window_tokens:
+            raise LayoutError(f"{where}: mamba groups have sub_blocks 1 and no window")
+        return layout.page_bytes
+    raise LayoutError(f"{where}: unknown kind {g.kind!r}")  # pragma: no cover - msgspec
+
+
+def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int,
+                   spans: dict[int, list[tuple[int, int]]]) -> None:
+    """One segment's numbers against its group and view; its byte span in each
+    region it lives in is added to ``spans`` (checked for overlaps by the caller)."""
+    tp = layout.tp_size
+    if s.units_total < 1:
+        raise LayoutError(f"{sw}: units_total must be >= 1")
+    if s.sharding == "split" and tp <= s.units_total and s.units_total % tp:
+        raise LayoutError(
+            f"{sw}: {s.units_total} units cannot be split evenly over tp {tp}"
+        )
+    if s.sharding == "split" and tp > s.units_total and tp % s.units_total:
+        raise LayoutError(
+            f"{sw}: tp {tp} replicates {s.units_total} units unevenly (tp must be a "
+            "multiple of the unit count when it exceeds it)"
+        )
+    n = units_local(s, tp)
+    if s.nbytes_local < 1 or s.nbytes_local % n:
+        raise LayoutError(f"{sw}: {s.nbytes_local} B is not a whole number of {n} units")
+    if g.kind == "attention" and (s.nbytes_local // n) % g.block_tokens:
+        raise LayoutError(f"{sw}: a unit is not a whole number of {g.block_tokens} tokens")
+    if s.offset < 0 or s.offset + s.nbytes_local > view:
+        end = s.offset + s.nbytes_local
+        raise LayoutError(f"{sw}: [{s.offset}, {end}) outside its view")
+    for r in segment_regions(s, layout.num_regions):
+        if not 0 <= r < layout.num_regions:
+            raise LayoutError(f"{sw}: region {r} out of range")
+        spans.setdefault(r, []).append((s.offset, s.offset + s.nbytes_local))
 
 
 def fingerprint_fields(layout: Layout) -> dict[str, object]:

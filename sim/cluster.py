@@ -233,7 +233,7 @@ class SimEngine:
         self._reserved: list[Region] = []
         for rank, client in enumerate(self.clients):
             if reserve:
-                # The vLLM path (ipc/kv_pool.py): one reservation, the KV buffer carved
+                # The vLLM path (integrations/vllm/pool.py): one reservation, the KV buffer carved
                 # from it, the layout's regions registered as views at gapped offsets.
                 stride = self.layout.region_bytes + 4096
                 res = client.reserve(engine_id, stride * self.layout.num_regions + 4096,

@@ -74,7 +74,7 @@ class _Ref:
 
 @pytest.mark.parametrize("memory", ["memfd", "shm"])
 def test_reserved_views_transfer(pool, memory: str) -> None:
-    """The vLLM path (ipc/kv_pool.py): each rank reserves one allocation, then
+    """The vLLM path (integrations/vllm/pool.py): each rank reserves one allocation, then
     registers the layout's regions as views at gapped offsets into it; the
     sidecar registers its own memory. Hybrid P tp1 -> D tp2, oracle-checked."""
     with pool.engines(hybrid, 1, 2, memory=memory, reserve=True) as (P, (D,)):

@@ -1,4 +1,4 @@
-"""The KV memory pool (ipc/kv_pool.py): vLLM's one KV allocation served from a
+"""The KV memory pool (integrations/vllm/pool.py): vLLM's one KV allocation served from a
 sidecar reservation, zero-copy; everything else passes through. Host memory here
 (a real memfd); the same code serves a CUDA region on a GPU."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsidecar.ipc.kv_pool import ReservationTooSmall, SidecarKVPool
+from kvsidecar.integrations.vllm.pool import ReservationTooSmall, SidecarKVPool
 from kvsidecar.ipc.memfd import MemfdRegion
 from kvsidecar.ipc.memory import RegionError
 from kvsidecar.ipc.protocol import ReservedRef

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.ipc.layout import unit_range
-from kvsidecar.ipc.vllm_layout import (
+from kvsidecar.integrations.vllm.layout import (
     AttentionGroupSpec,
     GdnGroupSpec,
     Mamba1GroupSpec,
@@ -14,6 +13,7 @@ from kvsidecar.ipc.vllm_layout import (
     UnsupportedConfig,
     build_layout,
 )
+from kvsidecar.ipc.layout import unit_range
 
 NB, PAGE = 8, 2 * 16 * 32 * 2  # 2 heads x 16 tokens x (K|V of 16 bf16)
 

@@ -55,7 +55,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvsidecar.ipc.vllm import KvSidecarConnector
+from kvsidecar.integrations.vllm import KvSidecarConnector
 from kvsidecar.sim.oracle import POISON
 from kvsidecar.sim.oracle import Request as OracleRequest
 
@@ -108,7 +108,7 @@ def vllm_config(model: str, role: str, engine_id: str, tp: int, sockets: Sequenc
     else:
         cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=not hybrid)
     kt = KVTransferConfig(
-        kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.ipc.vllm",
+        kv_connector="KvSidecarConnector", kv_connector_module_path="kvsidecar.integrations.vllm",
         kv_role=role, engine_id=engine_id, kv_load_failure_policy=failure_policy,
         kv_connector_extra_config={"sidecar_sockets": list(sockets), **extra},
     )

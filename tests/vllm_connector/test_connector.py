@@ -25,8 +25,8 @@ else:
 
 from vllm.v1.request import RequestStatus
 
+from kvsidecar.integrations.vllm import KvSidecarConnector, UnsupportedConfig
 from kvsidecar.ipc.protocol import Completion, ReaderReport
-from kvsidecar.ipc.vllm import KvSidecarConnector, UnsupportedConfig
 from kvsidecar.sim.cluster import SidecarProcess
 from kvsidecar.sim.oracle import POISON, check_received
 from kvsidecar.sim.oracle import Request as OracleRequest
@@ -145,7 +145,7 @@ def verify(D: Engine, rid: str, blocks: tuple[list[int], ...], tokens_read: int,
 
 
 # By default (memfd) each rank's KV cache is carved from a reservation its sidecar
-# allocated (ipc/kv_pool.py), the path a GPU worker takes with cuda_vmm/cuda_malloc;
+# allocated (integrations/vllm/pool.py), the path a GPU worker takes with cuda_vmm/cuda_malloc;
 # "shm": POSIX shared memory the connector creates, registered in attach mode.
 CASES = [(1, 1, False, None), (1, 2, False, None), (2, 1, False, None), (1, 2, True, None),
          (2, 1, True, None), (1, 2, True, "shm")]
@@ -583,14 +583,14 @@ def test_pipeline_parallel_is_refused_at_start_up(models: dict[bool, str]) -> No
 def test_memory_kind_is_checked_against_the_device_at_start_up() -> None:
     """A GPU worker is refused unless it asks for a GPU reservation (named in the
     message); GPU memory is refused on a CPU worker; CPU defaults to memfd."""
-    from kvsidecar.ipc.vllm import _memory_for
+    from kvsidecar.integrations.vllm.settings import memory_for
 
-    assert _memory_for("cpu", None) == "memfd" and _memory_for("cpu", "shm") == "shm"
-    assert _memory_for("cuda", "cuda_vmm") == "cuda_vmm"
+    assert memory_for("cpu", None) == "memfd" and memory_for("cpu", "shm") == "shm"
+    assert memory_for("cuda", "cuda_vmm") == "cuda_vmm"
     with pytest.raises(UnsupportedConfig, match=r"'cuda_vmm', 'cuda_malloc'.*Use it with vLLM"):
-        _memory_for("cuda", None)
+        memory_for("cuda", None)
     with pytest.raises(UnsupportedConfig, match="GPU memory but this vLLM worker runs on"):
-        _memory_for("cpu", "cuda_malloc")
+        memory_for("cpu", "cuda_malloc")
 
 
 def test_two_ranks_on_one_sidecar_are_refused_at_start_up(sidecars: Sidecars,

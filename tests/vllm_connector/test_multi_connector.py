@@ -26,7 +26,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 from vllm.v1.request import RequestStatus
 
-from kvsidecar.ipc.vllm import KvSidecarConnector
+from kvsidecar.integrations.vllm import KvSidecarConnector
 from kvsidecar.sim.cluster import SidecarProcess
 
 from .harness import (

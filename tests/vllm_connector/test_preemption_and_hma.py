@@ -34,8 +34,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvsidecar.integrations.vllm import KvSidecarConnector, KvSidecarHandshake
 from kvsidecar.ipc import hold_token
-from kvsidecar.ipc.vllm import KvSidecarConnector, KvSidecarHandshake
 
 from .flows import (
     assert_drained,

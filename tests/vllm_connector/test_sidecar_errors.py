@@ -27,7 +27,7 @@ else:
 
 from vllm.v1.request import RequestStatus
 
-from kvsidecar.ipc.vllm import KvSidecarConnector
+from kvsidecar.integrations.vllm import KvSidecarConnector
 from kvsidecar.sim.cluster import SidecarProcess
 
 from .harness import Engine, failed_reads, make_engine, oracle_fill, request, write_model
@@ -117,7 +117,7 @@ def test_a_refused_hold_ends_its_send_single_and_batched(
     one is reported ``finished_sending`` at once (vLLM frees its blocks), logged
     at ERROR with its id and counted as a failed transfer; the held one is
     still read, oracle-exact."""
-    caplog.set_level(logging.ERROR, logger="kvsidecar.ipc.vllm")
+    caplog.set_level(logging.ERROR, logger="kvsidecar.integrations.vllm")
     seeds = {"h1": 71, "h2": 72, "h3": 73}
     P, D = engines(model, *pair_sidecars, seeds)
     try:
@@ -160,7 +160,7 @@ def test_a_stopped_sidecar_delays_requests_but_loses_none(
     silent. P's hold sent while its sidecar is stopped is placed again once it
     answers; D's reads in flight while its sidecar is stopped complete once it
     answers; both arrive oracle-exact, and no step raised."""
-    caplog.set_level(logging.WARNING, logger="kvsidecar.ipc.vllm")
+    caplog.set_level(logging.WARNING, logger="kvsidecar.integrations.vllm")
     p_side, d_side = pair_sidecars
     seeds = {"s1": 81, "s2": 82}
     P, D = engines(model, p_side, d_side, seeds)
@@ -217,7 +217,7 @@ def test_a_sidecar_restarted_under_requests_fails_them_and_serves_again(
     failed notification (D aborts a request before its read while P's sidecar
     is dead) is counted apart from failed transfers. Then a new request is
     served, oracle-exact: the restarted sidecars learned the memory again."""
-    caplog.set_level(logging.ERROR, logger="kvsidecar.ipc.vllm")
+    caplog.set_level(logging.ERROR, logger="kvsidecar.integrations.vllm")
     p_side, d_side = pair_sidecars
     seeds = {"x": 91, "n": 92, "y": 93}
     P, D = engines(model, p_side, d_side, seeds)

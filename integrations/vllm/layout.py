@@ -16,7 +16,7 @@ conv state ``[x | B | C][conv_rows]`` followed by the temporal state
 ``[heads][head_dim][d_state]``.
 
 Pure functions over plain numbers: the connector gathers the numbers from
-vLLM's objects (:func:`kvsidecar.ipc.vllm.layout_for`) so that this module
+vLLM's objects (:func:`kvsidecar.integrations.vllm.specs.layout_for`) so that this module
 can be tested without vLLM and typed strictly.
 """
 
@@ -26,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import Group, Layout, LayoutError, Segment, validate
+from ...ipc.layout import Group, Layout, LayoutError, Segment, validate
 
 
 class UnsupportedConfig(ValueError):

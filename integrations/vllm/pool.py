@@ -1,4 +1,4 @@
-"""A memory pool that places an engine's KV-cache allocation in sidecar memory.
+"""Memory pools that place vLLM's KV-cache allocation where the sidecar reaches it.
 
 vLLM's connector API lets a connector return ``get_mem_pool_context()``; the
 worker allocates its whole KV cache inside it as one ``torch.zeros(n,
@@ -25,6 +25,10 @@ allocation, so the order is:
    sidecar registers its own pointer plus offset.
 
 The reservation lives until the engine deregisters (or the sidecar stops).
+
+:class:`ShmKVPool` is the other placement (``memory`` ``shm``, CPU only): the
+same one allocation, served from new POSIX shared memory this process creates,
+which the sidecar maps when the engine registers it in attach mode.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .memory import RegionError
-from .regions import Region, RegionView
+from ...ipc.memory import RegionError, ShmRegion, unique_name
+from ...ipc.regions import Region, RegionView
 
-__all__ = ["ReservationTooSmall", "SidecarKVPool"]
+__all__ = ["ReservationTooSmall", "ShmKVPool", "SidecarKVPool"]
 
 
 class ReservationTooSmall(RegionError):
@@ -113,3 +117,35 @@ def _size(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
             return -1
         size = size[0]
     return int(size) if isinstance(size, int) and size > 0 else -1
+
+
+class ShmKVPool(TorchFunctionMode):
+    """vLLM's one KV allocation (``torch.zeros(n, dtype=int8)``) placed in new
+    POSIX shared memory, so the sidecar can map the same pages.
+
+    A TorchFunctionMode (the mechanism behind ``with torch.device(...)``)
+    sees every torch call in the ``with`` block and serves exactly the
+    expected-size int8 CPU allocation; everything else passes through.
+    """
+
+    def __init__(self, nbytes: int, prefix: str) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.prefix = prefix
+        self.region: ShmRegion | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and self.region is None and self._is_kv_buffer(args, kwargs):
+            self.region = ShmRegion.create(unique_name(self.prefix), self.nbytes)
+            return self.region.torch().view(torch.int8)  # fresh shm reads as zeros
+        return func(*args, **kwargs)
+
+    def _is_kv_buffer(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        size = args[0] if len(args) == 1 else (tuple(args) if args else kwargs.get("size"))
+        if isinstance(size, (tuple, list)) and len(size) == 1:
+            size = size[0]
+        device = kwargs.get("device")
+        return (size == self.nbytes and kwargs.get("dtype") == torch.int8
+                and (device is None or torch.device(device).type == "cpu"))

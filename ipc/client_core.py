@@ -1,0 +1,416 @@
+"""The engine client's protocol, without I/O: one core both clients run.
+
+Every call is written once, here, and both faces (:class:`~.client.SidecarClient`,
+blocking, and :class:`~.aio_client.AsyncSidecarClient`, asyncio) only move
+bytes and wait. A call is either an :data:`Ask` (one request answered by a
+reply of one kind) or a :data:`Call` (a generator that yields each request it
+needs answered and returns the call's result). :class:`ClientCore` holds what
+a client's calls share: request ids, the receive buffer and its framing
+state, reply decoding, error mapping, timeouts and each engine's poll
+acknowledgements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias, TypeVar
+
+from .block_ids import BlockIdsLike, block_id_lists
+from .errors import BadMessage, SidecarError, SidecarTimeout, Unavailable, error_from_reply, expect
+from .layout import Layout
+from .mapping import map_refs
+from .protocol import (
+    BAD_MESSAGE,
+    MAX_BATCH,
+    UNAVAILABLE,
+    Batch,
+    Completion,
+    Completions,
+    Deregister,
+    DrainMode,
+    Error,
+    Held,
+    Hold,
+    Keep,
+    KeepItem,
+    MemoryKind,
+    Ok,
+    Ping,
+    Poll,
+    Pong,
+    ProtocolError,
+    Read,
+    Register,
+    Registered,
+    Release,
+    RemoteEngine,
+    Replies,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    Status,
+    StatusReport,
+    decode_reply,
+)
+from .regions import Region
+from .seqpacket import RECV_BYTES, Assembler, Buffer, FramingError, MessageTooLong
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
+
+
+#: The protocol minor from which a sidecar honours ``Read.verify``: an older one
+#: decodes the field as unknown and reads without verifying.
+VERIFY_MINOR: Final = 7
+
+
+def can_verify(minor: int) -> None:
+    """Unavailable unless a sidecar of protocol ``minor`` verifies what it is asked to."""
+    if minor < VERIFY_MINOR:
+        raise Unavailable(UNAVAILABLE, (
+            f"byte verification (verify=True) needs a sidecar of protocol minor "
+            f"{VERIFY_MINOR} or later; this one speaks minor {minor} and would read without "
+            "verifying: nothing was sent"))
+
+
+# --------------------------------------------------------------------------
+# Results and request building (shared by both clients)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What the engine keeps after registering: where peers reach it, and the
+    regions its KV cache lives in (its own in attach mode, mapped from the
+    daemon's in allocate mode: shm, memfd or GPU regions, see
+    :class:`~kvsidecar.ipc.regions.Region`)."""
+
+    engine_id: str
+    handshake_address: str
+    agent_name: str
+    regions: list[Region]
+    #: the rank's hold key (ipc/hold_token.py): lets the engine issue its own hold
+    #: tokens, as the vLLM scheduler does; as secret as the KV memory itself
+    hold_key: bytes = b""
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """One read of a :meth:`SidecarClient.read_many` batch (the arguments of
+    :meth:`SidecarClient.read` after the engine id)."""
+
+    request_id: str
+    local_block_ids: BlockIdsLike
+    remote: RemoteEngine
+    remote_block_ids: BlockIdsLike
+    remote_request_id: str | None = None
+    skip_tokens: int | None = None
+    num_tokens: int | None = None
+    #: verify its bytes (see :meth:`SidecarClient.read`)
+    verify: bool = False
+    #: the hold token each remote rank's hold issued (``Held.token``), in rank order
+    remote_tokens: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class HoldSpec:
+    """One hold of a :meth:`SidecarClient.hold_many` batch."""
+
+    request_id: str
+    block_ids: BlockIdsLike
+    readers: int = 1
+    timeout_s: float | None = None
+
+
+def _item_outcome(reply: Ok | Held | Error) -> Held | SidecarError | None:
+    """One batch item's answer: the error it was refused with, a hold's
+    :class:`Held`, or None for an accepted read or release."""
+    if type(reply) is Error:
+        return error_from_reply(reply)
+    return reply if type(reply) is Held else None
+
+
+#: Replies after which a call maps memory (blocking: fd fetches, mmap).
+MAPS_MEMORY: Final = (Registered, Reserved)
+
+
+def _registration(reply: Registered, regions: Sequence[Region] | None) -> Registration:
+    """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
+    memfd / CUDA VMM kinds); the caller deregisters if this raises."""
+    mapped: list[Region] = (list(regions) if regions is not None
+                            else map_refs(reply.regions, reply.fd_socket))
+    return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped,
+                        reply.hold_key)
+
+
+REGISTER_S_PER_GB = 2.0
+"""Extra reply wait per GB registered (measured 0.9 s/GB to create and touch shm)."""
+
+_INSTANCE = secrets.token_hex(6)
+
+
+def process_instance() -> str:
+    """Names this engine process for the sidecar (a fork is another instance):
+    a registration retried by the same process is recognised as a retry."""
+    return f"{_INSTANCE}-{os.getpid():x}"
+
+
+def _pid_namespace() -> str:
+    """``pid:[inode]`` of this process's PID namespace ('' where unknown): the
+    sidecar trusts ``pid`` only when this names its own namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _socket_path(socket_path: str) -> str:
+    """The engine socket's path (an ``ipc://`` prefix, as earlier ZMQ versions
+    took, is dropped)."""
+    path = socket_path.removeprefix("ipc://")
+    if "://" in path:
+        raise ValueError(f"the engine socket is a Unix socket path, not {socket_path!r}")
+    return path
+
+#: A sanity bound on one reply (the daemon's replies are far smaller).
+MAX_REPLY_BYTES = 1 << 30
+#: The requests :meth:`ClientCore.timeout_for` gives more than the client's
+#: timeout (a face asks it only for these: one frame less on other calls).
+WAIT_LONGER: Final[frozenset[type]] = frozenset({Register, Poll})
+#: A poll of an engine this client has not polled yet acknowledges nothing.
+_NO_ACK: Final = ("", 0)
+
+
+# --------------------------------------------------------------------------
+# The core shared by both clients: every call as a generator (sans I/O)
+# --------------------------------------------------------------------------
+
+Ask: TypeAlias = tuple[Request, type[R]]
+"""A call that is one request, answered by a reply of one kind: the request
+and that kind. A face sends the request and hands the reply to
+:func:`~.errors.expect` with the kind (and a poll's to :meth:`ClientCore.polled`).
+The engine's calls between model steps (read, hold, release, poll) are asks:
+no generator, no frame between the face and the socket but the core's
+builder, because on a cold cache every frame and object a call touches costs
+it a microsecond or more (a generator round, ~10 µs a call here)."""
+
+Call: TypeAlias = Generator[Request, Reply, T]
+"""A call with more to it, without I/O: it yields each request it needs
+answered and receives the reply (or has the transport's exception thrown in);
+its return value is the call's result (registration, which undoes itself if
+the engine cannot use it, and batches). Both clients run the same generators
+and send the same asks, so request building, reply checking, error mapping and
+acknowledgement bookkeeping exist once; the clients only move bytes."""
+
+
+class ClientCore:
+    """What both clients share: ids, calls (asks and generators), decoding and
+    correlation of replies, error mapping and the per-engine poll
+    acknowledgements."""
+
+    def __init__(self, socket_path: str, timeout_s: float) -> None:
+        self.path = _socket_path(socket_path)
+        self.endpoint = self.path  # what error messages name
+        self.timeout_s = timeout_s
+        self.acks: dict[str, tuple[str, int]] = {}
+        self._ids = itertools.count(1)
+        #: the receive buffer (one connection at a time per client) and its framing state
+        self.buf = bytearray(RECV_BYTES)
+        self.view = memoryview(self.buf)
+        self.assembler = Assembler(MAX_REPLY_BYTES)
+
+    # ---- calls
+
+    def register(self, engine_id: str, tp_rank: int, layout: Layout,
+                 regions: Sequence[Region] | None, allocate: bool,
+                 keep_on_exit: bool, memory: MemoryKind = "memfd") -> Call[Registration]:
+        if allocate == (regions is not None):
+            raise ValueError("register: pass either regions (attach mode) or allocate=True")
+        req = Register(engine_id, tp_rank, layout, "allocate" if allocate else "attach",
+                       [r.ref() for r in regions or ()], keep_on_exit, os.getpid(),
+                       _pid_namespace(), process_instance(), memory, id=self._next_id())
+        reply = expect((yield req), Registered)
+        try:
+            return _registration(reply, regions)
+        except BaseException:
+            # The daemon holds a registration this engine cannot use: undo it.
+            try:
+                undo, kind = self.deregister(engine_id)
+                expect((yield undo), kind)
+            except SidecarError as e:
+                log.warning("could not deregister %s after a failed registration: %s",
+                            engine_id, e)
+            raise
+
+    def deregister(self, engine_id: str, mode: DrainMode = "drop") -> Ask[Ok]:
+        return Deregister(engine_id, mode, id=next(self._ids)), Ok
+
+    def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind) -> Call[Region]:
+        reply = expect((yield Reserve(engine_id, nbytes, memory, id=self._next_id())),
+                        Reserved)
+        (region,) = map_refs([reply.region], reply.fd_socket)
+        return region
+
+    def read(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
+             remote: RemoteEngine, remote_block_ids: BlockIdsLike,
+             remote_request_id: str | None, skip_tokens: int | None,
+             num_tokens: int | None, verify: bool = False,
+             remote_tokens: Sequence[str] = ()) -> Ask[Ok]:
+        return Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
+                    block_id_lists(remote_block_ids), remote_request_id, skip_tokens,
+                    num_tokens, verify, list(remote_tokens), id=next(self._ids)), Ok
+
+    def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
+             timeout_s: float | None) -> Ask[Held]:
+        return Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
+                    id=next(self._ids)), Held
+
+    def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
+        return Release(engine_id, request_id, id=next(self._ids)), Ok
+
+    def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
+                  ) -> Call[list[SidecarError | None]]:
+        reqs: list[Read | Hold | Release] = [
+            Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
+                 block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
+                 s.num_tokens, s.verify, list(s.remote_tokens), id=self._next_id())
+            for s in specs]
+        out = yield from self._batch(reqs)
+        return [o if isinstance(o, SidecarError) else None for o in out]
+
+    def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
+                  ) -> Call[list[Held | SidecarError]]:
+        reqs: list[Read | Hold | Release] = [
+            Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers, s.timeout_s,
+                 id=self._next_id())
+            for s in specs]
+        out = yield from self._batch(reqs)
+        for o in out:
+            if o is None:
+                raise BadMessage(BAD_MESSAGE, "a hold in a batch was answered without Held")
+        return [o for o in out if o is not None]
+
+    def release_many(self, engine_id: str, request_ids: Sequence[str]
+                     ) -> Call[list[SidecarError | None]]:
+        reqs: list[Read | Hold | Release] = [
+            Release(engine_id, rid, id=self._next_id()) for rid in request_ids]
+        out = yield from self._batch(reqs)
+        return [o if isinstance(o, SidecarError) else None for o in out]
+
+    def _batch(self, reqs: list[Read | Hold | Release]
+               ) -> Call[list[Held | SidecarError | None]]:
+        """One :class:`Batch` (protocol minor 5; an older sidecar refuses the op
+        as a ``bad_message``), answered item by item."""
+        if not reqs:
+            return []
+        if len(reqs) > MAX_BATCH:
+            raise ValueError(f"{len(reqs)} requests in one batch; at most {MAX_BATCH}")
+        reply = expect((yield Batch(reqs, id=self._next_id())), Replies)
+        if len(reply.items) != len(reqs):
+            raise BadMessage(BAD_MESSAGE, f"a batch of {len(reqs)} was answered with "
+                                          f"{len(reply.items)} replies")
+        return [_item_outcome(r) for r in reply.items]
+
+    def poll(self, engine_id: str, wait_s: float = 0.0) -> Ask[Completions]:
+        """Completions since the last poll; one that was lost to a timeout comes
+        again, because each poll acknowledges only what this client received
+        (:meth:`polled`). With ``wait_s`` an empty poll waits that long for one
+        (protocol minor 4; an older sidecar answers at once)."""
+        epoch, ack = self.acks.get(engine_id, _NO_ACK)
+        return Poll(engine_id, ack, epoch, wait_s, id=next(self._ids)), Completions
+
+    def polled(self, engine_id: str, reply: Completions) -> list[Completion]:
+        """A poll's answer: its items, acknowledged by the engine's next poll."""
+        self.acks[engine_id] = (reply.epoch, reply.last)
+        return reply.items
+
+    def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
+        return Ping(engines=list(engines), id=next(self._ids)), Pong
+
+    def keep(self, engine_id: str, items: Sequence[KeepItem]) -> Ask[Ok]:
+        return Keep(engine_id, list(items), id=next(self._ids)), Ok
+
+    def status(self) -> Ask[StatusReport]:
+        return Status(id=next(self._ids)), StatusReport
+
+    # ---- wire
+
+    def decode(self, data: Buffer) -> tuple[int, Reply | SidecarError]:
+        """The reply's id and the reply, or the error an undecodable reply means."""
+        try:
+            reply = decode_reply(data)
+        except ProtocolError as e:
+            return e.id, BadMessage(e.code, f"undecodable reply: {e}")
+        return reply.id, reply
+
+    def received(self, n: int) -> tuple[int, Reply | SidecarError] | None:
+        """The packet of ``n`` bytes just received into :attr:`buf`: the reply it
+        completes (its id and outcome), or None while a long reply is arriving."""
+        try:
+            message = self.assembler.feed(self.view[:n])
+        except (FramingError, MessageTooLong) as e:
+            return -1, BadMessage(BAD_MESSAGE, f"unreadable reply: {e}")
+        return None if message is None else self.decode(message)
+
+    def reset_framing(self) -> None:
+        """A new connection: nothing half-received on the last one carries over."""
+        self.assembler = Assembler(MAX_REPLY_BYTES)
+
+    def closed_error(self, what: str) -> SidecarTimeout:
+        """The daemon closed the connection after reading a request it did not
+        answer: as after a timeout, whether it was carried out is unknown."""
+        return SidecarTimeout(f"the sidecar at {self.path} closed the connection before "
+                              f"answering {what} (it stopped or restarted)")
+
+    def timeout_for(self, req: Request) -> float:
+        """How long to wait for the reply to ``req``: registration creates (or maps
+        and NIXL-registers) every byte of the cache, about 0.9 s per GB here, so
+        its wait grows with the layout's size (with a 2x margin for a loaded
+        machine); everything else is one short round trip. (``type(req) is``, not
+        ``isinstance``: a miss of ``isinstance`` on a msgspec Struct walks the
+        metaclass's ``__instancecheck__``, ~2 µs on a cold cache.)"""
+        if type(req) is Register:
+            nbytes = req.layout.num_regions * req.layout.region_bytes
+            return self.timeout_s + REGISTER_S_PER_GB * nbytes / 1e9
+        if type(req) is Poll:
+            return self.timeout_s + req.wait_s
+        return self.timeout_s
+
+    def timeout_error(self, req: Request, timeout_s: float) -> SidecarTimeout:
+        return SidecarTimeout(f"no reply to {type(req).__name__} within {timeout_s} s "
+                              f"from {self.endpoint}")
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+
+def advance(call: Call[T], outcome: Reply | SidecarError | None) -> Request:
+    """Hand ``call`` its reply (or the transport's error) and return the next
+    request it needs answered; raises StopIteration carrying the result."""
+    if isinstance(outcome, SidecarError):
+        return call.throw(outcome)
+    return call.send(outcome)  # type: ignore[arg-type]  # None starts the generator
+
+
+class Done:
+    """A call's result, carried out of an executor (StopIteration cannot be)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def step(call: Call[T], outcome: Reply | SidecarError | None) -> Request | Done:
+    """:func:`advance`, with the result as a :class:`Done` instead of StopIteration."""
+    try:
+        return advance(call, outcome)
+    except StopIteration as stop:
+        return Done(stop.value)
+
