@@ -197,8 +197,9 @@ def _plan_many(local: Layout, d_rank: int, remote: Layout, requests: Sequence[Ma
     notify = candidate_ranks(local.tp_size, d_rank, remote.tp_size)
     ok, paired, failed = pair_requests(local, remote, requests)
     reads: dict[int, list[RankRead]] = {r: [] for r in ok}
-    pieces = (SHARED_PIECES if cache is None else cache).get(local, d_rank, remote) if ok else []
-    for p, groups in pieces:
+    if cache is None:
+        cache = SHARED_PIECES
+    for p, groups in cache.get(local, d_rank, remote) if ok else ():
         built = _rank_descriptors(groups, paired, ok)
         if built is None:
             continue
