@@ -12,11 +12,12 @@ valid when
 
 :func:`check_block_ids` is that validation; :func:`validate_block_ids` is the
 same, returning the ids as arrays (the planner's input). Ids are whatever
-``np.asarray(ids, dtype=np.int64)`` accepts; the rules run on Python ints
-(for a plain list of ints, with no numpy call at all), because the event loop
-checks every read's ids on acceptance: a numpy call costs a microsecond even
-on one id, and numpy's sort drops the GIL even for 16 ids, which makes the loop
-wait for the planning or NIXL thread to hand it back.
+``np.asarray(ids, dtype=np.int64)`` accepts. A plain list of a few ints is
+checked as it is, with no numpy call: the event loop checks every read's ids
+on acceptance, a numpy call costs a microsecond even on one id, and numpy's
+sort drops the GIL even for 16 ids, which makes the loop wait for the
+planning or NIXL thread to hand it back. Anything else is checked as int64
+arrays, which many ids reach faster.
 """
 
 from __future__ import annotations
@@ -35,46 +36,50 @@ from kvsidecar.ipc.layout import Layout
 BlockIds = Sequence[Sequence[int] | NDArray[np.integer]]
 
 _INT = {int}
-FIRST_NAMED_MAX = 512  # a duplicate among up to this many ids is named by order, else by value
+FEW = 512  # up to this many ids, checked as Python ints (a duplicate: the first seen twice)
 
 
 def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> None:
     """Check count, range and uniqueness of one side's block ids (all groups share
     pages): raise the PlanError of the first rule they break."""
+    _checked(layout, block_ids, side)
+
+
+def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
+    """:func:`check_block_ids`, returning the ids as one int64 array per group."""
+    return [np.asarray(g, np.int64) if isinstance(g, list) else g
+            for g in _checked(layout, block_ids, side)]
+
+
+def _checked(layout: Layout, block_ids: BlockIds, side: str) -> list[list[int] | I64]:
+    """The validation: each group's ids as it checked them (a plain list of a few
+    ints as it is, else a flat int64 array)."""
     if len(block_ids) != len(layout.groups):
         raise GroupCountError(
             f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
         )
     nb = layout.num_blocks
-    flat: list[int] = []
+    groups: list[list[int] | I64] = []
     for gi, ids in enumerate(block_ids):
-        ints = _ints(ids, side, gi)
-        if ints and (min(ints) < 0 or max(ints) >= nb):
-            _as_int64(ids, side, gi)  # raises first if some id does not fit int64
-            bad = next(i for i in ints if i < 0 or i >= nb)
+        g = _ids(ids, side, gi)
+        if not in_range(g, nb):
+            _as_int64(ids, side, gi)  # an id beyond int64 is no integer id: that error first
+            bad = next(i for i in _as_list(g) if i < 0 or i >= nb)
             raise BlockRangeError(f"{side} group {gi}: block id {bad} out of range [0, {nb})")
-        flat += ints
-    if side == "local" and len(set(flat)) != len(flat):
-        raise DuplicateBlockError(
-            f"local block id {_named_twice(flat)} named twice: a page would be written twice")
+        groups.append(g)
+    if side == "local":
+        twice = _named_twice(groups)
+        if twice is not None:
+            raise DuplicateBlockError(
+                f"local block id {twice} named twice: a page would be written twice")
+    return groups
 
 
-def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
-    """:func:`check_block_ids`, then the ids as one int64 array per group."""
-    check_block_ids(layout, block_ids, side)
-    out = []
-    for ids in block_ids:
-        arr = np.asarray(ids, dtype=np.int64)
-        out.append(arr if arr.ndim == 1 else arr.reshape(-1))
-    return out
-
-
-def _ints(ids: Sequence[int] | NDArray[Any], side: str, gi: int) -> list[int]:
-    """Group ``gi``'s ids as Python ints (a plain list of ints as it is)."""
-    if type(ids) is list and set(map(type, ids)) <= _INT:  # C-level, unlike all(...)
+def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int) -> list[int] | I64:
+    if type(ids) is list and len(ids) <= FEW and set(map(type, ids)) <= _INT:  # C-level
         return ids
-    out: list[int] = _as_int64(ids, side, gi).reshape(-1).tolist()
-    return out
+    arr = _as_int64(ids, side, gi)
+    return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
 def _as_int64(ids: Sequence[int] | NDArray[Any], side: str, gi: int) -> I64:
@@ -84,25 +89,38 @@ def _as_int64(ids: Sequence[int] | NDArray[Any], side: str, gi: int) -> I64:
         raise BlockRangeError(f"{side} group {gi}: block ids are not integers ({e})") from None
 
 
-def _named_twice(flat: list[int]) -> int:
-    """The id of ``flat`` an error names as named twice: the first seen twice
-    (up to ``FIRST_NAMED_MAX`` ids), else the smallest repeated."""
-    seen: set[int] = set()
-    twice: list[int] = []
-    for i in flat:
-        if i in seen:
-            if len(flat) <= FIRST_NAMED_MAX:
+def _as_list(g: list[int] | I64) -> list[int]:
+    out: list[int] = g if isinstance(g, list) else g.tolist()
+    return out
+
+
+def _named_twice(groups: list[list[int] | I64]) -> int | None:
+    """An id named twice across all groups, or None: among ``FEW`` ids or fewer
+    the first seen twice, among more the smallest (sorted: np.unique costs 5x more)."""
+    total = sum(map(len, groups))
+    if total <= FEW:
+        flat: list[int] = []
+        for g in groups:
+            flat += _as_list(g)
+        if len(set(flat)) == total:
+            return None
+        seen: set[int] = set()
+        for i in flat:
+            if i in seen:
                 return i
-            twice.append(i)
-        seen.add(i)
-    return min(twice)
+            seen.add(i)
+    allids = np.concatenate([np.asarray(g, np.int64) for g in groups])
+    allids.sort()
+    same = allids[1:] == allids[:-1]
+    return int(allids[1:][same][0]) if same.size and uany(same) else None
 
 
-def in_range(arr: I64, num_blocks: int) -> bool:
-    """Whether every id of ``arr`` lies in ``[0, num_blocks)``: the range rule
-    over many requests' ids at once (one C reduction: a negative id is huge as
-    unsigned)."""
-    return not arr.size or int(umax(arr.view(np.uint64))) < num_blocks
+def in_range(ids: list[int] | I64, num_blocks: int) -> bool:
+    """Whether every id lies in ``[0, num_blocks)``; for an array, one C reduction
+    (a negative id is huge as unsigned)."""
+    if isinstance(ids, list):
+        return not ids or (min(ids) >= 0 and max(ids) < num_blocks)
+    return not ids.size or int(umax(ids.view(np.uint64))) < num_blocks
 
 
 def repeated_within(ids: I64, owners: I64) -> bool:
