@@ -12,11 +12,11 @@ import pytest
 from kvsidecar.daemon.planner import (
     PlanError,
     ReadPlan,
-    _attention_pairs_many,
     plan_many,
     plan_many_addressed,
     plan_read,
 )
+from kvsidecar.daemon.planner.pairing import _attention_pairs_many
 from kvsidecar.daemon.reads import build_posts, posts_of
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.sim.hostcopy import apply_plan

@@ -143,3 +143,84 @@ def test_check_block_ids_agrees_with_validate_block_ids(ids, side, big) -> None:
     wrong = ids if len(ids) > 1 else [*ids, []]  # group count differs from the layout's
     with pytest.raises(PlanError, match="groups"):
         check_block_ids(layout, wrong, side)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.integers(-3, 40), max_size=30), min_size=1, max_size=3),
+       st.sampled_from(["local", "remote", "held"]), st.booleans())
+def test_block_ids_give_one_outcome_in_every_form(ids, side, big) -> None:
+    """Plain lists of ints (checked without numpy), integer arrays and lists of
+    numpy ints (converted first) pass or fail alike: same type and message."""
+    from kvsidecar.daemon.planner import PlanError, check_block_ids
+    from kvsidecar.ipc.layout import attention_layout
+
+    layout = attention_layout(model="m", num_layers=1, total_kv_heads=1, head_dim=8,
+                              block_tokens=8, tp_size=1, num_blocks=32)
+    groups = ids[:1] if not big else [ids[0] * 40]  # > 512 ids: duplicates named by value
+    forms = (groups, [np.asarray(g, np.int64) for g in groups],
+             [[np.int64(i) for i in g] for g in groups])
+    results = []
+    for form in forms:
+        try:
+            check_block_ids(layout, form, side)
+            results.append(None)
+        except PlanError as e:
+            results.append((type(e), str(e)))
+    assert results[0] == results[1] == results[2]
+
+
+@st.composite
+def _requests(draw: st.DrawFn, D: Layout, P: Layout) -> tuple:
+    """One request between D and P: mostly valid ids, now and then a local id
+    out of range or named twice, a Mamba count mismatch, a bad skip."""
+    d_perm = draw(st.permutations(range(D.num_blocks)))
+    lb, rb, pos = [], [], 0
+    for g in D.groups:
+        n = draw(st.integers(0, min(3, D.num_blocks - pos)))
+        lb.append(list(d_perm[pos:pos + n]))
+        pos += n
+        m = n if g.kind == "mamba" and draw(st.booleans()) else draw(st.integers(0, 4))
+        rb.append(draw(st.lists(st.integers(0, P.num_blocks - 1), min_size=m, max_size=m)))
+    flaw = draw(st.sampled_from([*[None] * 8, "range", "twice"]))
+    if flaw == "range":
+        lb[0] = [*lb[0], D.num_blocks]
+    elif flaw == "twice" and pos:
+        lb[-1] = [*lb[-1], d_perm[0]]
+    skip = draw(st.sampled_from([None, None, None, 0, 3]))
+    num = draw(st.one_of(st.none(), st.integers(1, 64)))
+    return lb, rb, skip, num
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=layouts(), data=st.data())
+def test_plan_read_and_plan_many_agree(spec: tuple, data: st.DataObject) -> None:
+    """Each request of a batch gets byte for byte the plan (or the error) that
+    plan_read gives it alone, whichever way the batch is paired (all attention
+    and valid: in one pass; otherwise one by one)."""
+    from kvsidecar.daemon.planner import PlanError, plan_many, plan_many_addressed
+
+    from .test_planner_many import _same
+
+    make, p_tp, d_tp = spec
+    P, D = make(p_tp, data.draw(st.integers(4, 16))), make(d_tp, data.draw(st.integers(4, 16)))
+    d_rank = data.draw(st.integers(0, d_tp - 1))
+    reqs = data.draw(st.lists(_requests(D, P), min_size=1, max_size=4))
+    bases = (np.arange(D.num_regions, dtype=np.int64) << 32,
+             {p: np.arange(P.num_regions, dtype=np.int64) << 40 for p in range(p_tp)})
+    many = plan_many(D, d_rank, P, reqs)
+    addressed = plan_many_addressed(D, d_rank, P, reqs, *bases)
+    for (lb, rb, skip, num), got, with_addrs in zip(reqs, many, addressed):
+        try:
+            alone = plan_read(D, d_rank, P, lb, rb, skip_tokens=skip, num_tokens=num)
+        except PlanError as e:
+            assert isinstance(got, PlanError) and isinstance(with_addrs, PlanError)
+            assert (type(got), str(got)) == (type(e), str(e)) == (type(with_addrs),
+                                                                 str(with_addrs))
+            continue
+        assert not isinstance(got, PlanError) and not isinstance(with_addrs, PlanError)
+        _same(alone, got)
+        _same(alone, with_addrs[0])
+        for rr in alone.reads:
+            la, ra = with_addrs[1][rr.remote_rank]
+            assert np.array_equal(la, bases[0][rr.region] + rr.local_offset)
+            assert np.array_equal(ra, bases[1][rr.remote_rank][rr.region] + rr.remote_offset)
