@@ -41,7 +41,7 @@ from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.drain import DrainBook, Generation, keepable
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
-from kvsidecar.daemon.engines import (
+from kvsidecar.daemon.engines.rank import (
     EngineRank,
     map_regions,
     release_regions,
