@@ -41,13 +41,17 @@ from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.drain import DrainBook, Generation, keepable
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
-from kvsidecar.daemon.engines.rank import (
-    EngineRank,
+from kvsidecar.daemon.engines.memory import (
+    attach_staging,
+    kind_of,
     map_regions,
+    prefault_rank,
+    release_late_mapping,
     release_regions,
     remove_stale_segments,
     shm_prefix_for,
 )
+from kvsidecar.daemon.engines.rank import EngineRank
 from kvsidecar.daemon.fd_server import FdServer
 from kvsidecar.daemon.health import Check, heartbeat
 from kvsidecar.daemon.holds import Report
@@ -75,11 +79,9 @@ from kvsidecar.daemon.peers.messages import (
 )
 from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, check_block_ids
-from kvsidecar.daemon.prefault import prefault
 from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
-from kvsidecar.daemon.staging import StagingPool
 from kvsidecar.daemon.status import checks_of, engine_status, sees, transport_of
 from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
@@ -617,7 +619,7 @@ class Sidecar:
             regions, owned = await asyncio.shield(mapping)
         except asyncio.CancelledError:
             # The thread finishes anyway: release what it creates.
-            mapping.add_done_callback(_release_late_mapping)
+            mapping.add_done_callback(release_late_mapping)
             raise
         agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
         worker = NixlWorker(agent, backends=self.settings.backends,
@@ -670,19 +672,14 @@ class Sidecar:
                 notif_batch_reads=self.settings.notif_batch_reads,
                 hold_key=hold_token.checking_key(key),
             ),
-            hold_timeout_s=self.settings.hold_timeout_s, notif_grace_s=self.settings.notif_grace_s,
-            hold_lease_s=self.settings.hold_lease_s, hold_max_life_s=self.settings.hold_max_life_s,
-            max_early_notifications=self.settings.max_early_notifications,
-            metrics=self.metrics,
+            settings=self.settings, metrics=self.metrics,
             on_complete=self._traced_completion if self.tracing.enabled else None,
             instance=req.instance, pid_visible=self._pid_visible(req),
             uid=uid, memory=req.memory if req.mode == "allocate" else "",
-            post_during_claim_s=self.settings.post_during_claim_s,
-            verify_bytes=self.settings.verify_bytes,
             hold_key=key,
         )
-        self._prefault(eng, mem_type)
-        self._attach_staging(eng, mem_type)
+        prefault_rank(eng, mem_type)
+        attach_staging(eng, mem_type, self.metrics)
         eng.fd_token = self._offer_fds(eng)
         self._engines[req.engine_id] = eng
         self.metrics.engine_arrived(req.engine_id)
@@ -1430,36 +1427,6 @@ class Sidecar:
         eng.holds.drop_engine(eng.engine_id)
         eng.worker.set_hot(False)
 
-    def _prefault(self, eng: EngineRank, mem_type: str) -> None:
-        """Map the pages of a host engine's regions now, in the background (see
-        :mod:`~kvsidecar.daemon.prefault`): otherwise the first read into each
-        block pays a page fault per 4 KiB. Registration does not wait for it.
-        Memory the engine attached: only its pages that exist (no hole gets
-        allocated on its behalf)."""
-        if mem_type != "DRAM":
-            return
-        size = eng.layout.region_bytes
-        done = asyncio.get_running_loop().run_in_executor(
-            None, partial(prefault, [(r.address, size) for r in eng.regions],
-                          existing_only=not eng.owned))
-        done.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def _attach_staging(self, eng: EngineRank, mem_type: str) -> None:
-        """Staged reads (settings.staging) for host memory only: GPU engines always
-        post scattered descriptors (no host bounce, no GPU scatter kernel here)."""
-        if self.settings.staging == "off" or mem_type != "DRAM" or not self.settings.staging_bytes:
-            return
-        m, e = self.metrics, eng.engine_id
-
-        def gauges(in_use: int, quarantined: int) -> None:
-            m.staging_bytes_in_use.labels(e).set(in_use)
-            m.staging_bytes_quarantined.labels(e).set(quarantined)
-
-        eng.staging_mode = self.settings.staging
-        eng.staging = StagingPool(self.settings.staging_bytes, eng.worker, gauges,
-                                  m.staging_bytes_mapped.labels(e).set, lanes=eng.lanes)
-        eng.staging.prepare()  # now, in the background: reads then find it ready
-
     async def _drop_engine(self, engine_id: str, why: str, drain: bool = False) -> None:
         """Forget an engine rank and free what it had. ``drain``: if it has holds
         open and its memory can be kept (see :mod:`~kvsidecar.daemon.drain`), its
@@ -1512,7 +1479,7 @@ class Sidecar:
         when it has any and its memory stays valid without its engine; None otherwise."""
         if not len(eng.holds):
             return None
-        kinds = frozenset(_kind(r) for r in eng.regions) if not eng.owned else frozenset()
+        kinds = frozenset(kind_of(r) for r in eng.regions) if not eng.owned else frozenset()
         if not keepable(eng.owned, kinds):
             log.warning("engine %r ended with %d hold(s) open on memory it allocated itself "
                         "(%s): the holds end now, as the memory goes with its process",
@@ -1670,21 +1637,11 @@ def _retrieve(f: asyncio.Future[Reply]) -> None:
         f.exception()
 
 
-def _kind(r: Region) -> str:
-    """A region's kind, as its reference is tagged (shm, reserved, cuda_ipc, ...)."""
-    return str(type(r.ref()).__struct_config__.tag)
-
-
 def _own_pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
-
-
-def _release_late_mapping(f: asyncio.Future[tuple[list[Region], bool]]) -> None:
-    if not f.cancelled() and f.exception() is None:
-        release_regions(*f.result())
 
 
 def _mine(eng: EngineRank) -> bool:
