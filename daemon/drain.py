@@ -13,8 +13,9 @@ This module is the pure part: which generations drain, what each kept, how
 its holds ended, and when its memory may be freed (:meth:`DrainBook.may_free`:
 once nothing of the engine's own reads can still write into it *and* no hold
 is open). Clock-injected like :class:`~kvsidecar.daemon.holds.HoldBook`; the
-daemon (service.py) does the I/O: it moves the rank here, routes peers' claims
-and notifications to it, and releases its memory when told it may.
+daemon (engines/departures.py, p_side/) does the I/O: it moves the rank
+here, routes peers' claims and notifications to it, and releases its memory
+when told it may.
 
 Which memory can be kept (:func:`keepable`): what the sidecar allocated
 (allocate mode, reservations) and attached host shared memory (the sidecar

@@ -16,8 +16,8 @@ from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 
 if TYPE_CHECKING:
+    from kvsidecar.daemon.app import Sidecar
     from kvsidecar.daemon.sdnotify import Notifier
-    from kvsidecar.daemon.service import Sidecar
 
 log = logging.getLogger("kvsidecar")
 
@@ -32,10 +32,10 @@ async def _serve(s: settings_mod.Settings) -> int:
 
     logs.quiet_libraries(s.log_level)  # NIXL configured its stdout handler on import
 
+    from kvsidecar.daemon.app import Sidecar
     from kvsidecar.daemon.conn_guard import raise_fd_limit
     from kvsidecar.daemon.engine_access import SocketInUse
     from kvsidecar.daemon.health import verdict
-    from kvsidecar.daemon.service import Sidecar
     from kvsidecar.daemon.transport.worker import transport_note
     from kvsidecar.ipc.cuda import CudaError
     from kvsidecar.metrics.registry import Metrics

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 
 from kvsidecar.daemon.engine_access import PeerCred
-from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.engines.rank import EngineRank
 from kvsidecar.daemon.health import Check
 from kvsidecar.daemon.transport.check import CheckResult
 from kvsidecar.ipc.protocol import MAX_STATUS_PEERS, EngineStatus, PeerStatus, StatusCheck

@@ -200,7 +200,7 @@ class Metrics:
             "completed late (timed out, or in flight at an agent reset): their blocks were held "
             "back until the agent was destroyed, then reported failed", ENGINE)
 
-        # --- state (sampled on the event loop, see Sidecar._sample)
+        # --- state (sampled on the event loop, see daemon/observability.py, Sampler)
         self.reads_in_flight = g("kvsidecar_reads_in_flight", "Read requests accepted and not "
                                  "yet completed", ENGINE)
         self.holds_in_flight = g("kvsidecar_holds_in_flight", "Held requests waiting for their "

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsidecar.daemon.engines import shm_prefix_for
+from kvsidecar.daemon.engines.memory import shm_prefix_for
 from kvsidecar.ipc.client import SidecarClient, SidecarError
 from kvsidecar.ipc.protocol import Completion, RemoteEngine
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine

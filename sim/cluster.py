@@ -32,7 +32,7 @@ from typing import IO, Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.daemon.engines import remove_stale_segments, shm_prefix_for
+from kvsidecar.daemon.engines.memory import remove_stale_segments, shm_prefix_for
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.client import HoldSpec, ReadSpec, Registration, SidecarClient

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.daemon.engines import shm_prefix_for
+from kvsidecar.daemon.engines.memory import shm_prefix_for
 from kvsidecar.ipc.client import (
     AsyncSidecarClient,
     SidecarClient,

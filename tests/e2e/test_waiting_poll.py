@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.daemon.service import MAX_WAITING_POLLS
+from kvsidecar.daemon.handlers import MAX_WAITING_POLLS
 from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.ipc.protocol import PROTOCOL_MINOR
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines

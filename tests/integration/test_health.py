@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from kvsidecar.daemon.app import Sidecar
 from kvsidecar.daemon.health import verdict
-from kvsidecar.daemon.service import Sidecar
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.client import AsyncSidecarClient
 from kvsidecar.metrics.server import MetricsServer
@@ -86,7 +86,7 @@ async def test_probes_follow_wedged_worker_and_closed_listener(served: Any) -> N
 
     # Wedge the engine's NIXL worker thread: a job that blocks until released.
     release = threading.Event()
-    worker = sc._engines["E0"].worker
+    worker = sc.table.ranks["E0"].worker
     stuck = worker._submit("test: block the worker thread", lambda fut: release.wait(300))
     code, body = await until(port, "/healthz", lambda c, b: c == 503)
     assert body["failed"] == ["worker:E0"], body

@@ -6,7 +6,7 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
-from kvsidecar.daemon.service import Sidecar
+from kvsidecar.daemon.app import Sidecar
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.ipc.protocol import Ping
 from kvsidecar.metrics.registry import Metrics

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
     InMemorySpanExporter,
 )
 
-from kvsidecar.daemon.service import Sidecar  # noqa: E402
+from kvsidecar.daemon.app import Sidecar  # noqa: E402
 from kvsidecar.daemon.settings import Settings  # noqa: E402
 from kvsidecar.daemon.tracing import Tracing, trace_id_for  # noqa: E402
 from kvsidecar.ipc.client import AsyncSidecarClient  # noqa: E402

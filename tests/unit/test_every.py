@@ -1,4 +1,4 @@
-"""service._every: lanes are started and registered side by side; when several
+"""engines.lanes.every: lanes are started and registered side by side; when several
 fail, the first failure is raised once all ended and none is left unread
 (asyncio's "Task exception was never retrieved" for the others, with gather)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.daemon.service import _every
+from kvsidecar.daemon.engines.lanes import every
 
 
 async def _fail(msg: str, delay: float) -> int:
@@ -24,7 +24,7 @@ async def _ok(value: int, delay: float) -> int:
 
 
 async def test_results_in_order() -> None:
-    assert await _every([_ok(1, 0.01), _ok(2, 0.0)]) == [1, 2]
+    assert await every([_ok(1, 0.01), _ok(2, 0.0)]) == [1, 2]
 
 
 async def test_the_first_failure_is_raised_after_all_ended_and_none_is_unread() -> None:
@@ -39,7 +39,7 @@ async def test_the_first_failure_is_raised_after_all_ended_and_none_is_unread() 
         return 1
 
     with pytest.raises(RuntimeError, match="lane 1"):
-        await _every([_fail("lane 1", 0.0), _fail("lane 2", 0.01), slow_ok()])
+        await every([_fail("lane 1", 0.0), _fail("lane 2", 0.01), slow_ok()])
     assert ended == [1]  # the caller stops lanes only once none is still starting
     gc.collect()
     await asyncio.sleep(0)

@@ -8,24 +8,19 @@ engine they are for.
 With ``--post-lanes N`` a D engine rank has N workers ("lanes"), the engine's
 memory registered in each: lane 0 is :attr:`EngineRank.worker`, the agent
 peers know (handshake, notifications in and out, holds); the others only post
-READs (see :func:`~kvsidecar.daemon.reads.lane_of`). Why: on host memory
-``transfer()`` is the CMA copy itself, so one worker thread copies a hetero
-read's P ranks one after the other while the other core idles.
+READs (see :func:`~kvsidecar.daemon.reads.lane_of`). On host memory
+``transfer()`` is the CMA copy itself, so one worker thread would copy a
+hetero read's P ranks one after the other while the other core idles.
 
-Memory comes in both ownership directions: *attach* maps regions the engine
-created; *allocate* creates them here and hands references back (the
-direction GPU memory needs, since memory belongs to the process that
-registers it). Either way the sizes are checked against the layout before
-NIXL sees an address.
+What the rank needs of the daemon's configuration (hold timing, staging,
+verification, posting during claims) it reads from :attr:`EngineRank.settings`.
+Memory mapping and release are :mod:`~kvsidecar.daemon.engines.memory`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -34,26 +29,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from kvsidecar.daemon import memory_kinds
 from kvsidecar.daemon.holds import HoldBook, HoldOutcome
-from kvsidecar.daemon.memory_kinds import Gpu, MemoryContext
 from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import HandshakeInfo
+from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.staging import StagingPool
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import Layout
-from kvsidecar.ipc.protocol import (
-    BAD_REQUEST,
-    Completion,
-    Completions,
-    ReaderReport,
-    RegionRef,
-    RequestError,
-)
+from kvsidecar.ipc.protocol import Completion, Completions, ReaderReport
 from kvsidecar.ipc.regions import Region
 from kvsidecar.metrics.registry import Metrics
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,11 +55,8 @@ class EngineRank:
     bases: NDArray[np.int64]
     peers: PeerLinks
     info: HandshakeInfo
-    hold_timeout_s: float
-    notif_grace_s: float
-    hold_lease_s: float = 10.0
-    hold_max_life_s: float = 600.0
-    max_early_notifications: int = 4096
+    #: the daemon's settings: hold timing, staging, verification, posting during claims
+    settings: Settings
     instance: str = ""
     pid_visible: bool = False
     """``pid`` names a process in the sidecar's own PID namespace (checkable)."""
@@ -97,18 +79,11 @@ class EngineRank:
     metrics: Metrics | None = None
     #: told of every completion (tracing ends the request's span), when set
     on_complete: Callable[[str, Completion], None] | None = None
-    #: off, auto or always (settings.staging; off for GPU memory)
-    staging_mode: str = "off"
-    #: post reads during their claim over links P confirmed this recently (seconds;
-    #: settings.post_during_claim_s, 0 = claim first)
-    post_during_claim_s: float = 2.0
     #: sidecar-owned host memory for staged reads (None: never staged)
     staging: StagingPool | None = None
     #: every worker that posts reads, lane 0 (``worker``) first; set from ``worker``
     #: when left empty (one lane)
     lanes: list[NixlWorker] = field(default_factory=list)
-    #: verify the bytes of every read (settings.verify_bytes); a read may ask alone
-    verify_bytes: bool = False
     #: this registration's hold key (ipc/hold_token.py): issues and checks the
     #: tokens of its holds; the checking half is in ``info`` for peers
     hold_key: bytes = b""
@@ -121,12 +96,30 @@ class EngineRank:
             self.lanes = [self.worker]
         if self.lanes[0] is not self.worker:
             raise ValueError("lane 0 must be the engine rank's worker")
-        self.holds = HoldBook(default_timeout_s=self.hold_timeout_s, grace_s=self.notif_grace_s,
-                              on_done=self.hold_done, lease_s=self.hold_lease_s,
-                              max_life_s=self.hold_max_life_s,
-                              max_early=self.max_early_notifications,
+        s = self.settings
+        self.holds = HoldBook(default_timeout_s=s.hold_timeout_s, grace_s=s.notif_grace_s,
+                              on_done=self.hold_done, lease_s=s.hold_lease_s,
+                              max_life_s=s.hold_max_life_s,
+                              max_early=s.max_early_notifications,
                               # one member's early claims never refuse another's
-                              max_early_per_member=max(1, self.max_early_notifications // 4))
+                              max_early_per_member=max(1, s.max_early_notifications // 4))
+
+    @property
+    def staging_mode(self) -> str:
+        """off, auto or always: settings.staging where a staging pool is attached
+        (host memory only), else off."""
+        return self.settings.staging if self.staging is not None else "off"
+
+    @property
+    def post_during_claim_s(self) -> float:
+        """Post reads during their claim over links P confirmed this recently
+        (seconds; 0 = claim first)."""
+        return self.settings.post_during_claim_s
+
+    @property
+    def verify_bytes(self) -> bool:
+        """Verify the bytes of every read (a read may ask alone)."""
+        return self.settings.verify_bytes
 
     def complete(self, c: Completion) -> None:
         if self.metrics is not None:
@@ -190,86 +183,3 @@ class EngineRank:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def map_regions(engine_id: str, layout: Layout, mode: str, refs: list[RegionRef],
-                shm_prefix: str = "kvs", owner_uid: int | None = None,
-                memory: str = "shm", gpu: Gpu | None = None,
-                reserved: Region | None = None, allow_unsealed_shm: bool = False,
-                ) -> tuple[list[Region], bool]:
-    """Map (attach) or create (allocate) the engine's regions; (regions, owned).
-
-    Allocated host segments are named ``<shm_prefix>-<engine id>-...``, so a
-    restarted sidecar can find (and remove) exactly its own leftovers.
-
-    Attach mode maps only what the engine could have mapped itself: shared
-    memory named ``ENGINE_SHM_PREFIX...``, owned by the registering engine's
-    uid (``owner_uid``, from its socket credentials), each exactly one layout
-    region long (GPU memory: as the attach policy allows). The sidecar may run
-    as a more privileged user than its engines; without these checks an engine
-    could have it map, and expose to peers, another tenant's memory. POSIX shm
-    (either mode) only with ``allow_unsealed_shm``: it cannot be sealed against
-    truncation. Each kind is served by an entry of
-    :mod:`kvsidecar.daemon.memory_kinds`.
-    """
-    ctx = MemoryContext(engine_id, shm_prefix, owner_uid, gpu, reserved, allow_unsealed_shm)
-    if mode == "allocate":
-        if refs:
-            raise RequestError(BAD_REQUEST, "allocate mode takes no region references")
-        return memory_kinds.allocate(memory, layout.num_regions, layout.region_bytes, ctx), True
-    if len(refs) != layout.num_regions:
-        raise RequestError(BAD_REQUEST, f"layout has {layout.num_regions} regions, "
-                                        f"{len(refs)} region references were sent")
-    return memory_kinds.attach(refs, layout, ctx), False
-
-
-def release_regions(regions: list[Region], owned: bool) -> int:
-    """Unmap (and, if this sidecar created them, unlink) an engine's regions.
-
-    Blocking (hundreds of ms per GB to give the pages back): call it off the
-    event loop. Failures are logged and returned as a count (the caller
-    counts them in its metrics), never raised: the engine is gone either way.
-    """
-    failures = 0
-    for r in regions:
-        try:
-            r.close()
-            if owned:
-                r.unlink()
-        except Exception as e:
-            log.warning("releasing region %r failed: %s", r.name, e)
-            failures += 1
-    return failures
-
-
-def shm_prefix_for(socket_path: str) -> str:
-    """``kvs-<8 hex>``: the name prefix of the segments one sidecar allocates,
-    derived from its (absolute) socket path. Two sidecars never serve the same
-    socket at once, so the prefix tells this sidecar's segments from every
-    other's, across its own restarts."""
-    digest = hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:8]
-    return f"kvs-{digest}"
-
-
-def remove_stale_segments(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink the segments a previous run of this sidecar left (``<prefix>-*``).
-
-    Only call it once this sidecar owns its socket (no other live sidecar can
-    then use the same prefix). Returns the names removed.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in sorted(names):
-        if name.startswith(prefix + "-"):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                log.warning("cannot remove stale shared memory %s: %s", name, e)
-                continue
-            removed.append(name)
-    return removed

@@ -1,0 +1,78 @@
+"""Is an engine's process still there? Pure checks, the registry acts on them.
+
+An engine is taken for dead when its pid (where checkable: a pid of this
+sidecar's own PID namespace) no longer exists, or when it sent no request
+for the engine lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvsidecar.daemon.engine_access import current_peer
+from kvsidecar.daemon.engines.rank import EngineRank
+from kvsidecar.ipc.protocol import Register
+
+log = logging.getLogger(__name__)
+
+
+def own_pid_namespace() -> str:
+    """This process's PID namespace ('' when unknown)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def death(eng: EngineRank, now: float, lease_s: float) -> str:
+    """Why ``eng`` is taken for dead ('' while alive)."""
+    if eng.pid_visible and not alive(eng.pid):
+        return f"its process (pid {eng.pid}) exited"
+    idle = now - eng.last_seen
+    if idle > lease_s:
+        return f"it sent no request for {idle:.1f} s (--engine-lease {lease_s:g} s)"
+    return ""
+
+
+def pid_visible(req: Register, pid_ns: str, lease_s: float) -> bool:
+    """Whether ``req.pid`` can serve as a liveness signal: a pid of this
+    sidecar's own PID namespace (``pid_ns``).
+
+    A stated pid that does not exist is not trusted (liveness by requests
+    only), except when it is the kernel's own word: the pid ``SO_PEERCRED``
+    recorded for the connection that sent the registration. Then the engine
+    died before its registration was done (a crash or OOM kill during a
+    large allocation), and the next liveness check (within 1 s) releases it,
+    rather than holding the memory for the whole --engine-lease and refusing
+    the restarted engine's registration of the same id meanwhile."""
+    if not req.pid:
+        return False
+    if not pid_ns or req.pid_ns != pid_ns:
+        log.info("engine %r: pid %d is in another PID namespace (%r, ours %r); liveness by "
+                 "its requests only (--engine-lease %g s)", req.engine_id, req.pid,
+                 req.pid_ns or "unknown", pid_ns, lease_s)
+        return False
+    if not alive(req.pid):
+        peer = current_peer.get()
+        if peer is not None and peer.pid == req.pid:
+            log.warning("engine %r: its process (pid %d) exited before its registration "
+                        "was done; released at the next liveness check", req.engine_id,
+                        req.pid)
+            return True
+        log.warning("engine %r: pid %d does not exist here; liveness by its requests only",
+                    req.engine_id, req.pid)
+        return False
+    return True

@@ -1,0 +1,343 @@
+"""Answers to engine requests: one handler per request type, chosen by a table.
+
+Every handler returns within microseconds: it validates, records and hands
+work to a task (reads), the hold book (holds) or a worker thread (NIXL).
+Registration and deregistration are the exceptions: they await memory
+mapping, NIXL registration or draining reads; the engine server runs each
+request in its own task, so only their caller waits. What a handler may
+touch is in its :class:`Context`, nothing else.
+
+:meth:`Handlers.handle` counts every request by type and error code, and a
+stopping sidecar answers requests that would start new work ``unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvsidecar import __version__
+from kvsidecar.daemon import keeps
+from kvsidecar.daemon.background import Alarm, Background
+from kvsidecar.daemon.engine_access import current_peer
+from kvsidecar.daemon.engines.departures import Departures
+from kvsidecar.daemon.engines.rank import EngineRank
+from kvsidecar.daemon.engines.registry import Registry
+from kvsidecar.daemon.engines.table import EngineTable, mine
+from kvsidecar.daemon.observability import Health, TransportChecks
+from kvsidecar.daemon.p_side.spans import HoldSpans
+from kvsidecar.daemon.peers.addresses import check_address
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.planner import PlanError, check_block_ids
+from kvsidecar.daemon.reads import ReadTable
+from kvsidecar.daemon.settings import Settings
+from kvsidecar.daemon.state import DaemonState
+from kvsidecar.daemon.status import checks_of, engine_status, sees, transport_of
+from kvsidecar.ipc import hold_token
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    INTERNAL,
+    PROTOCOL_MINOR,
+    PROTOCOL_VERSION,
+    UNAVAILABLE,
+    Batch,
+    Deregister,
+    Error,
+    Held,
+    Hold,
+    Keep,
+    Ok,
+    Ping,
+    Poll,
+    Pong,
+    Read,
+    Register,
+    Release,
+    RemoteEngine,
+    Replies,
+    Reply,
+    Request,
+    RequestError,
+    Reserve,
+    Status,
+    StatusReport,
+)
+from kvsidecar.metrics.registry import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_WAITING_POLLS = 4
+"""Polls that may wait at once per engine rank (``Poll.wait_s``); more are
+answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_polls"}``)."""
+#: Peer addresses remembered as checked (a set lookup per read instead of a check);
+#: past it the set starts over.
+MAX_DIALABLE = 4096
+
+_REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
+"""Requests that would start new work; a stopping sidecar answers ``unavailable``."""
+
+
+@dataclass
+class Context:
+    """What the handlers act on: the engine table and its registry and
+    departures, the read table, hold tracing, the background tasks, the
+    housekeeping alarm, and the facts a status report shows."""
+
+    settings: Settings
+    metrics: Metrics
+    state: DaemonState
+    table: EngineTable
+    registry: Registry
+    departures: Departures
+    reads: ReadTable
+    hs_client: HandshakeClient
+    spans: HoldSpans
+    background: Background
+    alarm: Alarm
+    health: Health
+    transport: TransportChecks
+
+
+class Handlers:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        #: One handler per request type (each takes exactly that type).
+        self.table: dict[type[Request], Callable[[Any], Awaitable[Reply]]] = {
+            Register: ctx.registry.register, Deregister: self.deregister, Read: self.read,
+            Hold: self.hold, Release: self.release, Poll: self.poll, Ping: self.ping,
+            Reserve: ctx.registry.reserve, Batch: self.batch, Status: self.status,
+            Keep: self.keep,
+        }
+        #: the requests counter's series per (request type, error code): both closed
+        #: sets, looked up once instead of labels() for every item of every batch
+        self._request_series: dict[tuple[type, str], Any] = {}
+        #: peer addresses reads named that passed check_address (at most MAX_DIALABLE)
+        self._dialable: set[str] = set()
+
+    async def handle(self, req: Request) -> Reply:
+        """Answer one engine request through the handler its type names."""
+        kind = type(req)
+        error = ""
+        try:
+            if self.ctx.state.stopping and kind in _REFUSED_WHILE_STOPPING:
+                raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
+            handler = self.table.get(kind)
+            if handler is None:
+                raise RequestError(BAD_REQUEST, f"unsupported request {kind.__name__}")
+            return await handler(req)
+        except RequestError as e:
+            error = e.code
+            raise
+        except BaseException:
+            error = "internal"
+            raise
+        finally:
+            # op comes from the closed set of request types, error from ERROR_CODES.
+            series = self._request_series.get((kind, error))
+            if series is None:
+                series = self._request_series[(kind, error)] = self.ctx.metrics.requests.labels(
+                    op=kind.__name__.lower(), error=error)
+            series.inc()
+
+    async def batch(self, req: Batch) -> Reply:
+        """Answer each item as if it came alone, in order; a refusal (or a bug)
+        answers that item only, so what was accepted before it stays accepted
+        and the engine learns which."""
+        out: list[Ok | Held | Error] = []
+        with self.ctx.reads.together():  # its reads of one remote engine share a task
+            for item in req.requests:
+                try:
+                    reply = await self.handle(item)
+                except RequestError as e:
+                    reply = Error(e.code, e.message)
+                except Exception as e:
+                    log.exception("handler failed on %s in a batch (item id %d)",
+                                  type(item).__name__, item.id)
+                    reply = Error(INTERNAL, f"{type(e).__name__}: {e}")
+                if not isinstance(reply, (Ok, Held, Error)):
+                    reply = Error(INTERNAL, f"handler returned {type(reply).__name__}")
+                reply.id = item.id
+                out.append(reply)
+        return Replies(items=out)
+
+    # ------------------------------------------------------------ D side
+
+    async def read(self, req: Read) -> Reply:
+        eng = self.ctx.table.engine(req.engine_id)
+        if req.remote.engine_id == req.engine_id:
+            # Its own agent would be loaded into itself as a peer (a whole UCX
+            # state) only to fail later with an error about something else.
+            raise RequestError(BAD_REQUEST, f"engine {req.engine_id[:200]!r} asked to read "
+                                            "from itself (the remote engine is the reading "
+                                            "engine): its KV cache is already here")
+        self._check_addresses(req.remote)
+        reads = self.ctx.reads
+        self._admit(eng, "reads", reads.count(eng.engine_id),
+                    self.ctx.settings.max_reads_per_engine, "reads in flight")
+        reads.accept(eng, req)
+        return Ok()
+
+    async def keep(self, req: Keep) -> Reply:
+        """Keep the holds of requests the engine admitted (see daemon/keeps.py):
+        the claims go out in the background; answered at once."""
+        eng = self.ctx.table.engine(req.engine_id)
+        for item in req.items:
+            self._check_addresses(item.remote)
+        if req.items:
+            self.ctx.background.spawn(self._keep_claims(eng, req))
+        return Ok()
+
+    async def _keep_claims(self, eng: EngineRank, req: Keep) -> None:
+        granted = await keeps.keep(self.ctx.hs_client, req.items, eng.engine_id, eng.tp_rank,
+                                   eng.layout.tp_size)
+        log.debug("engine %r kept %d request(s): %d claim(s) granted", eng.engine_id,
+                  len(req.items), granted)
+
+    def _check_addresses(self, remote: RemoteEngine) -> None:
+        """Refuse a read (or keep) naming a peer address that is not ``host:port``
+        in printable ASCII (see check_address); remember good ones (bounded), so
+        the check costs a set lookup per address."""
+        for address in remote.handshake:
+            if address in self._dialable:
+                continue
+            try:
+                check_address(address)
+            except ValueError as e:
+                raise RequestError(BAD_REQUEST, str(e)) from None
+            if len(self._dialable) >= MAX_DIALABLE:
+                self._dialable.clear()
+            self._dialable.add(address)
+
+    def _admit(self, eng: EngineRank, limit: str, used: int, bound: int, what: str) -> None:
+        """Refuse new work that would pass a per-engine bound, and work whose
+        completion could not be queued (every accepted read or hold ends in
+        exactly one completion, so bounding reads + holds + unpolled
+        completions bounds the queue without ever dropping a completion)."""
+        queued = len(eng.completions) + self.ctx.reads.count(eng.engine_id) + len(eng.holds)
+        cap = self.ctx.settings.max_completions_per_engine
+        if queued >= cap:
+            limit, used, bound = "completions", queued, cap
+            what = "reads, holds and unpolled completions"
+        elif used < bound:
+            return
+        self.ctx.metrics.limit_refusals.labels(eng.engine_id, limit).inc()
+        raise RequestError(UNAVAILABLE, f"engine {eng.engine_id!r} has {used} {what}, the "
+                                        f"limit is {bound} (--max-{limit}-per-engine); poll "
+                                        "completions or retry later")
+
+    # ------------------------------------------------------------ P side
+
+    async def hold(self, req: Hold) -> Reply:
+        ctx = self.ctx
+        eng = ctx.table.engine(req.engine_id)
+        self._admit(eng, "holds", len(eng.holds), ctx.settings.max_holds_per_engine,
+                    "holds open")
+        try:
+            check_block_ids(eng.layout, req.block_ids, "held")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        held = hold_token.blocks_digest(req.block_ids)
+        try:
+            eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
+                          req.timeout_s, time.monotonic(), digest=held, block_ids=req.block_ids)
+        except KeyError as e:
+            raise RequestError(DUPLICATE, str(e.args[0])) from None
+        eng.worker.set_hot(len(eng.holds) > 0)
+        ctx.alarm.poke()  # housekeeping now watches this hold's deadline
+        ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)
+        timeout = req.timeout_s or eng.holds.default_timeout_s
+        # Valid as long as a lease on the hold can run (see HoldBook.claim).
+        life = max(timeout, eng.holds.max_life_s) + eng.holds.lease_s
+        return Held(lease_s=eng.holds.lease_s, timeout_s=timeout,
+                    token=hold_token.issue_digested([eng.hold_key], req.engine_id,
+                                                    req.request_id, held,
+                                                    math.ceil(time.time() + life))[0])
+
+    async def release(self, req: Release) -> Reply:
+        eng = self.ctx.table.engine(req.engine_id)
+        if self.ctx.reads.abort(req.engine_id, req.request_id, "released by the engine"):
+            return Ok()
+        if eng.holds.release(req.engine_id, req.request_id, time.monotonic()):
+            self.ctx.spans.end(req.engine_id, req.request_id, "released")
+            return Ok()
+        if eng.has_completion(req.request_id):
+            return Ok()  # it ended just before the release; its completion says how
+        raise RequestError(BAD_REQUEST, f"no read or hold {req.request_id!r} in progress for "
+                                        f"engine {req.engine_id!r}")
+
+    # ------------------------------------------------------------ either side
+
+    async def poll(self, req: Poll) -> Reply:
+        eng = self.ctx.table.engine(req.engine_id)
+        if (req.ack is not None and eng.completions and req.epoch == eng.epoch
+                and req.ack > eng.completions[-1][0]):
+            # Acknowledging past the newest completion can only be a bug: it would
+            # drop, unseen, every completion numbered up to it (now and later).
+            raise RequestError(BAD_REQUEST, f"ack {req.ack} is past the newest completion "
+                                            f"({eng.completions[-1][0]}); ack the 'last' of "
+                                            "a previous reply (nothing was dropped)")
+        reply = eng.poll(req.ack, req.epoch)
+        if reply.items or req.wait_s <= 0 or self.ctx.state.stopping:
+            return reply
+        if eng.waiting_polls >= MAX_WAITING_POLLS:
+            # Answered at once rather than refused: a poll may always return early.
+            self.ctx.metrics.limit_refusals.labels(eng.engine_id, "waiting_polls").inc()
+            return reply
+        await eng.wait_for_completion(req.wait_s)
+        return eng.poll(req.ack, req.epoch)
+
+    async def deregister(self, req: Deregister) -> Reply:
+        ctx = self.ctx
+        peer = current_peer.get()
+        if (req.engine_id not in ctx.table.ranks
+                and ctx.registry.reservations.of(req.engine_id, peer.uid if peer else None)):
+            await ctx.departures.drop_reservation(req.engine_id)  # reserved, never registered
+            return Ok()
+        ctx.table.engine(req.engine_id)
+        # Shielded: a caller that gives up (or a shutdown) must not cut the
+        # release short between forgetting the engine and freeing its memory.
+        await asyncio.shield(ctx.background.spawn(ctx.departures.drop_engine(
+            req.engine_id, f"deregistered by the engine ({req.mode})",
+            drain=req.mode == "drain")))
+        return Ok()
+
+    async def ping(self, req: Ping) -> Reply:
+        """Version, this uid's engines, and the keepalive of ``req.engines``: each
+        of them registered here by this uid has its liveness lease renewed (an
+        engine idle between requests stays alive for as long as its process
+        pings; one that is gone is simply not listed back)."""
+        ranks = self.ctx.table.ranks
+        if req.engines:
+            now = time.monotonic()
+            for engine_id in req.engines:
+                eng = ranks.get(engine_id)
+                if eng is not None and mine(eng):
+                    eng.last_seen = now
+        return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
+                    engines=sorted(e for e, eng in ranks.items() if mine(eng)),
+                    engine_lease_s=self.ctx.settings.engine_lease_s)
+
+    async def status(self, req: Status) -> Reply:
+        """``kvsidecar status``: one snapshot, built on the loop (daemon/status.py)."""
+        ctx = self.ctx
+        now = time.monotonic()
+        asker = current_peer.get()
+        checks = ctx.health.readiness()
+        path, detail = transport_of(ctx.settings.transport_check, ctx.transport.host,
+                                    ctx.transport.vram, ctx.state.gpu is not None)
+        engines = [engine_status(eng, ctx.reads.count(e), ctx.reads.oldest_age(e, now), now)
+                   for e, eng in sorted(ctx.table.ranks.items()) if sees(asker, eng)]
+        drain = ctx.table.drain
+        return StatusReport(
+            version=__version__, daemon_id=ctx.state.daemon_id,
+            uptime_s=round(now - ctx.state.created, 3), socket=ctx.settings.socket,
+            handshake_address=ctx.state.handshake_address, ready=all(c.ok for c in checks),
+            draining=ctx.state.stopping, transport=path, transport_detail=detail,
+            checks=checks_of(checks), engines=engines, engines_draining=len(drain),
+            drain_bytes=drain.nbytes)
