@@ -84,7 +84,7 @@ from kvsidecar.daemon.status import checks_of, engine_status, sees, transport_of
 from kvsidecar.daemon.thread_names import name_this_thread
 from kvsidecar.daemon.tracing import Tracing
 from kvsidecar.daemon.transport.check import CheckResult, run_check
-from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker
+from kvsidecar.daemon.transport.worker import AgentReset, NixlError, NixlWorker, WorkerOptions
 from kvsidecar.daemon.verify import (
     MAX_DIGEST_BYTES_IN_FLIGHT,
     MAX_DIGESTS_IN_FLIGHT,
@@ -620,16 +620,16 @@ class Sidecar:
             mapping.add_done_callback(_release_late_mapping)
             raise
         agent = f"kvs-{req.engine_id}-r{req.tp_rank}-{self.daemon_id[:8]}-{uuid.uuid4().hex[:6]}"
-        worker = NixlWorker(agent, backends=self.settings.backends,
+        worker = NixlWorker(agent, WorkerOptions(backends=self.settings.backends,
+                                                 join_notifs=notifications.join,
+                                                 max_notif_bytes=notifications.MAX_NOTIF_BYTES),
                             on_notif=partial(self._on_notif, req.engine_id),
                             on_reset=partial(self._on_agent_reset, req.engine_id),
-                            thread_init=partial(_worker_thread_init, self._gpu),
-                            join_notifs=notifications.join,
-                            max_notif_bytes=notifications.MAX_NOTIF_BYTES)
+                            thread_init=partial(_worker_thread_init, self._gpu))
         # Lanes past 0 only post reads (no notifications in or out: peers know lane
         # 0's agent alone); see engines.py and reads.lane_of.
         lanes = [worker] + [
-            NixlWorker(f"{agent}-l{k}", backends=self.settings.backends,
+            NixlWorker(f"{agent}-l{k}", WorkerOptions(backends=self.settings.backends),
                        on_reset=partial(self._on_lane_reset, req.engine_id),
                        thread_init=partial(_worker_thread_init, self._gpu))
             for k in range(1, self.settings.post_lanes)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.daemon.transport.worker import PollPolicy
+from kvsidecar.daemon.transport.poll_policy import PollPolicy
 
 P = PollPolicy(busy_s=0.0002, hot_s=0.001, hot_max_s=0.05, idle_s=0.005, idle_max_s=0.5)
 
