@@ -115,6 +115,8 @@ class AgentHost:
         self.tries = 0
         self._retry_at = 0.0
         self._retry_wait = RECREATE_FIRST_S
+        #: the reset still to be told once the agent is up: reason, reads failed, teardown s
+        self._pending: tuple[str, int, float] = ("", 0, 0.0)
 
     def create(self) -> None:
         self.agent = self._factory(self.name)
@@ -267,19 +269,42 @@ class AgentHost:
             gc.collect()
             raise
 
-    def went_down(self, exc: BaseException) -> None:
-        """:meth:`create_again` failed after a reset: down, first retry soon."""
-        self.down = f"{type(exc).__name__}: {exc}"
-        self.down_since = time.monotonic()
-        self._retry_wait = RECREATE_FIRST_S
-        self._retry_at = self.down_since + self._retry_wait
-        self.tries = 1
+    def reset(self, reason: str, reads_failed: int,
+              drop_handles: Callable[[], None]) -> AgentReset | None:
+        """Destroy the agent, once ``drop_handles`` released and dropped every
+        transfer handle on it, and create it again: what to tell the owner, or
+        None when it could not be created (down; :meth:`retry` later)."""
+        t0 = time.perf_counter()
+        old = self.name
+        drop_handles()
+        self.destroy()
+        try:
+            md = self.create_again()
+        except Exception as exc:
+            # The old agent is gone (nothing writes any more, so the reads can be
+            # reported). Without a new one the worker serves nothing but stays up
+            # and tries again; until then jobs fail naming why, and the owner
+            # reports the engine not ready.
+            log.exception("NIXL agent %r: could not be created again after a reset; "
+                          "retrying", old)
+            self.down = f"{type(exc).__name__}: {exc}"
+            self.down_since = time.monotonic()
+            self._retry_wait = RECREATE_FIRST_S
+            self._retry_at = self.down_since + self._retry_wait
+            self.tries = 1
+            self._pending = (reason, reads_failed, time.perf_counter() - t0)
+            return None
+        teardown = time.perf_counter() - t0
+        log.warning("NIXL agent %r reset as %r in %.3f s (%s); %d read(s) in flight on it "
+                    "failed with it", old, self.name, teardown, reason, reads_failed)
+        return AgentReset(self.gen, self.name, md, reason, reads_failed, teardown)
 
     def retry_due(self) -> bool:
         return bool(self.down) and time.monotonic() >= self._retry_at
 
-    def retry(self) -> bytes | None:
-        """Another try at creating the agent; its metadata, or None (still down)."""
+    def retry(self) -> AgentReset | None:
+        """Another try at creating the agent a reset could not create again:
+        the reset to tell the owner now, or None (still down)."""
         try:
             md = self.create_again()
         except Exception as exc:
@@ -294,7 +319,8 @@ class AgentHost:
         log.warning("NIXL agent %r created again as %r after %.1f s down (%d tries)",
                     self.base_name, self.name, time.monotonic() - self.down_since, self.tries)
         self.down = ""
-        return md
+        reason, n, teardown = self._pending
+        return AgentReset(self.gen, self.name, md, reason, n, teardown)
 
 
 def _check_idle(agent: str, action: str, busy: Callable[[str], int]) -> None:

@@ -185,8 +185,6 @@ class NixlWorker:
         self._host = AgentHost(name, options.factory(), self._out.notif)
         self._reads = InflightReads(self._host, self._out, telemetry=options.telemetry,
                                     on_posted=self._pacer.posted)
-        #: a reset whose agent is still down: (reason, reads failed, teardown s)
-        self._pending_reset: tuple[str, int, float] = ("", 0, 0.0)
 
     # -- public API (event loop side) ------------------------------------------------------------
 
@@ -511,7 +509,10 @@ class NixlWorker:
             self._reset_agent()
         if self._host.agent is None:  # a reset that could not create the agent again
             if self._host.retry_due():
-                self._retry_agent()
+                reset = self._host.retry()
+                self.down_reason = self._host.down
+                if reset is not None:
+                    self._post(self._reset_done, reset)
             return 0
         try:
             return self._host.take_notifs()
@@ -522,34 +523,19 @@ class NixlWorker:
     def _reset_agent(self) -> None:
         """Destroy the agent (killing every transfer on it), create it again, then fail
         the reads that doomed it and every other read that was in flight on it."""
-        t0 = time.perf_counter()
         doomed, others = self._reads.take_all()
-        old = self._host.name
         reason = str(doomed[0][1])
-        n = len(doomed) + len(others)
         self._flush()  # what finished before the reset goes out first
-        self._destroy_agent([r for r, _ in doomed] + others)
-        try:
-            md = self._host.create_again()
-        except Exception as exc:
-            # The old agent is gone (nothing writes any more, so the reads can be
-            # reported). Without a new one this worker serves nothing but stays up
-            # and tries again (_progress); until then jobs fail naming why, and
-            # the owner reports the engine not ready.
-            log.exception("NIXL agent %r: could not be created again after a reset; "
-                          "retrying", old)
-            self._host.went_down(exc)
-            self.down_reason = self._host.down
-            self._pending_reset = (reason, n, time.perf_counter() - t0)
+        reset = self._host.reset(reason, len(doomed) + len(others),
+                                 functools.partial(self._reads.drop,
+                                                   [r for r, _ in doomed] + others))
+        self.down_reason = self._host.down
+        if reset is None:
             err = NixlKilledByReset(f"read from a remote agent failed: the agent was reset "
                                     f"because another read failed ({reason})")
             self._fail_reads(doomed, others, lambda r: err)
             return
-        teardown = time.perf_counter() - t0
-        log.warning("NIXL agent %r reset as %r in %.3f s (%s); %d read(s) in flight on it "
-                    "failed with it", old, self._host.name, teardown, reason, n)
-        self._post(self._reset_done,
-                   AgentReset(self._host.gen, self._host.name, md, reason, n, teardown))
+        self._post(self._reset_done, reset)
         self._fail_reads(doomed, others, lambda r: NixlKilledByReset(
             f"read from remote agent {r.remote!r} failed: the agent was reset because "
             f"another read failed ({reason})", remote=r.remote))
@@ -560,21 +546,6 @@ class NixlWorker:
             self._out.fail(r.fut, e)
         for r in others:
             self._out.fail(r.fut, killed(r))
-
-    def _retry_agent(self) -> None:
-        """Another try at creating the agent that a reset could not create again."""
-        md = self._host.retry()
-        self.down_reason = self._host.down
-        if md is None:
-            return
-        reason, n, teardown = self._pending_reset
-        self._post(self._reset_done,
-                   AgentReset(self._host.gen, self._host.name, md, reason, n, teardown))
-
-    def _destroy_agent(self, reads: list[Inflight]) -> None:
-        """Drop every handle and the agent itself, on this thread."""
-        self._reads.drop(reads)
-        self._host.destroy()
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -604,7 +575,8 @@ class NixlWorker:
         # The agent is destroyed here, on its own thread, before any stuck read is
         # reported and before stop() returns: only then may the memory be unmapped.
         if self._host.agent is not None:
-            self._destroy_agent(stuck + [r for r, _ in doomed])
+            self._reads.drop(stuck + [r for r, _ in doomed])
+            self._host.destroy()
         self._fail_reads(doomed, stuck, lambda r: NixlError(
             f"read from remote agent {r.remote!r}: worker stopped before it finished",
             remote=r.remote))
