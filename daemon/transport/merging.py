@@ -1,11 +1,10 @@
 """Which posts of one worker flush travel together as one NIXL transfer.
 
-Measured with bare agents (host memory, UCX/CMA): a READ costs about 0.13 ms
-per ``initialize_xfer`` + ``transfer()`` call and about 0.3 ms more when it
-carries a notification, while one more descriptor in the same call costs
-microseconds. So the reads a flush posts to the same P agent (same agent
-generation and memory kinds) go as one transfer with one notification that
-names them all, if that peer advertised batched notifications
+A READ's post and its notification cost far more than one more descriptor in
+the same READ (figures in benchmarks/RESULTS.md). So the reads a flush posts
+to the same P agent (same agent generation and memory kinds) go as one
+transfer with one notification that names them all, if that peer advertised
+batched notifications
 (``HandshakeInfo.notif_batch_reads``). Pure functions; the worker's posting
 (:mod:`~kvsidecar.daemon.transport.posting`) applies them.
 

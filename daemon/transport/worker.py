@@ -90,8 +90,8 @@ _TIMER_SLACK_NS = 1000
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How a :class:`NixlWorker` is configured (its wiring, the callbacks,
-    is given to the constructor)."""
+    """A :class:`NixlWorker`'s configuration (its callbacks to the owner are
+    constructor arguments)."""
 
     backends: Sequence[str] = ("UCX",)
     backend_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
