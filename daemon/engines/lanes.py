@@ -18,7 +18,7 @@ from typing import TypeVar
 from kvsidecar.daemon import notifications
 from kvsidecar.daemon.cuda_device import CudaDevice
 from kvsidecar.daemon.thread_names import name_this_thread
-from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker
+from kvsidecar.daemon.transport.worker import AgentReset, NixlWorker, WorkerOptions
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.regions import Region
 
@@ -40,13 +40,14 @@ def make_lanes(agent: str, backends: Sequence[str], count: int, gpu: CudaDevice 
                on_reset: Callable[[AgentReset], None],
                on_lane_reset: Callable[[AgentReset], None]) -> list[NixlWorker]:
     """Lane 0 (named ``agent``, notifications in) and ``count - 1`` posting lanes."""
-    worker = NixlWorker(agent, backends=backends, on_notif=on_notif, on_reset=on_reset,
-                        thread_init=partial(worker_thread_init, gpu),
-                        join_notifs=notifications.join,
-                        max_notif_bytes=notifications.MAX_NOTIF_BYTES)
+    worker = NixlWorker(agent, WorkerOptions(backends=backends,
+                                             join_notifs=notifications.join,
+                                             max_notif_bytes=notifications.MAX_NOTIF_BYTES),
+                        on_notif=on_notif, on_reset=on_reset,
+                        thread_init=partial(worker_thread_init, gpu))
     return [worker] + [
-        NixlWorker(f"{agent}-l{k}", backends=backends, on_reset=on_lane_reset,
-                   thread_init=partial(worker_thread_init, gpu))
+        NixlWorker(f"{agent}-l{k}", WorkerOptions(backends=backends),
+                   on_reset=on_lane_reset, thread_init=partial(worker_thread_init, gpu))
         for k in range(1, count)]
 
 

@@ -118,7 +118,7 @@ def _claim(eng: EngineRank, msg: Claim, digest: bytes, member: bytes) -> Control
         # TCP the bytes, need us). Told once this reply has left: waking the
         # worker thread now would contend for the GIL with the reply.
         # Few holds: this read is worth the worker's 50 us poll; many: the
-        # worker is busy anyway (see NixlWorker._completion_imminent).
+        # worker is busy anyway (see transport.poll_policy.PollPacer.imminent).
         asyncio.get_running_loop().call_soon(
             functools.partial(eng.worker.expect_reads, lease.lease_s,
                               soon=len(eng.holds) <= _SOON_MAX_HOLDS))

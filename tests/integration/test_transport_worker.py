@@ -29,8 +29,10 @@ from kvsidecar.daemon.transport.worker import (
     NixlError,
     NixlWorker,
     NotifyOp,
+    PollPolicy,
     ReadOp,
     TransferStats,
+    WorkerOptions,
     transport_note,
 )
 
@@ -421,45 +423,6 @@ async def test_posts_of_one_loop_iteration_go_as_one_job_and_fail_alone(
 
 
 @pytest.mark.timeout(120)
-async def test_a_read_finished_early_in_a_round_is_delivered_before_the_round_ends(
-        peer: Any, peer_mem: ShmBuf) -> None:
-    """Jobs of one round run back to back on the worker thread (on host memory
-    each ``transfer()`` copies inline): a read that ended is handed to the loop
-    between them, not after the round's last job. The second job here blocks
-    until the test saw the first read's result (else it gives up and reports
-    that it never saw it). No notification: a READ without one ends inside
-    ``transfer()`` (one with one waits for the peer's progress). Results go
-    out after jobs that took ``busy_poll_s`` at least: 1 us here, so after
-    any read."""
-    from kvsidecar.daemon.transport.worker import _Job
-
-    mem = ShmBuf(MiB)
-    w = NixlWorker(f"early-{uuid.uuid4().hex[:8]}", busy_poll_s=1e-6)
-    await w.start()
-    try:
-        await w.register([(mem.addr, mem.nbytes)])
-        _, md, paddr = peer
-        name = await w.add_remote(md)
-        await w.read(name, i64([mem.addr]), i64([paddr]), i64([64]))  # wired up
-        mem.view[:65536] = 0
-        loop = asyncio.get_running_loop()
-        seen = threading.Event()
-        read_fut: asyncio.Future[Any] = loop.create_future()
-        block_fut: asyncio.Future[Any] = loop.create_future()
-        what, fn = w._read_job(ReadOp(name, i64([mem.addr]), i64([paddr]), i64([65536])))
-        w._jobs.put((_Job(fn, read_fut, what, name),
-                     _Job(lambda _fut: seen.wait(30.0), block_fut, "block", None)))
-        stats = await asyncio.wait_for(read_fut, 60)
-        seen.set()
-        assert await asyncio.wait_for(block_fut, 60) is True  # the read came out first
-        assert isinstance(stats, TransferStats) and stats.bytes == 65536
-        assert np.array_equal(mem.view[:65536], peer_mem.view[:65536])
-    finally:
-        await w.stop()
-        mem.close()
-
-
-@pytest.mark.timeout(120)
 async def test_add_remote_is_idempotent_and_replaces_changed_metadata(local: Any) -> None:
     w, _, mem, _ = local
     p = Peer(f"peer-{uuid.uuid4().hex[:8]}")
@@ -603,9 +566,9 @@ async def test_a_sleeping_worker_wakes_for_jobs_holds_and_expected_reads() -> No
     t_mem, r_mem = ShmBuf(MiB), ShmBuf(MiB)
     t_mem.view[:] = np.random.default_rng(5).integers(0, 256, MiB, dtype=np.uint8)
     got: list[tuple[str, bytes]] = []
-    target = NixlWorker(f"sleepy-{uuid.uuid4().hex[:6]}", idle_poll_s=hour, idle_max_s=hour,
-                        hot_poll_s=0.001, hot_max_s=hour, soon_poll_s=0.0001,
-                        soon_window_s=hour,
+    poll = PollPolicy(idle_s=hour, idle_max_s=hour, hot_s=0.001, hot_max_s=hour, soon_s=0.0001,
+                      soon_window_s=hour)
+    target = NixlWorker(f"sleepy-{uuid.uuid4().hex[:6]}", WorkerOptions(poll=poll),
                         on_notif=lambda ag, m: got.append((ag, m)))
     reader = NixlWorker(f"reader-{uuid.uuid4().hex[:6]}")
     await asyncio.gather(target.start(), reader.start())
@@ -686,7 +649,7 @@ def test_under_uvloop() -> None:
 
 @pytest.mark.timeout(60)
 async def test_start_failure_is_a_nixl_error() -> None:
-    w = NixlWorker(f"bad-{uuid.uuid4().hex[:6]}", backends=("NO_SUCH_BACKEND",))
+    w = NixlWorker(f"bad-{uuid.uuid4().hex[:6]}", WorkerOptions(backends=("NO_SUCH_BACKEND",)))
     with pytest.raises(NixlError, match="NO_SUCH_BACKEND"):
         await w.start()
     await w.stop()
@@ -700,83 +663,6 @@ async def test_transport_note_names_ucx_tls() -> None:
     assert "cma" in note or "tcp" in note
 
 
-@pytest.mark.timeout(180)
-async def test_an_agent_that_cannot_be_created_again_is_retried_and_registrations_follow(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read to a dead peer resets the agent. The first two re-creations fail (a
-    named fake for UCX finding no usable device, which the netns test causes for
-    real by cutting the link): the read is still reported at once (the old agent
-    is gone), new work fails naming why, the engine reads as not ready
-    (``down_reason``), and a registration dropped meanwhile is forgotten, so the
-    agent created on the third try registers only what is still registered."""
-    resets: list[Any] = []
-    w = NixlWorker(f"down-{uuid.uuid4().hex[:8]}", on_reset=resets.append)
-    await w.start()
-    keep, drop = ShmBuf(MiB), ShmBuf(MiB)
-    name = f"peer-{uuid.uuid4().hex[:8]}"
-    region, region2 = ShmBuf(65536), ShmBuf(65536)
-    p = Peer(name)
-    name2 = f"peer-{uuid.uuid4().hex[:8]}"
-    p2 = Peer(name2)
-    try:
-        reg_keep = await w.register([(keep.addr, keep.nbytes)])
-        reg_drop = await w.register([(drop.addr, drop.nbytes)])
-        md, addr, _ = await p.call("register", region.path, timeout=60.0)
-        assert await w.add_remote_at(md) == (name, 0)  # loaded into generation 0
-        p.proc.kill()
-        p.proc.wait()
-        p.conn.close()
-
-        real = w._create_agent
-        failures = {"left": 2}
-        registered: list[int] = []
-
-        def flaky() -> Any:  # FAKE: the device is gone for two tries
-            if failures["left"]:
-                failures["left"] -= 1
-                raise RuntimeError("Failed to create UCX context: No such device (fake)")
-            return real()
-
-        real_register = w._register_descs
-
-        def counting(regions: Any, mem_type: str, dev_id: int) -> Any:
-            registered.append(regions[0][0])
-            return real_register(regions, mem_type, dev_id)
-
-        monkeypatch.setattr(w, "_create_agent", flaky)
-        monkeypatch.setattr(w, "_register_descs", counting)
-        with pytest.raises(NixlError, match=name):
-            await asyncio.wait_for(w.read(name, i64([keep.addr]), i64([addr]), i64([4096]),
-                                          timeout_s=5.0), 60)
-        assert "No such device" in w.down_reason and w.running
-        with pytest.raises(NixlError, match="agent is down since"):
-            await w.metadata()
-        await w.deregister(reg_drop)  # while down: forgotten, never registered again
-        drop.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
-        while not resets:
-            assert loop.time() < deadline, "the agent was never created again"
-            await asyncio.sleep(0.05)
-        assert w.down_reason == "" and failures["left"] == 0
-        assert registered == [keep.addr]  # only what is still registered
-        assert resets[0].agent_name == w.agent_name and w.agent_name.endswith("-g3")
-        assert await w.metadata() == resets[0].metadata
-        # A remote loaded now is loaded into the generation that runs, and says so
-        # (links label themselves with it; reads check it before posting).
-        md2, _, _ = await p2.call("register", region2.path, timeout=60.0)
-        assert await w.add_remote_at(md2) == (name2, 3)
-        await w.deregister(reg_keep)
-    finally:
-        if p.proc.poll() is None:
-            p.close()
-        p2.close()
-        await w.stop()
-        keep.close()
-        region.close()
-        region2.close()
-
-
 @pytest.mark.timeout(120)
 async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_together(
         peer: Any, peer_mem: ShmBuf) -> None:
@@ -788,7 +674,7 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
     from kvsidecar.daemon import notifications
 
     mem = ShmBuf(MiB)
-    w = NixlWorker(f"merge-{uuid.uuid4().hex[:8]}", join_notifs=notifications.join)
+    w = NixlWorker(f"merge-{uuid.uuid4().hex[:8]}", WorkerOptions(join_notifs=notifications.join))
     await w.start()
     try:
         await w.register([(mem.addr, mem.nbytes)])
@@ -814,7 +700,7 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
         assert got == sorted([notifications.join(notes[:5]), notes[5],
                               notifications.join(notes[:2])])
         # A read over merge_max_read_bytes goes alone; the small ones around it merge.
-        w._merge_max_read_bytes = 4096
+        w._posts.merge_max_read_bytes = 4096
         sizes = [4096, 8192, 4096, 4096]
         ops = [ReadOp(name, i64([mem.addr + 8192 * i]), i64([paddr + 8192 * i]), i64([n]),
                       notif=notes[i], merge=8) for i, n in enumerate(sizes)]
@@ -825,7 +711,7 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
             assert np.array_equal(mem.view[8192 * i:8192 * i + n],
                                   peer_mem.view[8192 * i:8192 * i + n]), i
         await p.call("notifs", 2, 10.0)
-        w._merge_max_read_bytes = 2 << 20
+        w._posts.merge_max_read_bytes = 2 << 20
         # One bad range fails the transfer, so every read merged with it.
         bad = [ReadOp(name, i64([mem.addr]), i64([paddr]), i64([4096]), merge=8),
                ReadOp(name, i64([mem.addr]), i64([paddr + MiB - 100]), i64([4096]), merge=8)]

@@ -1,10 +1,11 @@
-"""The NIXL worker's wait between polls (PollPolicy): pure, no threads, no clocks."""
+"""The NIXL worker's wait between polls (PollPolicy) and what it depends on
+(PollPacer): pure, no threads, the clock injected."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvsidecar.daemon.transport.worker import PollPolicy
+from kvsidecar.daemon.transport.poll_policy import PollPacer, PollPolicy
 
 P = PollPolicy(busy_s=0.0002, hot_s=0.001, hot_max_s=0.05, idle_s=0.005, idle_max_s=0.5)
 
@@ -67,3 +68,61 @@ def test_bad_policies_are_refused() -> None:
         PollPolicy(idle_s=1.0, idle_max_s=0.5)
     with pytest.raises(ValueError, match="cap"):
         PollPolicy(hot_s=0.1, hot_max_s=0.05)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pacer() -> tuple[PollPacer, Clock]:
+    clock = Clock()
+    return PollPacer(PollPolicy(soon_window_s=0.005, soon_max_reads=2), clock), clock
+
+
+def test_holds_wake_the_thread_once_and_their_end_closes_every_window() -> None:
+    p, _ = pacer()
+    assert p.set_hot(True) is True  # leave a long idle wait now
+    assert p.set_hot(True) is False
+    assert p.expect_reads(10.0) is True
+    assert p.next_wait(0.05, active=False, inflight=0) == p.policy.soon_s
+    assert p.set_hot(False) is False
+    assert p.next_wait(0.05, active=False, inflight=0) == 0.1  # idle, escalating
+
+
+def test_a_lease_wakes_once_per_window_and_a_notification_closes_it() -> None:
+    p, clock = pacer()
+    assert p.expect_reads(10.0) is True
+    assert p.expect_reads(10.0) is False  # inside the open window: polls soon anyway
+    grants = p.grants
+    p.notified(grants)
+    assert p.next_wait(0.0, active=False, inflight=0) == p.policy.hot_s  # the lease runs
+    grants = p.grants
+    p.expect_reads(10.0)  # a grant during the round keeps its window
+    p.notified(grants)
+    assert p.imminent(clock.now, 0)
+    clock.now += 0.006  # the window passed
+    assert not p.imminent(clock.now, 0)
+    clock.now += 10.0  # the lease too
+    assert p.next_wait(0.001, active=False, inflight=0) == 0.005  # idle: from its floor
+
+
+def test_a_lease_among_many_wakes_without_a_soon_window() -> None:
+    p, _ = pacer()
+    assert p.expect_reads(10.0, soon=False) is True
+    assert p.expect_reads(10.0, soon=False) is False  # expected already
+    assert p.next_wait(0.05, active=False, inflight=0) == p.policy.hot_s
+
+
+def test_a_read_of_ours_is_imminent_only_with_few_in_flight_and_within_the_window() -> None:
+    p, clock = pacer()
+    assert not p.imminent(clock.now, 1)
+    p.posted()
+    assert p.imminent(clock.now, 1) and p.imminent(clock.now, 2)
+    assert not p.imminent(clock.now, 3) and not p.imminent(clock.now, 0)
+    assert p.next_wait(0.0, active=False, inflight=3) == p.policy.busy_s
+    clock.now += 0.006
+    assert not p.imminent(clock.now, 1)
