@@ -314,7 +314,11 @@ def test_a_lane_reset_keeps_the_notifications_of_reads_in_flight(
     env = {"UCX_TLS": "tcp,self"}
     ps = [SidecarProcess(tmp_path, f"lr-p{i}", env=env, args=P_LONG).start()
           for i in range(2)]
-    qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env).start() for i in range(q_tp)]
+    # Q idles from its warm-up read until it prefills r2, 25-35 s on a loaded
+    # machine: a longer engine lease keeps the simulated engine (which never
+    # pings) registered; what is tested is the lane reset, not the lease.
+    qs = [SidecarProcess(tmp_path, f"lr-q{i}", env=env, args=["--engine-lease", "120"]).start()
+          for i in range(q_tp)]
     d = SidecarProcess(tmp_path, "lr-d", env=env,
                        args=["--post-lanes", str(lanes), "--metrics-port", "0"]).start()
     P = SimEngine("lr-P", stall_layout, 2, 100, ps, timeout_s=60)
