@@ -15,6 +15,7 @@ from typing import NoReturn
 from kvsidecar import __version__
 from kvsidecar.daemon import settings as settings_mod
 from kvsidecar.daemon.options import BY_FIELD
+from kvsidecar.ipc.socket_path import default_socket
 
 _SOCKET_ENV = BY_FIELD["socket"].env
 _DEVICE = BY_FIELD["device"]
@@ -100,7 +101,7 @@ def _default_status_socket() -> str:
     folder holds exactly one socket, that one: a sidecar whose ``--device`` was a
     flag (as a container's arguments pass it, which the image's HEALTHCHECK
     cannot see) is found all the same. Two or more: none is guessed."""
-    path = settings_mod.default_socket(os.environ.get(_DEVICE.env, str(_DEVICE.default)))
+    path = default_socket(os.environ.get(_DEVICE.env, str(_DEVICE.default)))
     if os.path.exists(path):
         return path
     folder = os.path.dirname(path)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvsidecar.daemon.addresses import WILDCARDS, bracket, routable_address
 from kvsidecar.daemon.options import OPTIONS, SECTIONS, Convert, Option, csv
+from kvsidecar.ipc.socket_path import default_socket
 
 
 @dataclass(frozen=True)
@@ -91,22 +92,6 @@ class Settings:
             raise SystemExit(f"kvsidecar: --handshake-host {self.handshake_host} is a wildcard "
                              "and this host has no routable address; pass --advertise-host")
         return found
-
-
-def default_socket(device: str) -> str:
-    """``$RUNTIME_DIRECTORY`` (systemd's ``RuntimeDirectory=``, owned by the
-    service's user), else ``$XDG_RUNTIME_DIR/kvsidecar``, else a per-uid
-    directory in /tmp (a shared name there could be taken by another user first)."""
-    name = f"{device.replace(':', '')}.sock"
-    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if runtime:
-        return os.path.join(runtime, name)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "kvsidecar", name)
-    return os.path.join("/tmp", f"kvsidecar-{os.geteuid()}", name)
-
-
 
 
 class ConfigError(ValueError):

@@ -10,11 +10,11 @@ does without the others.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ...ipc.protocol import MemoryKind
+from ...ipc.socket_path import default_socket
 from .layout import UnsupportedConfig
 
 NULL_BLOCK = 0
@@ -103,8 +103,7 @@ class Settings:
             return self.sidecar_sockets[rank]
         if self.sidecar_socket:
             return self.sidecar_socket.format(rank=rank, local_rank=local_rank)
-        base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-        return os.path.join(base, "kvsidecar", f"{device.replace(':', '')}.sock")
+        return default_socket(device)
 
 
 

@@ -1,0 +1,38 @@
+"""The vLLM connector looks for its sidecar where ``kvsidecar serve`` listens by
+default, whatever the environment (they once disagreed without XDG_RUNTIME_DIR)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvsidecar.daemon.settings import add_arguments, from_args
+from kvsidecar.integrations.vllm.settings import Settings as ConnectorSettings
+
+
+def _serve_default(device: str) -> str:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(["--device", device])).socket
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"XDG_RUNTIME_DIR": "/run/user/1000"},
+    {"RUNTIME_DIRECTORY": "/run/kvsidecar"},
+    {"RUNTIME_DIRECTORY": "/run/a:/run/b", "XDG_RUNTIME_DIR": "/run/user/7"},
+], ids=["none", "xdg", "systemd", "both"])
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_connector_and_serve_agree_on_the_default_socket(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], device: str) -> None:
+    for name in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR", "KVSIDECAR_SOCKET", "KVSIDECAR_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    served = _serve_default(device)
+    assert ConnectorSettings.from_extra({}).socket_for(0, 0, device) == served
+    if not env:
+        assert served == f"/tmp/kvsidecar-{os.geteuid()}/{device.replace(':', '')}.sock"
