@@ -38,6 +38,7 @@ from kvsidecar import __version__
 from kvsidecar.daemon import digest, keeps, memory_kinds, notifications
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.daemon.drain import DrainBook, Generation, keepable
 from kvsidecar.daemon.engine_access import AccessPolicy, current_peer
 from kvsidecar.daemon.engine_server import EngineServer
@@ -76,7 +77,6 @@ from kvsidecar.daemon.peers.messages import (
 from kvsidecar.daemon.peers.server import HandshakeServer
 from kvsidecar.daemon.planner import PlanError, check_block_ids
 from kvsidecar.daemon.prefault import prefault
-from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.staging import StagingPool

@@ -1,33 +1,32 @@
 """D side: the reads of one engine message that share a remote engine, carried
 by one task.
 
-Each read of a ``read_many`` used to run its own task through
-:func:`~kvsidecar.daemon.reads.run_read`: its own peer lookup, claim await,
-planning await and transfer await, so 16 reads cost 16 tasks and ~64 task
-wake-ups on the event loop, the largest share of D's per-read CPU after NIXL.
-Here one task looks the links up once, issues every read's claim (they leave
-as one control batch per P rank), submits every read's plan (one planning
-job), waits for all of them at once, then posts every read that may go (the
-worker merges them into one READ per P rank) and completes each read from its
-own transfers' callbacks.
+One task looks the links up once, issues every read's claim (they leave as
+one control batch per P rank), submits every read's plan (one planning job),
+waits for all of them at once, then posts every read that may go (the worker
+merges them into one READ per P rank) and completes each read from its own
+transfers' callbacks: 16 reads cost one task, not 16 tasks and ~64 task
+wake-ups on the event loop.
 
-Each read keeps its own request id, lease, timeout, abort and completion: a
-refused claim, a plan error or an expired lease fails that read alone (``settle``
-gets its exception), the others go on. An abort before posting is the read
-table's business (it drops the read from the batch at once); this module only
-skips reads whose ``ended`` is set.
+Each read keeps its own request id, book (state, abort, lease, timeout) and
+completion: a refused claim, a plan error or an expired lease fails that read
+alone (``settle`` gets its exception), the others go on. An abort before
+posting is the read table's business (it drops the read from the batch at
+once); this module only skips reads whose book has ended.
 
 Used only where it changes nothing but the cost: links already made (the first
-read to a new peer links through ``run_read``), no staging, no tracing, and
-the claim awaited before posting (``--post-during-claim`` stays a per-read
-path; over a batch the claim round trip is paid once).
+read to a new peer links through :func:`~kvsidecar.daemon.d_side.driver.run_read`),
+no staging, no tracing, no verification, and the claim awaited before posting
+(``--post-during-claim`` stays a per-read path; over a batch the claim round
+trip is paid once).
 
 With several lanes (``--post-lanes``) a read from several P ranks is spread
-over them as on its own (:func:`~kvsidecar.daemon.reads.lane_of`): posted
-without notifications, and notified from lane 0 once all its transfers ended
-(:func:`~kvsidecar.daemon.reads.notify_ended`), so a failure is never partial.
-A large read from one P rank is not cut into parts here, unlike on its own
-(:func:`~kvsidecar.daemon.reads.split_post`): it is posted whole on lane 0.
+over them as on its own (:func:`~kvsidecar.daemon.d_side.parts.lane_of`):
+posted without notifications, and notified from lane 0 once all its transfers
+ended (:func:`~kvsidecar.daemon.d_side.posting.notify_ended`), so a failure is
+never partial. A large read from one P rank is not cut into parts here, unlike
+on its own (:func:`~kvsidecar.daemon.d_side.parts.split_post`): it is posted
+whole on lane 0.
 """
 
 from __future__ import annotations
@@ -38,26 +37,28 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.links import Peer
-from kvsidecar.daemon.planner import ReadPlan
-from kvsidecar.daemon.reads import (
-    PostList,
+from kvsidecar.daemon.d_side.addresses import PostList, plan_and_address
+from kvsidecar.daemon.d_side.futures import retrieve
+from kvsidecar.daemon.d_side.job import (
     ReadJob,
     ReadOutcome,
-    _plan_and_address,
-    _retrieve,
     agents_of,
-    check_results,
     check_tokens,
     claims_of,
-    lane_of,
+    same_layout,
+)
+from kvsidecar.daemon.d_side.parts import lane_of
+from kvsidecar.daemon.d_side.posting import (
+    check_results,
     notify_ended,
     outcome_of,
     post_read,
     targets_of,
 )
+from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.links import Peer
+from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.ipc.hold_token import TokenError
 from kvsidecar.metrics.registry import Metrics
@@ -80,17 +81,16 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
         return
     remote = jobs[0].req.remote
     for job in jobs:
+        job.book.link()
         eng.peers.hold(peers, job.links)
         job.peers = list(peers)
-    layout = peers[0].info.layout
-    for p, peer in zip(cands[1:], peers[1:]):
-        if peer.info.layout != layout:
-            err = RuntimeError(
-                f"remote engine {remote.engine_id!r} ranks {cands[0]} and {p} report different "
-                "layouts (cache sizes differ between ranks)")
-            for job in jobs:
-                settle(job, err)
-            return
+        job.book.linked()
+    try:
+        layout = same_layout(remote.engine_id, cands, peers)
+    except RuntimeError as err:
+        for job in jobs:
+            settle(job, err)
+        return
     checked = []
     for job in jobs:
         try:
@@ -108,7 +108,7 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     for job in jobs:
         job.leases = claims_of(handshakes, eng, job.req, agents_of(cands, peers))
         sent.append(job.leases.send_claims())  # they leave first, as one control batch
-    planning = [plans.submit(_plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
+    planning = [plans.submit(plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
                              eng.bases, remote_bases, {},
                              cost=sum(len(ids) for ids in job.req.local_block_ids))
                 for job in jobs]
@@ -120,9 +120,9 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     ready: list[tuple[ReadJob, ReadPlan, list[PostList]]] = []
     for job, claims, planned in zip(jobs, sent, planning):
         if job.ended:  # aborted while claiming and planning: already completed
-            _retrieve(planned)
+            retrieve(planned)
             for _, _, answer in claims:  # a failed claim of it is news to no one
-                _retrieve(answer)
+                retrieve(answer)
             continue
         assert job.leases is not None
         try:
@@ -132,7 +132,7 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             plan, posts, _ = planned.result()
             job.leases.check(now)  # never start on an expired lease
         except Exception as e:
-            _retrieve(planned)
+            retrieve(planned)
             settle(job, e)
             continue
         ready.append((job, plan, posts))
