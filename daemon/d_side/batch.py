@@ -61,6 +61,7 @@ from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.ipc.hold_token import TokenError
+from kvsidecar.ipc.layout import Layout
 from kvsidecar.metrics.registry import Metrics
 
 #: what ``settle`` gets for a read: its outcome, or why it failed
@@ -76,21 +77,36 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     called once per read that has not ``ended`` meanwhile, with its outcome or
     its exception. Returns once every posted transfer has ended (so whoever
     awaits this task knows nothing of the batch still writes)."""
+    linked = _link_all(eng, jobs, cands, peers, settle)
+    if linked is None:
+        return
+    ready, now = await _claim_and_plan_all(eng, *linked, cands, peers, plans, metrics,
+                                           handshakes, settle)
+    if not ready:
+        return
+    if eng.post_during_claim_s > 0:
+        eng.peers.confirm(peers, now)  # P granted over these links just now
+    await _post_all(eng, ready, cands, peers, timeout_s, metrics, settle)
+
+
+def _link_all(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+              peers: list[Peer], settle: Settle) -> tuple[list[ReadJob], Layout] | None:
+    """Hold the links for every read not ended yet, check the layouts agree and
+    each read's tokens: the reads that go on and the remote layout (None: none)."""
     jobs = [job for job in jobs if not job.ended]  # aborted before this first step
     if not jobs:
-        return
-    remote = jobs[0].req.remote
+        return None
     for job in jobs:
         job.book.link()
         eng.peers.hold(peers, job.links)
         job.peers = list(peers)
         job.book.linked()
     try:
-        layout = same_layout(remote.engine_id, cands, peers)
+        layout = same_layout(jobs[0].req.remote.engine_id, cands, peers)
     except RuntimeError as err:
         for job in jobs:
             settle(job, err)
-        return
+        return None
     checked = []
     for job in jobs:
         try:
@@ -99,9 +115,18 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             settle(job, e)
         else:
             checked.append(job)
-    jobs = checked
-    if not jobs:
-        return
+    return (checked, layout) if checked else None
+
+
+async def _claim_and_plan_all(eng: EngineRank, jobs: list[ReadJob], layout: Layout,
+                              cands: Sequence[int], peers: list[Peer], plans: ThreadGroups,
+                              metrics: Metrics | None, handshakes: HandshakeClient,
+                              settle: Settle
+                              ) -> tuple[list[tuple[ReadJob, ReadPlan, list[PostList]]], float]:
+    """Issue every read's claims (one control batch per P rank), plan every
+    read (one planning job), await all: the reads granted and planned, each
+    with its plan and posts, and when the answers were in; a refusal or plan
+    error settles its read alone."""
     remote_bases = {p: peer.bases for p, peer in zip(cands, peers)}
     claimed_at = time.monotonic()
     sent = []
@@ -136,10 +161,14 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             settle(job, e)
             continue
         ready.append((job, plan, posts))
-    if not ready:
-        return
-    if eng.post_during_claim_s > 0:
-        eng.peers.confirm(peers, now)  # P granted over these links just now
+    return ready, now
+
+
+async def _post_all(eng: EngineRank, ready: list[tuple[ReadJob, ReadPlan, list[PostList]]],
+                    cands: Sequence[int], peers: list[Peer], timeout_s: float | None,
+                    metrics: Metrics | None, settle: Settle) -> None:
+    """Post every ready read (the worker merges them), each completed from its
+    own transfers' callbacks; returns once every transfer ended."""
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
     targets = targets_of(cands, peers)
     renewals = _Renewals(until)

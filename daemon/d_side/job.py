@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from kvsidecar.daemon.transport.worker import (
 from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import Completion, Read, TransferReport
+from kvsidecar.metrics.registry import Metrics
 
 
 class PartialReadError(RuntimeError):
@@ -94,6 +96,23 @@ class ReadJob:
             self.on_abort(self)
         elif self.task is not None:
             self.task.cancel()
+
+
+@dataclass
+class Attempt:
+    """One attempt of one read: the read and what each of its steps uses."""
+
+    eng: EngineRank
+    job: ReadJob
+    #: the planning thread (staged bytes are scattered there too)
+    planner: Executor
+    timeout_s: float | None = None
+    metrics: Metrics | None = None
+    #: where claims go; None: the read holds no leases
+    handshakes: HandshakeClient | None = None
+    #: the candidate P ranks and their links, once linked
+    cands: Sequence[int] = ()
+    peers: list[Peer] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -73,23 +73,22 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     the agents and merge limits it went to. ``notify=False`` (posted during the
     claim): no notification rides with the transfers and bare notifications are
     left out (an already-done future stands in for them); see
-    :func:`_post_and_wait`. Staged posts (``areas[i]`` given) read into their
-    area: ``posts[i]`` is replaced by the staged addresses. ``targets``: of
-    ``cands`` and ``peers``, when the caller already has them (a batch).
-    ``lanes``: the lane of each post (:func:`lane_of`; None: all on lane 0);
-    only with ``notify=False``, as P accepts notifications from lane 0 alone."""
+    :mod:`~kvsidecar.daemon.d_side.waiting`. Staged posts (``areas[i]`` given)
+    read into their area: ``posts[i]`` is replaced by the staged addresses.
+    ``targets``: of ``cands`` and ``peers``, when the caller already has them (a
+    batch). ``lanes``: the lane of each post
+    (:func:`~kvsidecar.daemon.d_side.parts.lane_of`; None: all on lane 0); only
+    with ``notify=False``, as P accepts notifications from lane 0 alone."""
     if lanes is not None and notify:
         raise ValueError("posts spread over lanes carry no notification")
     req = job.req
     remote = req.remote
-    job.book.posted_at(time.monotonic())
     if metrics is not None:
         metrics.series(metrics.read_queue_seconds, eng.engine_id).observe(
             time.monotonic() - job.accepted_at)
     note = notifications.encode(remote.engine_id, req.remote_request_id or req.request_id,
                                 eng.engine_id, eng.tp_rank, eng.layout.tp_size)
     t = targets or targets_of(cands, peers)
-    agents, gens, infos, merge = t.agents, t.gens, t.infos, t.merge
     attached = note if notify else None
     todo: list[ReadOp | NotifyOp | None] = []  # None: notified after the grant
     workers = [eng.worker] * len(posts)
@@ -101,22 +100,16 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
             if metrics is not None:
                 metrics.series(metrics.staged_transfers, eng.engine_id).inc()
         if post.length.size:
-            far = infos[post.rank]
-            gen = gens[post.rank]
-            if lanes is not None:
-                if lanes[i]:
-                    workers[i] = eng.lanes[lanes[i]]
-                    gen = t.peers[post.rank].generation_of(lanes[i])
-                if metrics is not None:
-                    metrics.series(metrics.lane_transfers, eng.engine_id, _LANE[lanes[i]]).inc()
-            todo.append(ReadOp(agents[post.rank], post.local, post.remote, post.length,
-                               notif=attached, timeout_s=timeout_s, generation=gen,
-                               mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
-                               remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
-                               merge=merge[post.rank]))
+            lane = 0 if lanes is None else lanes[i]
+            if lanes is not None and metrics is not None:
+                metrics.series(metrics.lane_transfers, eng.engine_id, _LANE[lane]).inc()
+            if lane:
+                workers[i] = eng.lanes[lane]
+            todo.append(_read_op(eng, t, post, lane, attached, timeout_s))
         else:
-            todo.append(NotifyOp(agents[post.rank], note, merge[post.rank])
+            todo.append(NotifyOp(t.agents[post.rank], note, t.merge[post.rank])
                         if notify else None)
+    job.book.posted_at(time.monotonic())
     # All or nothing of this read is handed over (nothing above posts), together
     # with every other read's posts of this loop iteration as one worker job;
     # each keeps its own outcome. Posts to a peer that advertised batched
@@ -125,7 +118,20 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     # refused at claim time never gets here, so it never joins one.
     ops = [w.post_soon(op) if op is not None else nothing_posted()
            for w, op in zip(workers, todo)]
-    return ops, note, agents, merge
+    return ops, note, t.agents, t.merge
+
+
+def _read_op(eng: EngineRank, t: Targets, post: PostList, lane: int, notif: bytes | None,
+             timeout_s: float | None) -> ReadOp:
+    """The worker's READ of one post with bytes, on ``lane`` (its agent's
+    generation there), carrying ``notif`` when the notification rides along."""
+    far = t.infos[post.rank]
+    gen = t.peers[post.rank].generation_of(lane) if lane else t.gens[post.rank]
+    return ReadOp(t.agents[post.rank], post.local, post.remote, post.length,
+                  notif=notif, timeout_s=timeout_s, generation=gen,
+                  mem_type=eng.info.mem_type, dev_id=eng.info.dev_id,
+                  remote_mem_type=far.mem_type, remote_dev_id=far.dev_id,
+                  merge=t.merge[post.rank])
 
 
 def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
@@ -201,8 +207,9 @@ async def notify_after_grant(eng: EngineRank, job: ReadJob,
     write into the blocks the retry fills.
 
     ``claiming`` None: a read spread over lanes whose claim was granted before
-    posting (:func:`lane_of`); only lane 0 (``eng.worker``) notifies, as P
-    accepts notifications from the agent its handshake declared alone."""
+    posting (:func:`~kvsidecar.daemon.d_side.parts.lane_of`); only lane 0
+    (``eng.worker``) notifies, as P accepts notifications from the agent its
+    handshake declared alone."""
     if claiming is not None:
         await claiming
     notify_ended(eng, job, posts, agents, note, merge, results, metrics)
