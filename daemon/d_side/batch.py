@@ -55,7 +55,7 @@ from kvsidecar.daemon.d_side.posting import (
     post_read,
     targets_of,
 )
-from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
@@ -68,7 +68,7 @@ from kvsidecar.metrics.registry import Metrics
 Settle = Callable[[ReadJob, "ReadOutcome | BaseException"], None]
 
 
-async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+async def run_batch(eng: ReaderRank, jobs: Sequence[ReadJob], cands: Sequence[int],
                     peers: list[Peer], plans: ThreadGroups, timeout_s: float | None,
                     metrics: Metrics | None, handshakes: HandshakeClient,
                     settle: Settle) -> None:
@@ -89,7 +89,7 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     await _post_all(eng, ready, cands, peers, timeout_s, metrics, settle)
 
 
-def _link_all(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+def _link_all(eng: ReaderRank, jobs: Sequence[ReadJob], cands: Sequence[int],
               peers: list[Peer], settle: Settle) -> tuple[list[ReadJob], Layout] | None:
     """Hold the links for every read not ended yet, check the layouts agree and
     each read's tokens: the reads that go on and the remote layout (None: none)."""
@@ -118,7 +118,7 @@ def _link_all(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
     return (checked, layout) if checked else None
 
 
-async def _claim_and_plan_all(eng: EngineRank, jobs: list[ReadJob], layout: Layout,
+async def _claim_and_plan_all(eng: ReaderRank, jobs: list[ReadJob], layout: Layout,
                               cands: Sequence[int], peers: list[Peer], plans: ThreadGroups,
                               metrics: Metrics | None, handshakes: HandshakeClient,
                               settle: Settle
@@ -164,7 +164,7 @@ async def _claim_and_plan_all(eng: EngineRank, jobs: list[ReadJob], layout: Layo
     return ready, now
 
 
-async def _post_all(eng: EngineRank, ready: list[tuple[ReadJob, ReadPlan, list[PostList]]],
+async def _post_all(eng: ReaderRank, ready: list[tuple[ReadJob, ReadPlan, list[PostList]]],
                     cands: Sequence[int], peers: list[Peer], timeout_s: float | None,
                     metrics: Metrics | None, settle: Settle) -> None:
     """Post every ready read (the worker merges them), each completed from its
@@ -243,7 +243,7 @@ class _Waiting:
     ended, and the batch's owner logs it and completes each read still open
     with it, under its own name."""
 
-    def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
+    def __init__(self, eng: ReaderRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
                  ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
                  settle: Settle, bugs: list[BaseException],
                  deferred: tuple[bytes, dict[int, str], dict[int, int]] | None = None) -> None:

@@ -39,8 +39,8 @@ from kvsidecar.daemon.d_side.job import (
     claims_of,
     same_layout,
 )
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.d_side.waiting import post_and_wait
-from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.leases import ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import Peer
@@ -59,7 +59,7 @@ _NOTHING = contextlib.nullcontext()
 _Planned = tuple[ReadPlan, list[PostList], list[StagedPlan | None]]
 
 
-async def run_read(eng: EngineRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
+async def run_read(eng: ReaderRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
                    timeout_s: float | None = None, metrics: Metrics | None = None,
                    handshakes: HandshakeClient | None = None) -> ReadOutcome:
     """Carry one read through; raises on failure (the caller turns it into a completion).

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvsidecar.daemon import verify
 from kvsidecar.daemon.d_side.book import AbortAction, Completed, Failure, ReadBook
-from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.leases import LeaseRefused, ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.control import Claim
@@ -102,7 +102,7 @@ class ReadJob:
 class Attempt:
     """One attempt of one read: the read and what each of its steps uses."""
 
-    eng: EngineRank
+    eng: ReaderRank
     job: ReadJob
     #: the planning thread (staged bytes are scattered there too)
     planner: Executor
@@ -125,7 +125,7 @@ class ReadOutcome:
     transfers: list[TransferReport] = field(default_factory=list)
 
 
-def claims_of(handshakes: HandshakeClient, eng: EngineRank, req: Read,
+def claims_of(handshakes: HandshakeClient, eng: ReaderRank, req: Read,
               ranks: Iterable[tuple[int, str]]) -> ReaderLeases:
     """The leases ``req`` claims from P: one claim per ``(P rank, its agent
     name)`` (an empty name where no link is known; P then skips the agent
@@ -163,7 +163,7 @@ def agents_of(cands: Sequence[int], peers: list[Peer]) -> Iterator[tuple[int, st
     return ((p, peer.info.agent_name) for p, peer in zip(cands, peers))
 
 
-def log_fields(eng: EngineRank, req: Read, outcome: str, reason: str) -> dict[str, object]:
+def log_fields(eng: ReaderRank, req: Read, outcome: str, reason: str) -> dict[str, object]:
     """The identifiers a log line of this read carries (JSON log fields)."""
     return {"request_id": req.request_id, "engine": eng.engine_id, "rank": eng.tp_rank,
             "peer": req.remote.engine_id, "outcome": outcome, "reason": reason}

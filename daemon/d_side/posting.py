@@ -23,8 +23,8 @@ from kvsidecar.daemon import notifications
 from kvsidecar.daemon.d_side.addresses import PostList
 from kvsidecar.daemon.d_side.book import Transfers
 from kvsidecar.daemon.d_side.job import PartialReadError, ReadJob, ReadOutcome
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.d_side.series import count_transfers
-from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.staging import Area
@@ -62,7 +62,7 @@ def targets_of(cands: Sequence[int], peers: list[Peer]) -> Targets:
                    dict(zip(cands, peers)))
 
 
-def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
+def post_read(eng: ReaderRank, job: ReadJob, timeout_s: float | None,
               metrics: Metrics | None, cands: Sequence[int], peers: list[Peer],
               posts: list[PostList], staged: Sequence[StagedPlan | None],
               areas: Sequence[Area | None], *, notify: bool = True,
@@ -121,7 +121,7 @@ def post_read(eng: EngineRank, job: ReadJob, timeout_s: float | None,
     return ops, note, t.agents, t.merge
 
 
-def _read_op(eng: EngineRank, t: Targets, post: PostList, lane: int, notif: bytes | None,
+def _read_op(eng: ReaderRank, t: Targets, post: PostList, lane: int, notif: bytes | None,
              timeout_s: float | None) -> ReadOp:
     """The worker's READ of one post with bytes, on ``lane`` (its agent's
     generation there), carrying ``notif`` when the notification rides along."""
@@ -134,7 +134,7 @@ def _read_op(eng: EngineRank, t: Targets, post: PostList, lane: int, notif: byte
                   merge=t.merge[post.rank])
 
 
-def check_results(eng: EngineRank, job: ReadJob, metrics: Metrics | None,
+def check_results(eng: ReaderRank, job: ReadJob, metrics: Metrics | None,
                   posts: list[PostList], results: list[Any], *, notified: bool = True) -> None:
     """Count one read's transfers, then raise unless every one succeeded and the
     lease still holds (bytes that landed after the lease are not trusted).
@@ -187,7 +187,7 @@ def outcome_of(plan: ReadPlan, posts: list[PostList], results: list[Any]) -> Rea
                         if isinstance(r, TransferStats) and post.length.size])
 
 
-async def notify_after_grant(eng: EngineRank, job: ReadJob,
+async def notify_after_grant(eng: ReaderRank, job: ReadJob,
                               claiming: asyncio.Future[None] | None,
                               posts: list[PostList], agents: dict[int, str], note: bytes,
                               merge: dict[int, int],
@@ -216,7 +216,7 @@ async def notify_after_grant(eng: EngineRank, job: ReadJob,
     return results
 
 
-def notify_ended(eng: EngineRank, job: ReadJob, posts: list[PostList], agents: dict[int, str],
+def notify_ended(eng: ReaderRank, job: ReadJob, posts: list[PostList], agents: dict[int, str],
                  note: bytes, merge: dict[int, int], results: list[Any],
                  metrics: Metrics | None) -> None:
     """Every transfer of a read posted without notifications ended (and its claim,
@@ -248,7 +248,7 @@ def notify_ended(eng: EngineRank, job: ReadJob, posts: list[PostList], agents: d
 _relinking: set[asyncio.Future[None]] = set()
 
 
-async def _notify_relinked(eng: EngineRank, old: Peer, note: bytes, merge: int,
+async def _notify_relinked(eng: ReaderRank, old: Peer, note: bytes, merge: int,
                            metrics: Metrics | None) -> None:
     """Notify ``old``'s P rank over a link made into lane 0's current agent."""
     address, engine_id, rank = old.key

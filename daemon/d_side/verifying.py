@@ -10,14 +10,14 @@ from typing import Any
 from kvsidecar.daemon import digest, verify
 from kvsidecar.daemon.d_side.addresses import I64
 from kvsidecar.daemon.d_side.job import ReadJob
-from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.peers.control import Digest
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.metrics.registry import Metrics
 
 
-def ask_digests(eng: EngineRank, job: ReadJob, cands: Sequence[int], peers: list[Peer],
+def ask_digests(eng: ReaderRank, job: ReadJob, cands: Sequence[int], peers: list[Peer],
                 plan: ReadPlan) -> list[verify.Asked]:
     """Ask each P rank this read takes bytes from for the digest of its pieces."""
     assert job.verify is not None
@@ -35,7 +35,7 @@ def ask_digests(eng: EngineRank, job: ReadJob, cands: Sequence[int], peers: list
     return verify.ask(job.verify, plan, {p: r.handshake[p] for p in cands}, request)
 
 
-def landing(eng: EngineRank, job: ReadJob, parts: Sequence[asyncio.Future[Any]],
+def landing(eng: ReaderRank, job: ReadJob, parts: Sequence[asyncio.Future[Any]],
             pieces: Sequence[tuple[I64, I64, I64]]) -> asyncio.Future[bytes]:
     """Hash each pipelined part (:func:`~kvsidecar.daemon.d_side.parts.pipeline`)
     as it lands, beside the next part's copy."""
@@ -45,7 +45,7 @@ def landing(eng: EngineRank, job: ReadJob, parts: Sequence[asyncio.Future[Any]],
                           [r.numpy() for r in eng.regions], parts, pieces)
 
 
-async def verified(eng: EngineRank, job: ReadJob, asked: list[verify.Asked],
+async def verified(eng: ReaderRank, job: ReadJob, asked: list[verify.Asked],
                    metrics: Metrics | None,
                    landed: asyncio.Future[bytes] | None = None) -> None:
     """Hash what landed and compare with P's digests (counted); raises

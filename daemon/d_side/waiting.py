@@ -56,8 +56,8 @@ from kvsidecar.daemon.d_side.posting import (
     outcome_of,
     post_read,
 )
+from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.d_side.verifying import ask_digests, landing, verified
-from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.leases import ReaderLeases, Renewals
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.staging import Area, scatter
@@ -173,7 +173,7 @@ async def post_and_wait(a: Attempt, plan: ReadPlan, posts: list[PostList],
     return outcome_of(plan, posts, results)
 
 
-def _quarantine(eng: EngineRank, areas: list[Area | None], lanes: list[int] | None,
+def _quarantine(eng: ReaderRank, areas: list[Area | None], lanes: list[int] | None,
                 generations: list[int]) -> None:
     """Cancelled with transfers maybe in flight: their areas stay out of use
     until a reset of the lane carrying each has provably killed them."""
@@ -203,7 +203,7 @@ async def _scatter(a: Attempt, staged: list[StagedPlan | None],
             time.perf_counter() - t_scatter)
 
 
-def _scatter_all(eng: EngineRank, staged: list[StagedPlan | None],
+def _scatter_all(eng: ReaderRank, staged: list[StagedPlan | None],
                  areas: list[Area | None]) -> None:
     """Copy every staged piece into the engine's blocks (planning thread)."""
     pool = eng.staging
