@@ -23,7 +23,8 @@ from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import Read
 
-log = logging.getLogger(__name__)
+#: the read path logs as kvsidecar.daemon.reads (what log filters name)
+log = logging.getLogger("kvsidecar.daemon.reads")
 
 I64 = NDArray[np.int64]
 

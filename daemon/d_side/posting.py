@@ -33,7 +33,8 @@ from kvsidecar.daemon.transport.worker import NotifyOp, ReadOp, TransferStats
 from kvsidecar.ipc.protocol import TransferReport
 from kvsidecar.metrics.registry import Metrics
 
-log = logging.getLogger(__name__)
+#: the read path logs as kvsidecar.daemon.reads (what log filters name)
+log = logging.getLogger("kvsidecar.daemon.reads")
 
 _LANE = [str(k) for k in range(16)]  # label values, not formatted per post
 

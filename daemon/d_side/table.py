@@ -54,7 +54,8 @@ from kvsidecar.ipc.protocol import (
 )
 from kvsidecar.metrics.registry import Metrics
 
-log = logging.getLogger(__name__)
+#: the read path logs as kvsidecar.daemon.reads (what log filters name)
+log = logging.getLogger("kvsidecar.daemon.reads")
 
 
 @dataclass(slots=True)
