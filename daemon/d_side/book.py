@@ -11,7 +11,9 @@
 * ``link``: the read's task took its first step (handshakes, links).
 * ``linked``: every candidate P rank's link is made; claims and planning start.
 * ``posted``: its transfers went to the worker; renewals run until
-  ``post time + timeout`` (:attr:`ReadBook.renew_until`, the read's deadline).
+  ``post time + timeout`` (:attr:`ReadBook.renew_until`, the read's deadline:
+  the worker times its transfers out there, which fails the attempt as
+  :attr:`Failure.TIMEOUT`, never retried).
 * ``transfers_ended``: every transfer's outcome is known; the book says whether
   the read stands, failed whole, or failed partially (:class:`Transfers`).
 * ``notified``: its notifications went out (with DONE transfers, or after the
@@ -151,10 +153,6 @@ class ReadBook:
     @property
     def posted(self) -> bool:
         return self.state is ReadState.POSTED
-
-    def deadline_passed(self, now: float) -> bool:
-        """Past the read's deadline: its transfers time out, renewals stop."""
-        return self.state is ReadState.POSTED and now >= self.renew_until
 
     # -- events ----------------------------------------------------------------
 
