@@ -24,10 +24,15 @@ from kvsidecar.daemon.d_side.addresses import (
     plan_and_address_many,
 )
 from kvsidecar.daemon.d_side.batch import run_batch
-from kvsidecar.daemon.d_side.book import Completed, Outcome, ReadBook, drops_links
+from kvsidecar.daemon.d_side.book import (
+    Completed,
+    Outcome,
+    ReadBook,
+    drops_links,
+    goes_on_alone,
+)
 from kvsidecar.daemon.d_side.driver import run_read
 from kvsidecar.daemon.d_side.job import (
-    PartialReadError,
     ReadJob,
     ReadOutcome,
     claims_of,
@@ -36,14 +41,13 @@ from kvsidecar.daemon.d_side.job import (
     log_fields,
 )
 from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.leases import LeaseLost, LeaseRefused, ReaderLeases
+from kvsidecar.daemon.leases import LeaseLost, ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import PlanError, candidate_ranks, check_block_ids
 from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.daemon.tracing import Tracing
-from kvsidecar.daemon.transport.worker import NixlError
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -261,7 +265,8 @@ class ReadTable:
             eng, jobs, cands, peers, self._plans, self._timeout_s, self._metrics,
             self._handshakes, functools.partial(self._settle, eng, t0)))
         self._metrics.series(self._metrics.batched_reads, eng.engine_id).inc(len(jobs))
-        drop = functools.partial(self._drop, eng)
+        # a read of it aborted before posting ends alone and at once
+        drop = functools.partial(self._end_unposted, eng)
         for job in jobs:
             job.task = task
             job.on_abort = drop
@@ -273,16 +278,12 @@ class ReadTable:
         fresh handshake may cure, carry it on alone (:meth:`_attempts` decides)."""
         if job.ended:
             return
-        if isinstance(got, (NixlError, LeaseRefused, PartialReadError)):
+        if isinstance(got, Exception) and goes_on_alone(failure_of(got)):
             job.on_abort = None
             job.task = asyncio.ensure_future(self._run(eng, job, failed=got))
             job.task.add_done_callback(functools.partial(self._task_done, eng, job))
             return
         self._complete(eng, job, got, t0)
-
-    def _drop(self, eng: EngineRank, job: ReadJob) -> None:
-        """Abort a read of a batch that posted nothing yet, alone and at once."""
-        self._end_unposted(eng, job)
 
     def _batch_done(self, eng: EngineRank, jobs: list[ReadJob], task: asyncio.Task[None]
                     ) -> None:

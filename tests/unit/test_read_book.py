@@ -22,6 +22,7 @@ from kvsidecar.daemon.d_side.book import (
     ReadState,
     Transfers,
     drops_links,
+    goes_on_alone,
 )
 
 S = ReadState
@@ -203,4 +204,12 @@ def test_retry_budget() -> None:
 def test_links_dropped() -> None:
     assert {f for f in Failure if drops_links(f)} == {
         Failure.PARTIAL, Failure.REFUSED_STALE_LINK, Failure.TOKEN, Failure.TRANSFER,
+        Failure.TIMEOUT, Failure.RESET}
+
+
+def test_batched_failures_going_on_alone() -> None:
+    """What a batch hands to the read's own task: every NIXL failure, a partial
+    read and a refused claim; a token refusal and anything else complete at once."""
+    assert {f for f in Failure if goes_on_alone(f)} == {
+        Failure.PARTIAL, Failure.REFUSED, Failure.REFUSED_STALE_LINK, Failure.TRANSFER,
         Failure.TIMEOUT, Failure.RESET}
