@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsidecar.daemon.d_side.addresses import build_posts
 from kvsidecar.daemon.planner import plan_read
-from kvsidecar.daemon.reads import build_posts
 from kvsidecar.daemon.staging import scatter
 from kvsidecar.daemon.staging_plan import plan_staging
 from kvsidecar.ipc.client import HoldSpec, ReadSpec, SidecarClient

@@ -36,6 +36,7 @@ from kvsidecar.daemon import digest
 from kvsidecar.daemon.background import Alarm, Background
 from kvsidecar.daemon.conn_guard import fd_budget
 from kvsidecar.daemon.cuda_device import CudaDevice
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.daemon.engine_access import AccessPolicy
 from kvsidecar.daemon.engine_server import EngineServer
 from kvsidecar.daemon.engines.departures import Departures
@@ -55,7 +56,6 @@ from kvsidecar.daemon.peer_auth import PeerKeys, load_keys
 from kvsidecar.daemon.peers.client import MAX_CONNECTIONS as HANDSHAKE_CLIENT_CONNECTIONS
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.server import HandshakeServer
-from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.state import DaemonState

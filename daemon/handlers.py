@@ -24,6 +24,7 @@ from typing import Any
 from kvsidecar import __version__
 from kvsidecar.daemon import keeps
 from kvsidecar.daemon.background import Alarm, Background
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.daemon.engine_access import current_peer
 from kvsidecar.daemon.engines.departures import Departures
 from kvsidecar.daemon.engines.rank import EngineRank
@@ -34,7 +35,6 @@ from kvsidecar.daemon.p_side.spans import HoldSpans
 from kvsidecar.daemon.peers.addresses import check_address
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.planner import PlanError, check_block_ids
-from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.state import DaemonState
 from kvsidecar.daemon.status import checks_of, engine_status, sees, transport_of

@@ -19,9 +19,9 @@ import logging
 import socket
 import time
 
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.daemon.engines.table import EngineTable
 from kvsidecar.daemon.health import Check, heartbeat
-from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.state import DaemonState
 from kvsidecar.daemon.transport.check import CheckResult, run_check

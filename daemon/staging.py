@@ -13,7 +13,7 @@ and paid for the mapping's CPU on top (hetero 2→1, 8 requests: 494 ms with
 nothing staged against 314 ms with staging off). Registering the memory with
 NIXL itself costs about 1 ms.
 
-Safety rules (the read path in :mod:`~kvsidecar.daemon.reads` keeps them):
+Safety rules (the read path in :mod:`~kvsidecar.daemon.d_side` keeps them):
 
 - a staged READ lands only in its area; engine blocks are written by
   :func:`scatter` only after every transfer of the read finished DONE and the

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 
 from kvsidecar.daemon.background import Alarm, Background
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.daemon.drain import Generation, keepable
 from kvsidecar.daemon.engines.memory import kind_of, release_regions
 from kvsidecar.daemon.engines.rank import EngineRank
 from kvsidecar.daemon.engines.table import EngineTable
 from kvsidecar.daemon.fd_server import FdServer
-from kvsidecar.daemon.reads import ReadTable
 from kvsidecar.daemon.reservations import Reservation, Reservations
 from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.verify import Hashing

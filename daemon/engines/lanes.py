@@ -3,7 +3,7 @@
 Lane 0 is the agent peers know (handshake, notifications in and out, holds);
 lanes past 0 (``--post-lanes``) only post reads, so they get no notification
 callback and their resets publish nothing (see
-:mod:`~kvsidecar.daemon.engines.rank` and ``reads.lane_of``).
+:mod:`~kvsidecar.daemon.engines.rank` and ``d_side.parts.lane_of``).
 """
 
 from __future__ import annotations

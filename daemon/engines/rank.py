@@ -8,7 +8,7 @@ engine they are for.
 With ``--post-lanes N`` a D engine rank has N workers ("lanes"), the engine's
 memory registered in each: lane 0 is :attr:`EngineRank.worker`, the agent
 peers know (handshake, notifications in and out, holds); the others only post
-READs (see :func:`~kvsidecar.daemon.reads.lane_of`). On host memory
+READs (see :func:`~kvsidecar.daemon.d_side.parts.lane_of`). On host memory
 ``transfer()`` is the CMA copy itself, so one worker thread would copy a
 hetero read's P ranks one after the other while the other core idles.
 

@@ -204,8 +204,9 @@ def test_pipeline_cuts_a_large_post_into_parts_of_whole_chunks() -> None:
     """A verified read's large post, cut for hashing as it lands: the parts carry
     exactly the post's bytes (same local and remote addresses), and their pieces'
     digests joined equal the digest P computes of the whole post."""
+    from kvsidecar.daemon.d_side.addresses import build_posts
+    from kvsidecar.daemon.d_side.parts import pipeline
     from kvsidecar.daemon.planner import plan_read
-    from kvsidecar.daemon.reads import build_posts, pipeline
     from kvsidecar.ipc.layout import attention_layout
 
     layout = attention_layout(model="pipe", num_layers=2, total_kv_heads=8, head_dim=64,

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from kvsidecar.daemon.d_side.addresses import build_posts, posts_of
 from kvsidecar.daemon.planner import (
     PlanError,
     ReadPlan,
@@ -17,7 +18,6 @@ from kvsidecar.daemon.planner import (
     plan_read,
 )
 from kvsidecar.daemon.planner.pairing import _attention_pairs_many
-from kvsidecar.daemon.reads import build_posts, posts_of
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.sim.hostcopy import apply_plan
 from kvsidecar.sim.oracle import POISON, Request, check_received, fill_shard

@@ -1,4 +1,4 @@
-"""D's batch read path (daemon/read_batch.py): a posted read of a batch is
+"""D's batch read path (daemon/d_side/batch.py): a posted read of a batch is
 completed from its transfers' done callbacks. What ``settle`` raises there
 would otherwise be swallowed by asyncio ("Exception in callback") and the read
 ended later as if cancelled; it must reach the batch's task instead.
@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.daemon import read_batch
-from kvsidecar.daemon.read_batch import _Renewals, _Waiting
+from kvsidecar.daemon.d_side import batch as read_batch
+from kvsidecar.daemon.d_side.batch import _Renewals, _Waiting
+from kvsidecar.daemon.d_side.book import ReadBook, ReadState
+from kvsidecar.daemon.d_side.job import ReadJob
 
 OUTCOME = object()
 
@@ -31,7 +33,8 @@ def no_checks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _waiting(settle: Any, bugs: list[BaseException], ops: list[asyncio.Future[Any]],
              ended: bool = False) -> _Waiting:
-    job = SimpleNamespace(ended=ended)
+    job = ReadJob(SimpleNamespace(request_id="r1"),  # type: ignore[arg-type]
+                  ReadBook(0.0, state=ReadState.ABORTED if ended else ReadState.POSTED))
     w = _Waiting(None, job, None, [], ops, _Renewals(math.inf), None,  # type: ignore[arg-type]
                  settle, bugs)
     for op in ops:
@@ -82,7 +85,7 @@ async def test_a_cancelled_transfer_settles_the_read_as_failed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With the real check: a cancelled transfer future (nothing cancels them
     today) fails the read through settle, not past the callback."""
-    from kvsidecar.daemon.reads import check_results
+    from kvsidecar.daemon.d_side.posting import check_results
     monkeypatch.setattr(read_batch, "check_results",
                         lambda eng, job, metrics, posts, results: check_results(
                             eng, job, None, posts, results, notified=False))
@@ -92,10 +95,7 @@ async def test_a_cancelled_transfer_settles_the_read_as_failed(
     calls: list[Any] = []
     bugs: list[BaseException] = []
     ops = [loop.create_future()]
-    w = _waiting(lambda job, got: calls.append(got), bugs, ops)
-    w.job.req = SimpleNamespace(request_id="r1")
-    w.job.tracing = None
-    w.job.leases = None
+    _waiting(lambda job, got: calls.append(got), bugs, ops)
     ops[0].cancel()
     await asyncio.sleep(0)
     await asyncio.sleep(0)

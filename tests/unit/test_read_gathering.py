@@ -11,7 +11,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvsidecar.daemon.reads import ReadTable
+from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.metrics.registry import Metrics
 
 

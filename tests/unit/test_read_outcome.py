@@ -8,16 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvsidecar.daemon.d_side.addresses import PostList, build_posts, posts_of
+from kvsidecar.daemon.d_side.parts import joined, lane_of, split_post
+from kvsidecar.daemon.d_side.posting import outcome_of
 from kvsidecar.daemon.planner import plan_many_addressed, plan_read
-from kvsidecar.daemon.reads import (
-    PostList,
-    build_posts,
-    joined,
-    lane_of,
-    outcome_of,
-    posts_of,
-    split_post,
-)
 from kvsidecar.daemon.transport.worker import TransferStats
 from kvsidecar.sim.models import attn, hybrid
 

@@ -217,8 +217,8 @@ def test_strided_runs_are_disjoint_constant_and_long_enough(parts, min_run) -> N
 def _demo_posts(p_tp: int, d_tp: int, tokens: int) -> list[tuple[np.ndarray, ...]]:
     """The real planner's posts for one request of the demo's hybrid shapes
     (Nemotron-like, 4 layers), D rank 0, scattered block ids, distinct bases."""
+    from kvsidecar.daemon.d_side.addresses import build_posts
     from kvsidecar.daemon.planner import plan_read
-    from kvsidecar.daemon.reads import build_posts
     from kvsidecar.sim.models import nemotron_like
 
     nb = 40

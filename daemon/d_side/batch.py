@@ -1,33 +1,32 @@
 """D side: the reads of one engine message that share a remote engine, carried
 by one task.
 
-Each read of a ``read_many`` used to run its own task through
-:func:`~kvsidecar.daemon.reads.run_read`: its own peer lookup, claim await,
-planning await and transfer await, so 16 reads cost 16 tasks and ~64 task
-wake-ups on the event loop, the largest share of D's per-read CPU after NIXL.
-Here one task looks the links up once, issues every read's claim (they leave
-as one control batch per P rank), submits every read's plan (one planning
-job), waits for all of them at once, then posts every read that may go (the
-worker merges them into one READ per P rank) and completes each read from its
-own transfers' callbacks.
+One task looks the links up once, issues every read's claim (they leave as
+one control batch per P rank), submits every read's plan (one planning job),
+waits for all of them at once, then posts every read that may go (the worker
+merges them into one READ per P rank) and completes each read from its own
+transfers' callbacks: 16 reads cost one task, not 16 tasks and ~64 task
+wake-ups on the event loop.
 
-Each read keeps its own request id, lease, timeout, abort and completion: a
-refused claim, a plan error or an expired lease fails that read alone (``settle``
-gets its exception), the others go on. An abort before posting is the read
-table's business (it drops the read from the batch at once); this module only
-skips reads whose ``ended`` is set.
+Each read keeps its own request id, book (state, abort, lease, timeout) and
+completion: a refused claim, a plan error or an expired lease fails that read
+alone (``settle`` gets its exception), the others go on. An abort before
+posting is the read table's business (it drops the read from the batch at
+once); this module only skips reads whose book has ended.
 
 Used only where it changes nothing but the cost: links already made (the first
-read to a new peer links through ``run_read``), no staging, no tracing, and
-the claim awaited before posting (``--post-during-claim`` stays a per-read
-path; over a batch the claim round trip is paid once).
+read to a new peer links through :func:`~kvsidecar.daemon.d_side.driver.run_read`),
+no staging, no tracing, no verification, and the claim awaited before posting
+(``--post-during-claim`` stays a per-read path; over a batch the claim round
+trip is paid once).
 
 With several lanes (``--post-lanes``) a read from several P ranks is spread
-over them as on its own (:func:`~kvsidecar.daemon.reads.lane_of`): posted
-without notifications, and notified from lane 0 once all its transfers ended
-(:func:`~kvsidecar.daemon.reads.notify_ended`), so a failure is never partial.
-A large read from one P rank is not cut into parts here, unlike on its own
-(:func:`~kvsidecar.daemon.reads.split_post`): it is posted whole on lane 0.
+over them as on its own (:func:`~kvsidecar.daemon.d_side.parts.lane_of`):
+posted without notifications, and notified from lane 0 once all its transfers
+ended (:func:`~kvsidecar.daemon.d_side.posting.notify_ended`), so a failure is
+never partial. A large read from one P rank is not cut into parts here, unlike
+on its own (:func:`~kvsidecar.daemon.d_side.parts.split_post`): it is posted
+whole on lane 0.
 """
 
 from __future__ import annotations
@@ -38,35 +37,38 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvsidecar.daemon.engines import EngineRank
-from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.links import Peer
-from kvsidecar.daemon.planner import ReadPlan
-from kvsidecar.daemon.reads import (
-    PostList,
+from kvsidecar.daemon.d_side.addresses import PostList, plan_and_address
+from kvsidecar.daemon.d_side.futures import retrieve
+from kvsidecar.daemon.d_side.job import (
     ReadJob,
     ReadOutcome,
-    _plan_and_address,
-    _retrieve,
     agents_of,
-    check_results,
     check_tokens,
     claims_of,
-    lane_of,
+    same_layout,
+)
+from kvsidecar.daemon.d_side.parts import lane_of
+from kvsidecar.daemon.d_side.posting import (
+    check_results,
     notify_ended,
     outcome_of,
     post_read,
     targets_of,
 )
+from kvsidecar.daemon.d_side.rank import ReaderRank
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.links import Peer
+from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.ipc.hold_token import TokenError
+from kvsidecar.ipc.layout import Layout
 from kvsidecar.metrics.registry import Metrics
 
 #: what ``settle`` gets for a read: its outcome, or why it failed
 Settle = Callable[[ReadJob, "ReadOutcome | BaseException"], None]
 
 
-async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+async def run_batch(eng: ReaderRank, jobs: Sequence[ReadJob], cands: Sequence[int],
                     peers: list[Peer], plans: ThreadGroups, timeout_s: float | None,
                     metrics: Metrics | None, handshakes: HandshakeClient,
                     settle: Settle) -> None:
@@ -75,22 +77,36 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     called once per read that has not ``ended`` meanwhile, with its outcome or
     its exception. Returns once every posted transfer has ended (so whoever
     awaits this task knows nothing of the batch still writes)."""
+    linked = _link_all(eng, jobs, cands, peers, settle)
+    if linked is None:
+        return
+    ready, now = await _claim_and_plan_all(eng, *linked, cands, peers, plans, metrics,
+                                           handshakes, settle)
+    if not ready:
+        return
+    if eng.post_during_claim_s > 0:
+        eng.peers.confirm(peers, now)  # P granted over these links just now
+    await _post_all(eng, ready, cands, peers, timeout_s, metrics, settle)
+
+
+def _link_all(eng: ReaderRank, jobs: Sequence[ReadJob], cands: Sequence[int],
+              peers: list[Peer], settle: Settle) -> tuple[list[ReadJob], Layout] | None:
+    """Hold the links for every read not ended yet, check the layouts agree and
+    each read's tokens: the reads that go on and the remote layout (None: none)."""
     jobs = [job for job in jobs if not job.ended]  # aborted before this first step
     if not jobs:
-        return
-    remote = jobs[0].req.remote
+        return None
     for job in jobs:
+        job.book.link()
         eng.peers.hold(peers, job.links)
         job.peers = list(peers)
-    layout = peers[0].info.layout
-    for p, peer in zip(cands[1:], peers[1:]):
-        if peer.info.layout != layout:
-            err = RuntimeError(
-                f"remote engine {remote.engine_id!r} ranks {cands[0]} and {p} report different "
-                "layouts (cache sizes differ between ranks)")
-            for job in jobs:
-                settle(job, err)
-            return
+        job.book.linked()
+    try:
+        layout = same_layout(jobs[0].req.remote.engine_id, cands, peers)
+    except RuntimeError as err:
+        for job in jobs:
+            settle(job, err)
+        return None
     checked = []
     for job in jobs:
         try:
@@ -99,16 +115,25 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             settle(job, e)
         else:
             checked.append(job)
-    jobs = checked
-    if not jobs:
-        return
+    return (checked, layout) if checked else None
+
+
+async def _claim_and_plan_all(eng: ReaderRank, jobs: list[ReadJob], layout: Layout,
+                              cands: Sequence[int], peers: list[Peer], plans: ThreadGroups,
+                              metrics: Metrics | None, handshakes: HandshakeClient,
+                              settle: Settle
+                              ) -> tuple[list[tuple[ReadJob, ReadPlan, list[PostList]]], float]:
+    """Issue every read's claims (one control batch per P rank), plan every
+    read (one planning job), await all: the reads granted and planned, each
+    with its plan and posts, and when the answers were in; a refusal or plan
+    error settles its read alone."""
     remote_bases = {p: peer.bases for p, peer in zip(cands, peers)}
     claimed_at = time.monotonic()
     sent = []
     for job in jobs:
         job.leases = claims_of(handshakes, eng, job.req, agents_of(cands, peers))
         sent.append(job.leases.send_claims())  # they leave first, as one control batch
-    planning = [plans.submit(_plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
+    planning = [plans.submit(plan_and_address, eng.layout, eng.tp_rank, layout, job.req,
                              eng.bases, remote_bases, {},
                              cost=sum(len(ids) for ids in job.req.local_block_ids))
                 for job in jobs]
@@ -120,9 +145,9 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
     ready: list[tuple[ReadJob, ReadPlan, list[PostList]]] = []
     for job, claims, planned in zip(jobs, sent, planning):
         if job.ended:  # aborted while claiming and planning: already completed
-            _retrieve(planned)
+            retrieve(planned)
             for _, _, answer in claims:  # a failed claim of it is news to no one
-                _retrieve(answer)
+                retrieve(answer)
             continue
         assert job.leases is not None
         try:
@@ -132,14 +157,18 @@ async def run_batch(eng: EngineRank, jobs: Sequence[ReadJob], cands: Sequence[in
             plan, posts, _ = planned.result()
             job.leases.check(now)  # never start on an expired lease
         except Exception as e:
-            _retrieve(planned)
+            retrieve(planned)
             settle(job, e)
             continue
         ready.append((job, plan, posts))
-    if not ready:
-        return
-    if eng.post_during_claim_s > 0:
-        eng.peers.confirm(peers, now)  # P granted over these links just now
+    return ready, now
+
+
+async def _post_all(eng: ReaderRank, ready: list[tuple[ReadJob, ReadPlan, list[PostList]]],
+                    cands: Sequence[int], peers: list[Peer], timeout_s: float | None,
+                    metrics: Metrics | None, settle: Settle) -> None:
+    """Post every ready read (the worker merges them), each completed from its
+    own transfers' callbacks; returns once every transfer ended."""
     until = math.inf if timeout_s is None else time.monotonic() + timeout_s
     targets = targets_of(cands, peers)
     renewals = _Renewals(until)
@@ -214,7 +243,7 @@ class _Waiting:
     ended, and the batch's owner logs it and completes each read still open
     with it, under its own name."""
 
-    def __init__(self, eng: EngineRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
+    def __init__(self, eng: ReaderRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
                  ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
                  settle: Settle, bugs: list[BaseException],
                  deferred: tuple[bytes, dict[int, str], dict[int, int]] | None = None) -> None:

@@ -1,0 +1,142 @@
+"""D side: a read's plan turned into addresses, one :class:`PostList` per
+candidate P rank (the planning thread's work), and for host memory the staged
+plan of each (see :mod:`~kvsidecar.daemon.staging_plan`). Pure functions."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvsidecar.daemon.planner import (
+    Addresses,
+    PlanError,
+    ReadPlan,
+    plan_many,
+    plan_many_addressed,
+    plan_read,
+)
+from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
+from kvsidecar.ipc.layout import Layout
+from kvsidecar.ipc.protocol import Read
+
+#: the read path logs as kvsidecar.daemon.reads (what log filters name)
+log = logging.getLogger("kvsidecar.daemon.reads")
+
+I64 = NDArray[np.int64]
+
+#: A planning job (the reads of one loop iteration) naming at most this many local
+#: blocks in all is planned on the loop, not on the planning thread (see
+#: ThreadGroups): a 1-block read plans in ~40 us, less than the thread's round trip.
+INLINE_PLAN_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class PostList:
+    """Absolute addresses for one P rank; empty arrays mean notify only."""
+
+    rank: int
+    local: I64
+    remote: I64
+    length: I64
+    descriptors_before: int = 0
+    #: the bytes the plan reads from this rank (``length``'s sum, taken on the
+    #: planning thread: a numpy reduction on the loop per read cost ~1.6 us)
+    nbytes: int = 0
+
+
+
+def posts_of(plan: ReadPlan, addrs: Addresses) -> list[PostList]:
+    """:func:`build_posts` of a plan whose addresses the planner added
+    (:func:`~kvsidecar.daemon.planner.plan_many_addressed`)."""
+    by_rank = {r.remote_rank: r for r in plan.reads}
+    out = []
+    for p in plan.notify:
+        rr = by_rank.get(p)
+        if rr is None:
+            out.append(PostList(p, _EMPTY, _EMPTY, _EMPTY))
+        else:
+            local, remote = addrs[p]
+            out.append(PostList(p, local, remote, rr.length, rr.descriptors_before_coalescing,
+                                rr.nbytes))
+    return out
+
+
+_EMPTY = np.empty(0, np.int64)
+_EMPTY.setflags(write=False)
+
+
+def build_posts(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64]) -> list[PostList]:
+    """Turn region-relative plan offsets into addresses (vectorised; planning thread)."""
+    return posts_of(plan, {rr.remote_rank: (local_bases[rr.region] + rr.local_offset,
+                                            remote_bases[rr.remote_rank][rr.region]
+                                            + rr.remote_offset)
+                           for rr in plan.reads})
+
+
+def plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
+                      local_bases: I64, remote_bases: dict[int, I64],
+                      staging: dict[int, str] | None = None,
+                      ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
+    """Plan, addresses, and per P rank the staged plan (``staging``: mode per rank)."""
+    plan = plan_read(local, rank, remote, req.local_block_ids, req.remote_block_ids,
+                     skip_tokens=req.skip_tokens, num_tokens=req.num_tokens, check=False)
+    return _address(plan, local_bases, remote_bases, staging)
+
+
+def _address(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64],
+             staging: dict[int, str] | None,
+             ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
+    posts = build_posts(plan, local_bases, remote_bases)
+    modes = staging or {}
+    return plan, posts, [plan_staging(p.local, p.remote, p.length, mode=modes[p.rank])
+                         if p.length.size and modes.get(p.rank, "off") != "off" else None
+                         for p in posts]
+
+
+def plan_and_address_many(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+    """:func:`plan_and_address` for the reads of one planning job (a Batch), each
+    call's outcome in its place: the reads between the same two layouts are
+    planned together (:func:`~kvsidecar.daemon.planner.plan_many`); those with
+    nothing staged over the very same base arrays get their addresses added by
+    the planner in one pass (:func:`~kvsidecar.daemon.planner.plan_many_addressed`)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (local, rank, remote, _, local_bases, remote_bases, *staging) in enumerate(calls):
+        staged = bool(staging and staging[0])
+        key = (id(local), rank, id(remote), staged, id(local_bases),
+               *((p, id(b)) for p, b in remote_bases.items()))
+        groups.setdefault(key, []).append(i)
+    out: list[tuple[bool, Any]] = [(False, None)] * len(calls)
+    for key, idx in groups.items():
+        local, rank, remote, _, local_bases, remote_bases, *_ = calls[idx[0]]
+        many = [(r.local_block_ids, r.remote_block_ids, r.skip_tokens, r.num_tokens)
+                for r in (calls[i][3] for i in idx)]
+        if not key[3]:
+            try:
+                addressed = plan_many_addressed(local, rank, remote, many, local_bases,
+                                                remote_bases)
+            except Exception:  # planned one by one below: a failure stays its read's own
+                log.exception("planning %d reads with their addresses failed", len(idx))
+            else:
+                for i, got in zip(idx, addressed):
+                    if isinstance(got, PlanError):
+                        out[i] = (False, got)
+                    else:
+                        posts = posts_of(*got)
+                        out[i] = (True, (got[0], posts, [None] * len(posts)))
+                continue
+        plans = plan_many(local, rank, remote, many)
+        for i, plan in zip(idx, plans):
+            if isinstance(plan, PlanError):
+                out[i] = (False, plan)
+                continue
+            _, _, _, _, local_bases, remote_bases, *staging = calls[i]
+            try:
+                out[i] = (True, _address(plan, local_bases, remote_bases,
+                                         staging[0] if staging else None))
+            except Exception as e:
+                out[i] = (False, e)
+    return out

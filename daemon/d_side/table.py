@@ -1,0 +1,458 @@
+"""D side: every accepted read of this sidecar (:class:`ReadTable`, what the
+service uses), from acceptance to its completion: validation, gathering one
+message's reads (:meth:`ReadTable.together`), starting each alone
+(:mod:`~kvsidecar.daemon.d_side.driver`) or as a batch
+(:mod:`~kvsidecar.daemon.d_side.batch`), retries, aborts and completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvsidecar.daemon import digest, verify
+from kvsidecar.daemon.d_side.addresses import (
+    INLINE_PLAN_BLOCKS,
+    plan_and_address,
+    plan_and_address_many,
+)
+from kvsidecar.daemon.d_side.batch import run_batch
+from kvsidecar.daemon.d_side.book import (
+    Completed,
+    Outcome,
+    ReadBook,
+    drops_links,
+    goes_on_alone,
+)
+from kvsidecar.daemon.d_side.driver import run_read
+from kvsidecar.daemon.d_side.job import (
+    ReadJob,
+    ReadOutcome,
+    claims_of,
+    completion,
+    failure_of,
+    log_fields,
+)
+from kvsidecar.daemon.engines import EngineRank
+from kvsidecar.daemon.leases import LeaseLost, ReaderLeases
+from kvsidecar.daemon.peers.client import HandshakeClient
+from kvsidecar.daemon.peers.links import Peer
+from kvsidecar.daemon.planner import PlanError, candidate_ranks, check_block_ids
+from kvsidecar.daemon.spent_tokens import SpentTokens
+from kvsidecar.daemon.thread_groups import ThreadGroups
+from kvsidecar.daemon.tracing import Tracing
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    UNAVAILABLE,
+    Completion,
+    Read,
+    RequestError,
+)
+from kvsidecar.metrics.registry import Metrics
+
+#: the read path logs as kvsidecar.daemon.reads (what log filters name)
+log = logging.getLogger("kvsidecar.daemon.reads")
+
+
+@dataclass(slots=True)
+class _Gathering:
+    """One :meth:`ReadTable.together` under way: its table, the reads accepted so
+    far, and whether it is still open. A task created inside it copies the
+    context and keeps seeing it after it ended: a read such a task accepts then
+    must start at once, not join a group already started (it would never run)."""
+
+    table: ReadTable
+    reads: list[tuple[EngineRank, ReadJob]]
+    open: bool = True
+
+
+#: the :meth:`ReadTable.together` the current task is inside
+_GATHERING: contextvars.ContextVar[_Gathering | None] = (
+    contextvars.ContextVar("kvsidecar_read_gathering", default=None))
+
+
+class ReadTable:
+    """Every accepted read of this sidecar, from acceptance to its completion.
+
+    It owns the read jobs and their tasks; completions go out through
+    ``deliver`` (which drops them if the engine has gone meanwhile). Failures
+    over links made before the request (a peer that restarted) drop those
+    links and retry once, unless some rank was already read and notified.
+    """
+
+    def __init__(self, planner: Executor, handshakes: HandshakeClient, read_timeout_s: float,
+                 deliver: Callable[[EngineRank, Completion], None],
+                 metrics: Metrics) -> None:
+        self._planner = planner
+        #: the planning of reads that reach it in one loop iteration, as one job
+        self._plans = ThreadGroups(planner, many={plan_and_address: plan_and_address_many},
+                                   inline_cost=INLINE_PLAN_BLOCKS)
+        self._metrics = metrics
+        #: set by the Sidecar when tracing is configured
+        self.tracing: Tracing | None = None
+        self._handshakes = handshakes
+        self._timeout_s = read_timeout_s
+        self._deliver = deliver
+        self._jobs: dict[tuple[str, str], ReadJob] = {}
+        self._per_engine: dict[str, int] = {}
+        self._abandons: set[asyncio.Task[None]] = set()
+        #: set by the Sidecar: what verified reads use (``--verify-bytes``, ``Read.verify``)
+        self.verifier: verify.Verifier | None = None
+        self._spent = SpentTokens()
+
+    def count(self, engine_id: str) -> int:
+        """Reads of ``engine_id`` accepted and not yet completed."""
+        return self._per_engine.get(engine_id, 0)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def oldest_age(self, engine_id: str, now: float) -> float:
+        """Seconds since ``engine_id``'s oldest read in flight was accepted (0.0: none)."""
+        return max((now - job.accepted_at for (e, _), job in self._jobs.items()
+                    if e == engine_id), default=0.0)
+
+    def by_engine(self) -> dict[str, int]:
+        """Reads in flight per engine id (for the in-flight gauge)."""
+        out: dict[str, int] = {}
+        for engine_id, _ in self._jobs:
+            out[engine_id] = out.get(engine_id, 0) + 1
+        return out
+
+    def accept(self, eng: EngineRank, req: Read) -> None:
+        """Validate what can be checked locally (raises RequestError) and start the read."""
+        key = (req.engine_id, req.request_id)
+        if key in self._jobs:
+            raise RequestError(DUPLICATE, f"read {req.request_id!r} is already in progress")
+        r = req.remote
+        if len(r.handshake) != r.tp_size:
+            raise RequestError(BAD_REQUEST, f"remote engine {r.engine_id!r} has tp_size "
+                                            f"{r.tp_size} but {len(r.handshake)} handshake "
+                                            "addresses")
+        try:
+            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+            check_block_ids(eng.layout, req.local_block_ids, "local")
+            if len(req.remote_block_ids) != len(eng.layout.groups):
+                raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
+                                f"the layout has {len(eng.layout.groups)}")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        if len(req.remote_tokens) != r.tp_size:
+            raise RequestError(BAD_REQUEST, (
+                f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
+                f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
+                "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
+        job = ReadJob(req, ReadBook(time.monotonic(), self._timeout_s))
+        if req.verify or eng.verify_bytes:
+            job.verify = self._verifier_for(eng)
+        job.replayed = not self._spent.first_use(req.remote_tokens, time.time())
+        self._jobs[key] = job
+        self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
+        self._route(eng, job)
+
+    def _verifier_for(self, eng: EngineRank) -> verify.Verifier:
+        """What a verified read of ``eng`` uses; RequestError when its memory has no
+        digester (GPU memory, for now) or this table verifies nothing."""
+        if self.verifier is None:
+            raise RequestError(UNAVAILABLE, "this sidecar cannot verify bytes")
+        try:
+            digest.digester_for(eng.info.mem_type)
+        except digest.DigestUnavailable as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
+        return self.verifier
+
+    def _route(self, eng: EngineRank, job: ReadJob) -> None:
+        """Start an accepted read now, or at the end of the :meth:`together` of
+        the task that accepted it."""
+        gathering = self._gathering()
+        if gathering is not None:
+            gathering.reads.append((eng, job))
+        else:
+            self._start_one(eng, job)
+
+    def _gathering(self) -> _Gathering | None:
+        """The :meth:`together` of this table the current task is inside, if open."""
+        gathering = _GATHERING.get()
+        if gathering is not None and gathering.open and gathering.table is self:
+            return gathering
+        return None
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Reads accepted inside start together when it ends (one engine message's,
+        e.g. a Batch): those of one engine rank that read the same remote engine
+        over links already made share one task (:mod:`~kvsidecar.daemon.d_side.batch`),
+        the others start one task each as :meth:`accept` alone would.
+
+        What is gathered lives in a context variable, i.e. per asyncio task: should
+        a handler inside ever suspend, the reads other connections' tasks accept
+        meanwhile start at once as usual, instead of joining this message's
+        group and waiting for its end."""
+        if self._gathering() is not None:
+            yield  # nested: the outer one starts them
+            return
+        gathering = _Gathering(self, [])
+        token = _GATHERING.set(gathering)
+        try:
+            yield
+        finally:
+            _GATHERING.reset(token)
+            gathering.open = False  # for the tasks created inside, which still see it
+            self._start(gathering.reads)
+
+    def _start(self, gathered: list[tuple[EngineRank, ReadJob]]) -> None:
+        groups: dict[tuple[int, str, int, tuple[str, ...]], list[tuple[EngineRank, ReadJob]]] = {}
+        for eng, job in gathered:
+            r = job.req.remote
+            groups.setdefault((id(eng), r.engine_id, r.tp_size, tuple(r.handshake)),
+                              []).append((eng, job))
+        for group in groups.values():
+            eng = group[0][0]
+            jobs = [job for _, job in group if not self._aborted_unstarted(eng, job)]
+            if any(job.verify is not None for job in jobs):  # verified reads go alone
+                for job in jobs:
+                    if job.verify is not None:
+                        self._start_one(eng, job)
+                jobs = [job for job in jobs if job.verify is None]
+            links = self._batch_links(eng, jobs) if len(jobs) > 1 else None
+            if links is None:
+                for job in jobs:
+                    self._start_one(eng, job)
+            else:
+                self._start_batch(eng, jobs, *links)
+
+    def _aborted_unstarted(self, eng: EngineRank, job: ReadJob) -> bool:
+        """A read released in the message that asked for it ends before it starts."""
+        if job.abort_reason is None:
+            return False
+        self._end_unposted(eng, job)
+        return True
+
+    def _batch_links(self, eng: EngineRank, jobs: list[ReadJob]
+                     ) -> tuple[Sequence[int], list[Peer]] | None:
+        """The candidate P ranks and their links when ``jobs`` may go as one batch:
+        links all made, nothing staged, nothing traced; else None."""
+        if eng.staging is not None or (self.tracing is not None and self.tracing.enabled):
+            return None
+        r = jobs[0].req.remote
+        cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+        peers = []
+        for p in cands:
+            peer = eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p)
+            if peer is None:
+                return None
+            peers.append(peer)
+        return cands, peers
+
+    def _start_one(self, eng: EngineRank, job: ReadJob) -> None:
+        job.task = asyncio.ensure_future(self._run(eng, job))
+        # A task cancelled before its first step never runs its body; the
+        # callback still reports it and frees the request id.
+        job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+
+    def _start_batch(self, eng: EngineRank, jobs: list[ReadJob], cands: Sequence[int],
+                     peers: list[Peer]) -> None:
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(run_batch(
+            eng, jobs, cands, peers, self._plans, self._timeout_s, self._metrics,
+            self._handshakes, functools.partial(self._settle, eng, t0)))
+        self._metrics.series(self._metrics.batched_reads, eng.engine_id).inc(len(jobs))
+        # a read of it aborted before posting ends alone and at once
+        drop = functools.partial(self._end_unposted, eng)
+        for job in jobs:
+            job.task = task
+            job.on_abort = drop
+        task.add_done_callback(functools.partial(self._batch_done, eng, jobs))
+
+    def _settle(self, eng: EngineRank, t0: float, job: ReadJob,
+                got: ReadOutcome | BaseException) -> None:
+        """A read of a batch ended: complete it, or, when the failure is one a
+        fresh handshake may cure, carry it on alone (:meth:`_attempts` decides)."""
+        if job.ended:
+            return
+        if isinstance(got, Exception) and goes_on_alone(failure_of(got)):
+            job.on_abort = None
+            job.task = asyncio.ensure_future(self._run(eng, job, failed=got))
+            job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+            return
+        self._complete(eng, job, got, t0)
+
+    def _batch_done(self, eng: EngineRank, jobs: list[ReadJob], task: asyncio.Task[None]
+                    ) -> None:
+        """Nothing of the batch runs any more: a read it still owns (cancelled,
+        or a bug) gets its completion here, so none is lost."""
+        err = None if task.cancelled() else task.exception()
+        if err is not None:
+            log.error("a batch of %d reads of engine %r failed", len(jobs), eng.engine_id,
+                      exc_info=err)
+        for job in jobs:
+            if job.ended or job.task is not task:
+                continue
+            self._complete(eng, job, asyncio.CancelledError() if err is None else err,
+                           time.perf_counter())
+
+    def abort(self, engine_id: str, request_id: str, reason: str) -> bool:
+        job = self._jobs.get((engine_id, request_id))
+        if job is None:
+            return False
+        job.abort(reason)
+        return True
+
+    async def abort_all(self, engine_id: str | None, reason: str, timeout_s: float, *,
+                        posted_too: bool = True) -> None:
+        """Abort the reads of one engine (or all), then wait until none can still write."""
+        jobs = [j for (e, _), j in self._jobs.items() if engine_id is None or e == engine_id]
+        for j in jobs:
+            if posted_too or not j.posted:
+                j.abort(reason)
+        tasks = [j.task for j in jobs if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
+        if task.cancelled() and not job.ended:
+            self._end_unposted(eng, job)
+
+    def _end_unposted(self, eng: EngineRank, job: ReadJob) -> None:
+        """A read that posted nothing ends ``aborted`` (P told) at once."""
+        done = job.book.end(Outcome.CANCELLED)
+        self._close(eng, job, done, completion(job.req, done))
+
+    def _close(self, eng: EngineRank, job: ReadJob, done: Completed, c: Completion) -> None:
+        """Its completion out: P told when it did not receive, then delivered."""
+        self._tell_p(eng, job, done)  # nothing of this read is in flight any more
+        self._finish(eng, job, c)
+
+    def _tell_p(self, eng: EngineRank, job: ReadJob, done: Completed) -> None:
+        """A read that did not receive abandons every P rank it would have read, at
+        once and in the background, so P ends the hold (``aborted``) instead of
+        waiting for its deadline. Called only when nothing of the read is in flight.
+        Without claims yet (it ended while linking, or before its first step) the
+        abandon names no agent unless the link is known (P skips the check then).
+        A read that fails or is aborted after it was notified (every transfer
+        DONE with its notification, or posted during its claim, every transfer
+        done and the claim granted) abandons nothing: the notification ends the
+        holds ``sent``, and an abandon sent beside it over the peer channel could
+        reach P first and end them ``aborted`` although they were read."""
+        if not done.abandon:
+            return
+        leases = job.leases or self._unclaimed(eng, job)
+        if leases is None:
+            return
+        for t in leases.abandon(f"{done.kind}: {done.reason}"):
+            self._abandons.add(t)
+            t.add_done_callback(self._abandons.discard)
+
+    def _unclaimed(self, eng: EngineRank, job: ReadJob) -> ReaderLeases | None:
+        req = job.req
+        r = req.remote
+        try:
+            cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+        except PlanError:
+            return None
+        agents = {peer.key[2]: peer.agent for peer in job.peers}
+        return claims_of(self._handshakes, eng, req,
+                         ((p, agents.get(p, "")) for p in cands if p < len(r.handshake)))
+
+    def _finish(self, eng: EngineRank, job: ReadJob, c: Completion) -> None:
+        eng.peers.release(job.links)
+        if job.tracing is not None:
+            job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
+        key = (eng.engine_id, job.req.request_id)
+        if self._jobs.get(key) is job:
+            del self._jobs[key]
+            left = self._per_engine[key[0]] - 1
+            if left:
+                self._per_engine[key[0]] = left
+            else:
+                del self._per_engine[key[0]]
+        self._deliver(eng, c)
+
+    async def _run(self, eng: EngineRank, job: ReadJob,
+                   failed: BaseException | None = None) -> None:
+        req = job.req
+        t0 = time.perf_counter()
+        if self.tracing is not None and self.tracing.enabled and job.span is None:
+            job.tracing = self.tracing
+            job.span = self.tracing.start("kvsidecar.read", job.trace_id, engine=eng.engine_id,
+                                          rank=eng.tp_rank, peer=req.remote.engine_id,
+                                          decode_request_id=req.request_id)
+        got: ReadOutcome | BaseException
+        try:
+            got = await self._attempts(eng, job, failed)
+        except asyncio.CancelledError as e:
+            got = e
+        except Exception as e:  # every failure becomes a completion, never a crash
+            got = e
+        self._complete(eng, job, got, t0)
+
+    def _complete(self, eng: EngineRank, job: ReadJob, got: ReadOutcome | BaseException,
+                  t0: float) -> None:
+        """The read's one completion from its outcome (or why it failed; cancelled:
+        aborted before posting), P told when it did not receive."""
+        req = job.req
+        out = None
+        if isinstance(got, asyncio.CancelledError):
+            done = job.book.end(Outcome.CANCELLED)
+        elif isinstance(got, BaseException):
+            reason = f"{type(got).__name__}: {got}"
+            log.warning("read %r of engine %r failed: %s", req.request_id, eng.engine_id, reason,
+                        extra=log_fields(eng, req, "failed", reason))
+            done = job.book.end(Outcome.ERROR, reason)
+            if isinstance(got, LeaseLost):
+                self._metrics.leases_lost.labels(eng.engine_id).inc()
+        else:
+            out = got
+            done = job.book.end(Outcome.DONE)
+            if done.kind == "received":
+                if log.isEnabledFor(logging.DEBUG):  # not even its fields otherwise
+                    log.debug("read %r of engine %r received %d bytes", req.request_id,
+                              eng.engine_id, out.nbytes,
+                              extra=log_fields(eng, req, "received", ""))
+                self._metrics.series(self._metrics.read_seconds, eng.engine_id).observe(
+                    time.perf_counter() - t0, {"request_id": req.request_id[:64]})
+        self._close(eng, job, done, completion(req, done, out))
+
+    async def _attempts(self, eng: EngineRank, job: ReadJob,
+                        failed: BaseException | None = None) -> ReadOutcome:
+        """Run the read, again after a failure a stale link explains (``failed``:
+        its first attempt, made in a batch, failed so). What is retried and how
+        often is the book's policy (:meth:`~kvsidecar.daemon.d_side.book.ReadBook.retry`);
+        here the links a failure discredits are dropped (:func:`drops_links`),
+        and whether one of them predates the request is the policy's input.
+        A P engine that registered again refuses leases taken over an old link;
+        other refusals (the hold ended) leave the shared links alone."""
+        req = job.req
+        while True:
+            try:
+                if failed is not None:
+                    first, failed = failed, None
+                    raise first
+                return await run_read(eng, job, self._planner, self._plans, self._timeout_s,
+                                      self._metrics, self._handshakes)
+            except Exception as e:
+                failure = failure_of(e)
+                predate = self._forget_peers(eng, job) if drops_links(failure) else False
+                if not job.book.retry(failure, predate):
+                    raise
+                log.info("read %r: %s; retrying with a fresh handshake", req.request_id, e,
+                         extra=log_fields(eng, req, "retry", str(e)))
+
+    def _forget_peers(self, eng: EngineRank, job: ReadJob) -> bool:
+        """Drop the links (and cached handshakes) this read used; True if one of
+        them predates the request, so it may have been stale."""
+        stale = False
+        for peer in job.peers:
+            stale |= peer.made_at < job.accepted_at
+            eng.peers.forget(peer)
+            self._handshakes.forget(peer.key[0], peer.key[1])
+        job.peers = []
+        return stale
