@@ -1,13 +1,15 @@
-"""The wire protocol between an engine and its local sidecar (ZMQ IPC, msgpack).
+"""The wire protocol between an engine and its local sidecar (msgpack over
+``AF_UNIX`` ``SOCK_SEQPACKET``, framed by :mod:`kvsidecar.ipc.seqpacket`).
 
-One message is one ZMQ frame holding one msgpack map. Requests and replies are
-each a tagged union keyed by ``op``, so one typed decoder per direction turns
+One message is one msgpack map (one packet, or a long one in chunks after a
+header). Requests and replies are each a tagged union keyed by ``op``, so one
+typed decoder per direction turns
 bytes into the right Struct in a single pass, and unknown or mistyped input
 fails there, with a message that names the field, before any handler runs.
 
 ::
 
-    engine (DEALER)                           sidecar (ROUTER)
+    engine (client)                           sidecar (engine server)
       Read(id=7, ...)          ────────────▶  handler
       Hold(id=8, ...)          ────────────▶  handler
                                ◀────────────  Ok(id=7)
@@ -21,7 +23,7 @@ is always on the wire (never omitted as a default) so a daemon of another
 version can still read it and answer with an error naming both versions.
 
 Maps rather than ``array_like`` arrays: a read request costs a few
-microseconds either way next to a ZMQ round trip, and map errors name fields
+microseconds either way next to a socket round trip, and map errors name fields
 (``$.local_block_ids[0][3]``) instead of positions.
 """
 
