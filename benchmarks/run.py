@@ -39,6 +39,20 @@ def git(*args: str) -> str:
         return "?"
 
 
+#: Sections below this line in RESULTS.md are measured by hand (their own
+#: scripts, dates and commits): a run rewrites what is above it and keeps them.
+HAND_MARK = "<!-- sections measured by hand below: benchmarks/run.py keeps them -->"
+
+
+def with_hand_sections(generated: str, previous: str) -> str:
+    """``generated`` followed by ``previous``'s hand-measured sections (from
+    :data:`HAND_MARK` on), or ``generated`` alone when there are none."""
+    at = previous.find(HAND_MARK)
+    if at < 0:
+        return generated
+    return generated.rstrip("\n") + "\n\n" + previous[at:]
+
+
 def render(scale: str, rows: list[suite.Figure], errors: dict[str, str], started: float,
            load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float,
            steal: float | None = None) -> str:
@@ -144,7 +158,8 @@ def main() -> int:
                   steal_share(cpu_before, cpu_times()))
     out = args.out or ("" if args.scale == "smoke" else str(HERE / "RESULTS.md"))
     if out:
-        Path(out).write_text(text)
+        old = Path(out).read_text() if Path(out).exists() else ""
+        Path(out).write_text(with_hand_sections(text, old))
         print(f"wrote {out} ({wall:.0f} s)")
     return 1 if errors else 0
 
