@@ -4,7 +4,7 @@ A read claims the hold on every candidate P rank
 (:class:`~kvsidecar.daemon.peers.control.Claim`) before it posts, or, over
 links P confirmed within ``--post-during-claim`` seconds, while its transfers
 run (its notifications then wait for the grant, see
-:func:`~kvsidecar.daemon.d_side.driver.run_read`); a refusal or no answer fails the
+:func:`~kvsidecar.daemon.d_side.driver.run_group`); a refusal or no answer fails the
 read, before anything is posted when it claimed first. While its transfers are pending it renews
 every third of the granted lease. Each grant moves that rank's bound to
 ``t0 + lease_s`` where ``t0`` is this side's monotonic clock when the claim

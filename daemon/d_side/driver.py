@@ -1,4 +1,4 @@
-"""D side: the async shell that carries one read through its book's states.
+"""D side: the async shell that carries a group of reads through their books' states.
 
 ::
 
@@ -8,16 +8,31 @@
                         a bare notification to candidates we read nothing from)
              ─▶ received | failed | aborted
 
-The states and what is decided from them (abort, retry, completion) live in
-:class:`~kvsidecar.daemon.d_side.book.ReadBook`; this module executes the
-steps: link, claim, plan, post, wait, notify. The lease claim goes out with
-planning. Over links P confirmed recently (``--post-during-claim``) the read
-posts without waiting for it, and its notifications follow once the
-transfers ended and the claim was granted.
+A group is the reads one task carries (an :class:`~kvsidecar.daemon.d_side.job.Attempt`
+each), through the same steps as a list: link, claim and plan, post and
+wait. A read alone is a group of one; the read table gathers several only
+for one engine message's reads of one remote engine over links already made
+(see :meth:`~kvsidecar.daemon.d_side.table.ReadTable.together`). The states
+and what is decided from them (abort, retry, completion) live in
+:class:`~kvsidecar.daemon.d_side.book.ReadBook`; this module executes the steps.
 
-An abort before posting cancels the job at once. After posting the job waits
-for every transfer to finish before it reports ``aborted``: the engine may
-only reuse its blocks once nothing writes into them any more.
+Each read ends alone. A group of one (``settle`` None) returns its outcome
+and raises its failure, so its owner may retry it in the same task; it alone
+is traced, staged, verified, cut into parts per lane, and posted during its
+claim (``--post-during-claim``: over links P confirmed recently the read
+posts without waiting for the claim, and its notifications follow once the
+transfers ended and the claim was granted). A group of several hands each
+read's outcome or failure to ``settle`` as soon as it has one (a refused
+claim, a plan error or an expired lease fails that read alone), issues every
+read's claims as one control batch per P rank, plans them as one job, awaits
+every claim before posting, and completes each read from its own transfers'
+callbacks (:func:`~kvsidecar.daemon.d_side.waiting.post_all`).
+
+An abort before posting cancels a group of one's task at once (a read of a
+larger group is dropped by its owner instead, and skipped here). After
+posting the read waits for every transfer to finish before it reports
+``aborted``: the engine may only reuse its blocks once nothing writes into
+them any more.
 """
 
 from __future__ import annotations
@@ -25,8 +40,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, NoReturn
 
 from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_BLOCKS, PostList, plan_and_address
 from kvsidecar.daemon.d_side.futures import all_or_cancel, retrieve
@@ -34,13 +50,14 @@ from kvsidecar.daemon.d_side.job import (
     Attempt,
     ReadJob,
     ReadOutcome,
+    Settle,
     agents_of,
     check_tokens,
     claims_of,
     same_layout,
 )
 from kvsidecar.daemon.d_side.rank import ReaderRank
-from kvsidecar.daemon.d_side.waiting import post_and_wait
+from kvsidecar.daemon.d_side.waiting import post_all, post_and_wait
 from kvsidecar.daemon.leases import ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import Peer
@@ -57,39 +74,86 @@ _NOTHING = contextlib.nullcontext()
 
 #: what planning gives a read: its plan, a post per P rank, a staged plan per post
 _Planned = tuple[ReadPlan, list[PostList], list[StagedPlan | None]]
+#: a read ready to post: its plan, posts, staged plans, and its claim when still running
+_Ready = tuple[Attempt, ReadPlan, list[PostList], list[StagedPlan | None],
+               "asyncio.Future[None] | None"]
+#: what planning is given for a read: the planner's arguments and their cost
+_Inputs = tuple[tuple[Any, ...], int]
 
 
-async def run_read(eng: ReaderRank, job: ReadJob, planner: Executor, plans: ThreadGroups,
-                   timeout_s: float | None = None, metrics: Metrics | None = None,
-                   handshakes: HandshakeClient | None = None) -> ReadOutcome:
-    """Carry one read through; raises on failure (the caller turns it into a completion).
+async def run_group(eng: ReaderRank, jobs: Sequence[ReadJob], planner: Executor,
+                    plans: ThreadGroups, timeout_s: float | None, metrics: Metrics | None,
+                    handshakes: HandshakeClient, settle: Settle | None = None
+                    ) -> ReadOutcome | None:
+    """Carry ``jobs`` (one engine rank, one remote engine) to their ends.
+
+    ``settle`` None: ``jobs`` is one read; its outcome is returned and its
+    failure raised (the caller turns it into a completion, or retries).
+    Otherwise ``settle`` is called once per read that has not ``ended``
+    meanwhile, with its outcome or its exception, and None is returned once
+    every posted transfer has ended (so whoever awaits this task knows nothing
+    of the group still writes).
 
     ``plans`` (over ``planner``, the planning thread) plans the reads that reach
-    planning in one loop iteration, e.g. those of one Batch, as one job.
+    planning in one loop iteration, e.g. those of a group, as one job.
 
-    With ``handshakes`` the read holds leases on the P ranks' blocks (see
+    Every read holds leases on the P ranks' blocks (see
     :mod:`~kvsidecar.daemon.leases`): claimed while the planning thread works
     and awaited before posting (a refusal fails the read with nothing posted),
     renewed while transfers are pending, and checked when they end: a read
     that ends past its lease fails. Over links P granted a claim on within
-    ``eng.post_during_claim_s`` the read posts without awaiting its claim: the
-    claim round trip (0.6-1 ms here, the largest part of a small read's latency)
-    then overlaps the transfer, and the notifications wait for the grant; a
-    small one is posted before its claim even leaves (:func:`_post_first`).
+    ``eng.post_during_claim_s`` a read alone posts without awaiting its claim:
+    the claim round trip (0.6-1 ms here, the largest part of a small read's
+    latency) then overlaps the transfer, and the notifications wait for the
+    grant; a small one is posted before its claim even leaves (:func:`_post_first`).
     """
-    a = Attempt(eng, job, planner, timeout_s, metrics, handshakes)
-    layout = await _link(a)
-    req = job.req
-    # Staging: host memory on both sides only (a GPU engine posts scattered descriptors).
+    alone = settle is None
+    fail: Settle = _raise if settle is None else settle
+    group = [Attempt(eng, job, planner, timeout_s, metrics, handshakes)
+             for job in jobs if alone or not job.ended]  # dropped before this step
+    if not group:
+        return None
+    linked = await _link(group, fail)
+    if linked is None:
+        return None
+    group, layout = linked
+    inputs = [_inputs(a, layout) for a in group]
+    if alone:
+        a, (args, cost) = group[0], inputs[0]
+        if not args[-1] and cost <= INLINE_PLAN_BLOCKS and _confirmed(a):
+            return await _post_first(a, handshakes, args)
+    ready = await _claim_and_plan(group, plans, inputs, alone, fail)
+    if alone:
+        return await _post_alone(*ready[0])
+    if ready:
+        await post_all(eng, [(a.job, plan, posts) for a, plan, posts, _, _ in ready],
+                       group[0].cands, group[0].peers, timeout_s, metrics, fail)
+    return None
+
+
+def _raise(job: ReadJob, got: ReadOutcome | BaseException) -> NoReturn:
+    """A read alone's failure: raised (its outcome is returned, never settled)."""
+    assert isinstance(got, BaseException)
+    raise got
+
+
+def _inputs(a: Attempt, layout: Layout) -> _Inputs:
+    """What planning ``a`` takes, and its cost. Staging: host memory on both
+    sides only (a GPU engine posts scattered descriptors)."""
+    eng, req = a.eng, a.job.req
     modes = ({p: eng.staging_mode for p, peer in zip(a.cands, a.peers)
               if peer.info.mem_type == "DRAM"}
              if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
     args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
             {p: peer.bases for p, peer in zip(a.cands, a.peers)}, modes)
-    cost = sum(len(ids) for ids in req.local_block_ids)
-    if handshakes is not None and not modes and cost <= INLINE_PLAN_BLOCKS and _confirmed(a):
-        return await _post_first(a, handshakes, args)
-    plan, posts, staged, claiming = await _claim_and_plan(a, plans, args, cost)
+    return args, sum(len(ids) for ids in req.local_block_ids)
+
+
+async def _post_alone(a: Attempt, plan: ReadPlan, posts: list[PostList],
+                      staged: list[StagedPlan | None],
+                      claiming: asyncio.Future[None] | None) -> ReadOutcome:
+    """Post a read alone (staged, verified, cut per lane as it needs) and wait."""
+    eng, job, metrics = a.eng, a.job, a.metrics
     if job.abort_reason is not None:
         if claiming is not None:
             claiming.add_done_callback(retrieve)
@@ -108,29 +172,57 @@ async def run_read(eng: ReaderRank, job: ReadJob, planner: Executor, plans: Thre
                     eng.staging.release(area)
 
 
-async def _link(a: Attempt) -> Layout:
-    """Link every candidate P rank (links made already are held, not made
-    again), check the read's tokens and that the ranks agree on the layout."""
-    eng, job = a.eng, a.job
+async def _link(group: list[Attempt], fail: Settle) -> tuple[list[Attempt], Layout] | None:
+    """Link every candidate P rank for the group (links made already are held,
+    not made again), check each read's tokens and that the ranks agree on the
+    layout: the reads that go on and the remote layout (None: none)."""
+    first = group[0]
+    eng, job = first.eng, first.job
     remote = job.req.remote
-    a.cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
-    job.book.link()
+    cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, remote.tp_size)
+    for a in group:
+        a.cands = cands
+        a.job.book.link()
     tr = job.tracing
     with tr.child("kvsidecar.handshake", job.trace_id, job.span) if tr else _NOTHING:
         known = [eng.peers.cached(remote.handshake[p], remote.engine_id, remote.tp_size, p)
-                 for p in a.cands]
+                 for p in cands]
+        holding = group
         if None in known:
-            peers: list[Peer] = await all_or_cancel(
-                [eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
-                               user=job.links)
-                 for p in a.cands])
+            try:
+                peers: list[Peer] = await all_or_cancel(
+                    [eng.peers.get(remote.handshake[p], remote.engine_id, remote.tp_size, p,
+                                   user=job.links)
+                     for p in cands])
+            except Exception as e:
+                for a in group:
+                    fail(a.job, e)
+                return None
+            holding = group[1:]
         else:
             peers = [peer for peer in known if peer is not None]
-            eng.peers.hold(peers, job.links)
-    a.peers = job.peers = peers
-    job.book.linked()
-    check_tokens(job.req, a.cands, peers, time.time())
-    return same_layout(remote.engine_id, a.cands, peers)
+        for a in holding:
+            eng.peers.hold(peers, a.job.links)
+    checked = []
+    for a in group:
+        a.peers = list(peers)
+        a.job.peers = list(peers)
+        a.job.book.linked()
+        try:
+            check_tokens(a.job.req, cands, peers, time.time())  # before anything is posted
+        except Exception as e:
+            fail(a.job, e)
+        else:
+            checked.append(a)
+    if not checked:
+        return None
+    try:
+        layout = same_layout(remote.engine_id, cands, peers)
+    except RuntimeError as err:
+        for a in checked:
+            fail(a.job, err)
+        return None
+    return checked, layout
 
 
 def _confirmed(a: Attempt) -> bool:
@@ -141,34 +233,75 @@ def _confirmed(a: Attempt) -> bool:
             and a.eng.peers.confirmed_within(a.peers, window, time.monotonic()))
 
 
-async def _claim_and_plan(a: Attempt, plans: ThreadGroups, args: tuple[Any, ...], cost: int
-                          ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None],
-                                     asyncio.Future[None] | None]:
-    """Claim (when the read holds leases) and plan at once; the claim is
-    awaited unless the read posts during it (then returned, still running)."""
-    eng, job = a.eng, a.job
-    tr = job.tracing
+async def _claim_and_plan(group: list[Attempt], plans: ThreadGroups, inputs: list[_Inputs],
+                          alone: bool, fail: Settle) -> list[_Ready]:
+    """Issue every read's claims (one control batch per P rank), then plan
+    every read (one planning job): the claims' messages leave first in the
+    next loop iteration, ahead of the planning thread's wake-up. The reads
+    granted and planned, each with its plan, posts, staged plans and (a read
+    alone posting during its claim) the claim still running; a refusal or a
+    plan error fails its read alone."""
+    first = group[0]
+    eng, job, metrics = first.eng, first.job, first.metrics
+    assert first.handshakes is not None
+    tr = job.tracing if alone else None
     with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
-        if a.handshakes is None:
-            planning = plans.submit(plan_and_address, *args, cost=cost)
-            planning.add_done_callback(retrieve)
-            return (*await planning, None)
-        leases = job.leases = claims_of(a.handshakes, eng, job.req, agents_of(a.cands, a.peers))
-        # Issued before the planning job: the claim's message leaves first in
-        # the next loop iteration, ahead of the planning thread's wake-up.
         claimed_at = time.monotonic()
-        sent = leases.send_claims()
-        planning = plans.submit(plan_and_address, *args, cost=cost)
-        planning.add_done_callback(retrieve)
-        if _confirmed(a):
-            return await _plan_during_claim(a, leases, sent, planning)
-        # Claim first (a task and a link confirmation only when the feature is
-        # on): a refusal fails the read with nothing posted.
-        await (_claim(a, leases, sent) if eng.post_during_claim_s > 0 else leases.claim(sent))
-        if a.metrics is not None:
-            a.metrics.series(a.metrics.lease_claim_seconds, eng.engine_id).observe(
-                time.monotonic() - claimed_at)
-        return (*await planning, None)  # planned while the claim travelled
+        sent = []
+        for a in group:
+            a.job.leases = claims_of(first.handshakes, eng, a.job.req, agents_of(a.cands, a.peers))
+            sent.append(a.job.leases.send_claims())
+        planning = [plans.submit(plan_and_address, *args, cost=cost) for args, cost in inputs]
+        for planned in planning:
+            planned.add_done_callback(retrieve)
+        if alone:
+            return [(first, *await _claim_and_plan_alone(first, sent[0], planning[0],
+                                                         claimed_at))]
+        waits: list[asyncio.Future[Any]] = [f for s in sent for _, _, f in s]
+        await asyncio.wait(waits + planning)
+    now = time.monotonic()
+    claim_series = (metrics.series(metrics.lease_claim_seconds, eng.engine_id)
+                    if metrics is not None else None)
+    ready: list[_Ready] = []
+    for a, claims, planned in zip(group, sent, planning):
+        leases = a.job.leases
+        assert leases is not None
+        if a.job.ended:  # aborted while claiming and planning: already completed
+            for _, _, answer in claims:  # a failed claim of it is news to no one
+                retrieve(answer)
+            continue
+        try:
+            leases.settle(claims)  # a refusal fails this read with nothing posted
+            if claim_series is not None:
+                claim_series.observe(now - claimed_at)
+            plan, posts, staged = planned.result()
+            leases.check(now)  # never start on an expired lease
+        except Exception as e:
+            fail(a.job, e)
+            continue
+        ready.append((a, plan, posts, staged, None))
+    if ready and eng.post_during_claim_s > 0:
+        eng.peers.confirm(first.peers, now)  # P granted over these links just now
+    return ready
+
+
+async def _claim_and_plan_alone(a: Attempt, sent: list[Any],
+                                planning: asyncio.Future[_Planned], claimed_at: float
+                                ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None],
+                                           asyncio.Future[None] | None]:
+    """A read alone's claim and plan: the claim is awaited unless the read
+    posts during it (then returned, still running)."""
+    eng, leases = a.eng, a.job.leases
+    assert leases is not None
+    if _confirmed(a):
+        return await _plan_during_claim(a, leases, sent, planning)
+    # Claim first (a task and a link confirmation only when the feature is
+    # on): a refusal fails the read with nothing posted.
+    await (_claim(a, leases, sent) if eng.post_during_claim_s > 0 else leases.claim(sent))
+    if a.metrics is not None:
+        a.metrics.series(a.metrics.lease_claim_seconds, eng.engine_id).observe(
+            time.monotonic() - claimed_at)
+    return (*await planning, None)  # planned while the claim travelled
 
 
 async def _plan_during_claim(a: Attempt, leases: ReaderLeases, sent: list[Any],

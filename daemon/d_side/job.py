@@ -53,7 +53,7 @@ class ReadJob:
     span: Any = None
     tracing: Tracing | None = None
     #: how to abort it before posting when it shares its task with other reads
-    #: (a batch, see :mod:`.batch`): cancelling the task would abort them all
+    #: (a group, see :mod:`.driver`): cancelling the task would abort them all
     on_abort: Callable[[ReadJob], None] | None = None
     #: set when its bytes are verified (``--verify-bytes`` or ``Read.verify``)
     verify: verify.Verifier | None = None
@@ -207,3 +207,7 @@ def failure_of(e: BaseException) -> Failure:
     if isinstance(e, LeaseRefused):
         return Failure.REFUSED_STALE_LINK if e.stale_link else Failure.REFUSED
     return next((f for cls, f in _FAILURES if isinstance(e, cls)), Failure.OTHER)
+
+
+#: what a group's read ends with (its outcome, or why it failed), handed to its owner
+Settle = Callable[[ReadJob, "ReadOutcome | BaseException"], None]

@@ -1,8 +1,8 @@
 """D side: every accepted read of this sidecar (:class:`ReadTable`, what the
 service uses), from acceptance to its completion: validation, gathering one
-message's reads (:meth:`ReadTable.together`), starting each alone
-(:mod:`~kvsidecar.daemon.d_side.driver`) or as a batch
-(:mod:`~kvsidecar.daemon.d_side.batch`), retries, aborts and completions.
+message's reads (:meth:`ReadTable.together`), starting them in groups, each
+carried by one task through :func:`~kvsidecar.daemon.d_side.driver.run_group`
+(a read alone is a group of one), retries, aborts and completions.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import contextvars
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -23,7 +23,6 @@ from kvsidecar.daemon.d_side.addresses import (
     plan_and_address,
     plan_and_address_many,
 )
-from kvsidecar.daemon.d_side.batch import run_batch
 from kvsidecar.daemon.d_side.book import (
     Completed,
     Outcome,
@@ -31,7 +30,7 @@ from kvsidecar.daemon.d_side.book import (
     drops_links,
     goes_on_alone,
 )
-from kvsidecar.daemon.d_side.driver import run_read
+from kvsidecar.daemon.d_side.driver import run_group
 from kvsidecar.daemon.d_side.job import (
     ReadJob,
     ReadOutcome,
@@ -43,7 +42,6 @@ from kvsidecar.daemon.d_side.job import (
 from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.leases import LeaseLost, ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import PlanError, candidate_ranks, check_block_ids
 from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.thread_groups import ThreadGroups
@@ -189,8 +187,9 @@ class ReadTable:
     def together(self) -> Iterator[None]:
         """Reads accepted inside start together when it ends (one engine message's,
         e.g. a Batch): those of one engine rank that read the same remote engine
-        over links already made share one task (:mod:`~kvsidecar.daemon.d_side.batch`),
-        the others start one task each as :meth:`accept` alone would.
+        over links already made share one task (a group, see
+        :mod:`~kvsidecar.daemon.d_side.driver`), the others start one task each
+        (a group of one) as :meth:`accept` alone would.
 
         What is gathered lives in a context variable, i.e. per asyncio task: should
         a handler inside ever suspend, the reads other connections' tasks accept
@@ -222,12 +221,11 @@ class ReadTable:
                     if job.verify is not None:
                         self._start_one(eng, job)
                 jobs = [job for job in jobs if job.verify is None]
-            links = self._batch_links(eng, jobs) if len(jobs) > 1 else None
-            if links is None:
+            if len(jobs) > 1 and self._links_made(eng, jobs):
+                self._start_group(eng, jobs)
+            else:
                 for job in jobs:
                     self._start_one(eng, job)
-            else:
-                self._start_batch(eng, jobs, *links)
 
     def _aborted_unstarted(self, eng: EngineRank, job: ReadJob) -> bool:
         """A read released in the message that asked for it ends before it starts."""
@@ -236,62 +234,55 @@ class ReadTable:
         self._end_unposted(eng, job)
         return True
 
-    def _batch_links(self, eng: EngineRank, jobs: list[ReadJob]
-                     ) -> tuple[Sequence[int], list[Peer]] | None:
-        """The candidate P ranks and their links when ``jobs`` may go as one batch:
-        links all made, nothing staged, nothing traced; else None."""
+    def _links_made(self, eng: EngineRank, jobs: list[ReadJob]) -> bool:
+        """``jobs`` may go as one group of several: their links all made,
+        nothing staged, nothing traced (what only a read alone does)."""
         if eng.staging is not None or (self.tracing is not None and self.tracing.enabled):
-            return None
+            return False
         r = jobs[0].req.remote
-        cands = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
-        peers = []
-        for p in cands:
-            peer = eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p)
-            if peer is None:
-                return None
-            peers.append(peer)
-        return cands, peers
+        return all(eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p) is not None
+                   for p in candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size))
 
-    def _start_one(self, eng: EngineRank, job: ReadJob) -> None:
-        job.task = asyncio.ensure_future(self._run(eng, job))
-        # A task cancelled before its first step never runs its body; the
-        # callback still reports it and frees the request id.
-        job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+    def _start_one(self, eng: EngineRank, job: ReadJob,
+                   failed: BaseException | None = None) -> None:
+        """Start a read alone: a group of one (``failed``: its first attempt,
+        made in a group, failed so)."""
+        self._start_group(eng, [job], failed)
 
-    def _start_batch(self, eng: EngineRank, jobs: list[ReadJob], cands: Sequence[int],
-                     peers: list[Peer]) -> None:
-        t0 = time.perf_counter()
-        task = asyncio.ensure_future(run_batch(
-            eng, jobs, cands, peers, self._plans, self._timeout_s, self._metrics,
-            self._handshakes, functools.partial(self._settle, eng, t0)))
-        self._metrics.series(self._metrics.batched_reads, eng.engine_id).inc(len(jobs))
-        # a read of it aborted before posting ends alone and at once
-        drop = functools.partial(self._end_unposted, eng)
+    def _start_group(self, eng: EngineRank, jobs: list[ReadJob],
+                     failed: BaseException | None = None) -> None:
+        task = asyncio.ensure_future(self._run(eng, jobs, failed))
+        if len(jobs) > 1:
+            self._metrics.series(self._metrics.batched_reads, eng.engine_id).inc(len(jobs))
         for job in jobs:
             job.task = task
-            job.on_abort = drop
-        task.add_done_callback(functools.partial(self._batch_done, eng, jobs))
+            # a read of several aborted before posting ends alone and at once
+            # (cancelling the task would end them all); a read alone is cancelled
+            job.on_abort = functools.partial(self._end_unposted, eng) if len(jobs) > 1 else None
+        # A task cancelled before its first step never runs its body; the
+        # callback still reports it and frees the request id.
+        task.add_done_callback(functools.partial(self._group_done, eng, jobs))
 
     def _settle(self, eng: EngineRank, t0: float, job: ReadJob,
                 got: ReadOutcome | BaseException) -> None:
-        """A read of a batch ended: complete it, or, when the failure is one a
-        fresh handshake may cure, carry it on alone (:meth:`_attempts` decides)."""
+        """A read of a group of several ended: complete it, or, when the failure
+        is one a fresh handshake may cure, carry it on alone (:meth:`_attempts`
+        decides)."""
         if job.ended:
             return
         if isinstance(got, Exception) and goes_on_alone(failure_of(got)):
-            job.on_abort = None
-            job.task = asyncio.ensure_future(self._run(eng, job, failed=got))
-            job.task.add_done_callback(functools.partial(self._task_done, eng, job))
+            self._start_one(eng, job, got)
             return
         self._complete(eng, job, got, t0)
 
-    def _batch_done(self, eng: EngineRank, jobs: list[ReadJob], task: asyncio.Task[None]
+    def _group_done(self, eng: EngineRank, jobs: list[ReadJob], task: asyncio.Task[None]
                     ) -> None:
-        """Nothing of the batch runs any more: a read it still owns (cancelled,
-        or a bug) gets its completion here, so none is lost."""
+        """Nothing of the group runs any more: a read it still owns (cancelled,
+        or a bug) gets its completion here, so none is lost (a read cancelled
+        with nothing posted ends ``aborted``, P told)."""
         err = None if task.cancelled() else task.exception()
         if err is not None:
-            log.error("a batch of %d reads of engine %r failed", len(jobs), eng.engine_id,
+            log.error("a group of %d reads of engine %r failed", len(jobs), eng.engine_id,
                       exc_info=err)
         for job in jobs:
             if job.ended or job.task is not task:
@@ -316,10 +307,6 @@ class ReadTable:
         tasks = [j.task for j in jobs if j.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
-
-    def _task_done(self, eng: EngineRank, job: ReadJob, task: asyncio.Task[None]) -> None:
-        if task.cancelled() and not job.ended:
-            self._end_unposted(eng, job)
 
     def _end_unposted(self, eng: EngineRank, job: ReadJob) -> None:
         """A read that posted nothing ends ``aborted`` (P told) at once."""
@@ -376,10 +363,18 @@ class ReadTable:
                 del self._per_engine[key[0]]
         self._deliver(eng, c)
 
-    async def _run(self, eng: EngineRank, job: ReadJob,
+    async def _run(self, eng: EngineRank, jobs: list[ReadJob],
                    failed: BaseException | None = None) -> None:
-        req = job.req
+        """A group's task: several reads are settled one by one as each ends
+        (:meth:`_settle`); a read alone runs its attempts here, in its task."""
         t0 = time.perf_counter()
+        if len(jobs) > 1:
+            await run_group(eng, jobs, self._planner, self._plans, self._timeout_s,
+                            self._metrics, self._handshakes,
+                            functools.partial(self._settle, eng, t0))
+            return
+        job = jobs[0]
+        req = job.req
         if self.tracing is not None and self.tracing.enabled and job.span is None:
             job.tracing = self.tracing
             job.span = self.tracing.start("kvsidecar.read", job.trace_id, engine=eng.engine_id,
@@ -424,7 +419,7 @@ class ReadTable:
     async def _attempts(self, eng: EngineRank, job: ReadJob,
                         failed: BaseException | None = None) -> ReadOutcome:
         """Run the read, again after a failure a stale link explains (``failed``:
-        its first attempt, made in a batch, failed so). What is retried and how
+        its first attempt, made in a group of several, failed so). What is retried and how
         often is the book's policy (:meth:`~kvsidecar.daemon.d_side.book.ReadBook.retry`);
         here the links a failure discredits are dropped (:func:`drops_links`),
         and whether one of them predates the request is the policy's input.
@@ -436,8 +431,10 @@ class ReadTable:
                 if failed is not None:
                     first, failed = failed, None
                     raise first
-                return await run_read(eng, job, self._planner, self._plans, self._timeout_s,
+                got = await run_group(eng, [job], self._planner, self._plans, self._timeout_s,
                                       self._metrics, self._handshakes)
+                assert got is not None  # a read alone returns its outcome
+                return got
             except Exception as e:
                 failure = failure_of(e)
                 predate = self._forget_peers(eng, job) if drops_links(failure) else False

@@ -1,8 +1,10 @@
-"""D side: one read's posts, from hand-off to the worker until every transfer ended.
+"""D side: a group's posts, from hand-off to the worker until every transfer ended.
 
-:func:`post_and_wait` posts every P rank's transfer, waits for all, renews
-the read's leases meanwhile, scatters what was staged, and for a verified
-read compares digests before it notifies.
+:func:`post_and_wait` (a read alone, a group of one) posts every P rank's
+transfer, waits for all, renews the read's leases meanwhile, scatters what
+was staged, and for a verified read compares digests before it notifies.
+:func:`post_all` (a group of several reads, see the end of this docstring)
+posts them all and completes each from its own transfers' callbacks.
 
 ``claiming``: the lease claim, when the read is posted before P answered it
 (links P confirmed recently, ``--post-during-claim``). The transfers then
@@ -36,18 +38,29 @@ reset, as on one lane. A read whose bytes come from one P rank is cut into
 a part per lane when large enough
 (:func:`~kvsidecar.daemon.d_side.parts.split_post`, never a staged one),
 posted the same way; its parts' outcomes join back into the post's.
+
+A group of several reads (:func:`post_all`; unstaged, untraced, unverified,
+each claim granted before posting) costs one task, not a task per read: each
+read is completed from its own transfers' done callbacks (:class:`_Waiting`),
+and one timer starts the renewals of those still running (:class:`_Renewals`).
+Over several lanes a read from several P ranks is spread as on its own,
+posted without notifications and notified from lane 0 once all its transfers
+ended; a large read from one P rank is not cut into parts there: it is
+posted whole on lane 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvsidecar.daemon.d_side.addresses import I64, PostList
 from kvsidecar.daemon.d_side.futures import in_executor, outcomes, retrieve
-from kvsidecar.daemon.d_side.job import Attempt, ReadOutcome
+from kvsidecar.daemon.d_side.job import Attempt, ReadJob, ReadOutcome, Settle
 from kvsidecar.daemon.d_side.parts import joined, lane_of, pipeline, split_post
 from kvsidecar.daemon.d_side.posting import (
     check_results,
@@ -55,13 +68,16 @@ from kvsidecar.daemon.d_side.posting import (
     notify_ended,
     outcome_of,
     post_read,
+    targets_of,
 )
 from kvsidecar.daemon.d_side.rank import ReaderRank
 from kvsidecar.daemon.d_side.verifying import ask_digests, landing, verified
 from kvsidecar.daemon.leases import ReaderLeases, Renewals
+from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan
 from kvsidecar.daemon.staging import Area, scatter
 from kvsidecar.daemon.staging_plan import StagedPlan
+from kvsidecar.metrics.registry import Metrics
 
 
 @dataclass(frozen=True)
@@ -212,3 +228,137 @@ def _scatter_all(eng: ReaderRank, staged: list[StagedPlan | None],
     for sp, area in zip(staged, areas):
         if sp is not None and area is not None:
             scatter(pool.view(area), sp.src, sp.dst, sp.size, eng.bases, views)
+
+
+async def post_all(eng: ReaderRank, ready: list[tuple[ReadJob, ReadPlan, list[PostList]]],
+                    cands: Sequence[int], peers: list[Peer], timeout_s: float | None,
+                    metrics: Metrics | None, settle: Settle) -> None:
+    """Post every ready read of a group (the worker merges them), each completed
+    from its own transfers' callbacks through ``settle``; returns once every
+    transfer ended (see the module's docstring)."""
+    until = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    targets = targets_of(cands, peers)
+    renewals = _Renewals(until)
+    bugs: list[BaseException] = []
+    every: list[asyncio.Future[Any]] = []
+    for job, plan, posts in ready:
+        none = [None] * len(posts)
+        lanes = lane_of(len(eng.lanes), posts)
+        ops, note, agents, merge = post_read(eng, job, timeout_s, metrics, cands, peers, posts,
+                                             none, none, targets=targets,
+                                             notify=lanes is None, lanes=lanes)
+        waiting = _Waiting(eng, job, plan, posts, ops, renewals, metrics, settle, bugs,
+                           None if lanes is None else (note, agents, merge))
+        renewals.add(waiting)
+        for op in ops:
+            op.add_done_callback(waiting.one_done)
+        every.extend(ops)
+    renewals.arm()
+    await asyncio.wait(every)
+    if bugs:  # the group's task fails with it: its owner logs it and ends every read left
+        raise bugs[0]
+
+
+class _Renewals:
+    """The lease renewals of a group's posted reads: one timer for all of them
+    (a read's own would be a timer per read, set and cancelled, while nearly
+    every read ends long before its first renewal is due). When it fires,
+    each read still running starts renewing on its own (as
+    :meth:`~kvsidecar.daemon.leases.ReaderLeases.renew_later` would), until
+    its read's deadline ``until``."""
+
+    def __init__(self, until: float) -> None:
+        self._until = until
+        self._running: set[_Waiting] = set()
+        self._every_s = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, waiting: _Waiting) -> None:
+        assert waiting.job.leases is not None
+        self._running.add(waiting)
+        self._every_s = min(self._every_s, waiting.job.leases.renew_every_s)
+
+    def arm(self) -> None:
+        if self._running:
+            self._timer = asyncio.get_running_loop().call_later(self._every_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        for waiting in self._running:
+            assert waiting.job.leases is not None
+            waiting.renewing = waiting.job.leases.renew_from_now(self._until)
+
+    def ended(self, waiting: _Waiting) -> None:
+        """``waiting``'s transfers all ended: its renewals stop (the last one
+        pending is abandoned); the timer goes with the group's last read."""
+        self._running.discard(waiting)
+        if waiting.renewing is not None:
+            waiting.renewing.cancel()
+        if not self._running and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _Waiting:
+    """One posted read of a group: completed from its own transfers' callbacks,
+    as soon as the last of them ends (never later than its group's others).
+
+    It runs as a future's done callback, where an exception would only be
+    logged by asyncio as "Exception in callback" and the read left for the
+    group's end to complete as if cancelled. So what ``settle`` raises (a bug)
+    goes to ``bugs``: :func:`post_all` raises the first once every transfer
+    ended, and the group's owner logs it and completes each read still open
+    with it, under its own name."""
+
+    def __init__(self, eng: ReaderRank, job: ReadJob, plan: ReadPlan, posts: list[PostList],
+                 ops: list[asyncio.Future[Any]], renewals: _Renewals, metrics: Metrics | None,
+                 settle: Settle, bugs: list[BaseException],
+                 deferred: tuple[bytes, dict[int, str], dict[int, int]] | None = None) -> None:
+        """``deferred``: posted over lanes without notifications; the read's
+        notification, agents and merge limits, sent once every transfer ended."""
+        self.job = job
+        self._eng, self._plan, self._posts = eng, plan, posts
+        self._ops, self._renewals, self._metrics, self._settle = ops, renewals, metrics, settle
+        self._bugs = bugs
+        self._deferred = deferred
+        self._left = len(ops)
+        #: its renewals, once the group's timer started them
+        self.renewing: asyncio.Task[None] | None = None
+
+    def one_done(self, _: asyncio.Future[Any]) -> None:
+        self._left -= 1
+        if self._left:
+            return
+        self._renewals.ended(self)
+        results = [_result(op) for op in self._ops]
+        try:
+            if self._deferred is None:  # its notifications rode with its transfers
+                check_results(self._eng, self.job, self._metrics, self._posts, results)
+            else:
+                note, agents, merge = self._deferred
+                if not self.job.ended:
+                    notify_ended(self._eng, self.job, self._posts, agents, note, merge,
+                                 results, self._metrics)
+                check_results(self._eng, self.job, self._metrics, self._posts, results,
+                              notified=False)
+            got: ReadOutcome | BaseException = outcome_of(self._plan, self._posts, results)
+        except (Exception, asyncio.CancelledError) as e:
+            # A cancelled transfer future is a failed transfer of this read, not
+            # a cancellation of the callback: settle it so (CancelledError is not
+            # an Exception, and escaping here it would leave the read to the
+            # group's end, reported "aborted before posting").
+            got = e
+        if self.job.ended:
+            return
+        try:
+            self._settle(self.job, got)
+        except Exception as e:
+            self._bugs.append(e)
+
+
+def _result(op: asyncio.Future[Any]) -> Any:
+    """An ended op's outcome as ``gather(return_exceptions=True)`` gives it."""
+    if op.cancelled():
+        return asyncio.CancelledError()
+    return op.exception() or op.result()
+

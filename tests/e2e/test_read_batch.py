@@ -1,5 +1,5 @@
 """End to end (issue #12): the reads of one engine message that read one remote
-engine over links already made share one task on D (daemon/d_side/batch.py), and
+engine over links already made share one task on D (a group, daemon/d_side/driver.py), and
 each still ends alone: its own lease, its own failure, its own abort, its own
 completion, bytes checked against the oracle (LAYOUT.md section 6). Real
 sidecars with metrics, so the batch counter counts this test only."""

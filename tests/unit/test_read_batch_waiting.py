@@ -1,5 +1,5 @@
-"""D's batch read path (daemon/d_side/batch.py): a posted read of a batch is
-completed from its transfers' done callbacks. What ``settle`` raises there
+"""D's group read path (daemon/d_side/waiting.py, post_all): a posted read of a
+group is completed from its transfers' done callbacks. What ``settle`` raises there
 would otherwise be swallowed by asyncio ("Exception in callback") and the read
 ended later as if cancelled; it must reach the batch's task instead.
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.daemon.d_side import batch as read_batch
-from kvsidecar.daemon.d_side.batch import _Renewals, _Waiting
+from kvsidecar.daemon.d_side import waiting as read_batch
 from kvsidecar.daemon.d_side.book import ReadBook, ReadState
 from kvsidecar.daemon.d_side.job import ReadJob
+from kvsidecar.daemon.d_side.waiting import _Renewals, _Waiting
 
 OUTCOME = object()
 
