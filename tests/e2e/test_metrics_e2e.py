@@ -70,7 +70,11 @@ class Prometheus:
             with urllib.request.urlopen(url, timeout=30) as r:
                 body = json.loads(r.read())
         except urllib.error.HTTPError as e:
-            body = json.loads(e.read())
+            text = e.read()
+            try:
+                body = json.loads(text)
+            except ValueError:  # e.g. 503 "Service Unavailable" while it starts
+                raise AssertionError(f"{expr}: HTTP {e.code} {text[:200]!r}") from None
         assert body.get("status") == "success", f"{expr}: {body.get('error')}"
         result = body["data"]["result"]
         assert isinstance(result, list)
