@@ -28,10 +28,23 @@ log = logging.getLogger("kvsidecar.daemon.reads")
 
 I64 = NDArray[np.int64]
 
-#: A planning job (the reads of one loop iteration) naming at most this many local
-#: blocks in all is planned on the loop, not on the planning thread (see
-#: ThreadGroups): a 1-block read plans in ~40 us, less than the thread's round trip.
-INLINE_PLAN_BLOCKS = 4
+#: A planning job (the reads of one loop iteration) whose reads come to at most
+#: this many pieces (:func:`plan_cost`) is planned on the loop, not on the
+#: planning thread (see ThreadGroups). Below it planning's cost is mostly
+#: numpy's per-call overhead, not the ids: on the development host (quiet /
+#: loaded) 1 to 16 blocks of a one-layer model plan in 65-70 / 105-115 us,
+#: 512 blocks of it or 16 of a 32-layer model (1,024 pieces) in about
+#: 100-250 us, while a trip to the planning thread and back cost the loop and
+#: that thread about 200 us of CPU per read and two wake-ups.
+INLINE_PLAN_PIECES = 1024
+
+
+def plan_cost(local: Layout, remote_tp: int, blocks: int) -> int:
+    """What planning ``blocks`` local pages costs, in pieces: a page's
+    segment pieces over every region and kernel block, times the P ranks each
+    page is read from (a smaller D tp reads each page from several)."""
+    per_page = local.num_regions * sum(g.sub_blocks * len(g.segments) for g in local.groups)
+    return blocks * per_page * max(1, remote_tp // local.tp_size)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,12 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
-from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_BLOCKS, PostList, plan_and_address
+from kvsidecar.daemon.d_side.addresses import (
+    INLINE_PLAN_PIECES,
+    PostList,
+    plan_and_address,
+    plan_cost,
+)
 from kvsidecar.daemon.d_side.futures import all_or_cancel, retrieve
 from kvsidecar.daemon.d_side.job import (
     Attempt,
@@ -120,7 +125,7 @@ async def run_group(eng: ReaderRank, jobs: Sequence[ReadJob], planner: Executor,
     inputs = [_inputs(a, layout) for a in group]
     if alone:
         a, (args, cost) = group[0], inputs[0]
-        if not args[-1] and cost <= INLINE_PLAN_BLOCKS and _confirmed(a):
+        if not args[-1] and cost <= INLINE_PLAN_PIECES and _confirmed(a):
             return await _post_first(a, handshakes, args)
     ready = await _claim_and_plan(group, plans, inputs, alone, fail)
     if alone:
@@ -146,7 +151,8 @@ def _inputs(a: Attempt, layout: Layout) -> _Inputs:
              if eng.staging is not None and eng.info.mem_type == "DRAM" else {})
     args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
             {p: peer.bases for p, peer in zip(a.cands, a.peers)}, modes)
-    return args, sum(len(ids) for ids in req.local_block_ids)
+    blocks = sum(len(ids) for ids in req.local_block_ids)
+    return args, plan_cost(eng.layout, layout.tp_size, blocks)
 
 
 async def _post_alone(a: Attempt, plan: ReadPlan, posts: list[PostList],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvsidecar.daemon import digest, verify
 from kvsidecar.daemon.d_side.addresses import (
-    INLINE_PLAN_BLOCKS,
+    INLINE_PLAN_PIECES,
     plan_and_address,
     plan_and_address_many,
 )
@@ -92,7 +92,7 @@ class ReadTable:
         self._planner = planner
         #: the planning of reads that reach it in one loop iteration, as one job
         self._plans = ThreadGroups(planner, many={plan_and_address: plan_and_address_many},
-                                   inline_cost=INLINE_PLAN_BLOCKS)
+                                   inline_cost=INLINE_PLAN_PIECES)
         self._metrics = metrics
         #: set by the Sidecar when tracing is configured
         self.tracing: Tracing | None = None

@@ -179,8 +179,10 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
                                                 "--post-during-claim", "600"]).start()
     d0 = SidecarProcess(tmp_path, "pdc-d0", args=["--metrics-port", "0",
                                                   "--post-during-claim", "0"]).start()
-    P = SimEngine("pdc-P", attn(8), 1, 64, [p])
-    D = SimEngine("pdc-D", attn(8), 1, 64, [d])
+    # room for a read planned on the planning thread (over 1,024 pieces: 171
+    # pages of this 3-layer layout's 6 pieces)
+    P = SimEngine("pdc-P", attn(8), 1, 256, [p])
+    D = SimEngine("pdc-D", attn(8), 1, 256, [d])
     D0 = SimEngine("pdc-D0", attn(8), 1, 64, [d0])
     early = "kvsidecar_reads_posted_during_claim_total"
     try:
@@ -210,11 +212,11 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
         assert D.verify("after") == []
         assert P.wait_for(["after"], timeout_s=10)["after"][0].kind == "sent"
         assert d.metric(early, engine="pdc-D") == 3
-        # A read of more blocks than are planned on the loop goes through the
+        # A read larger than what is planned on the loop goes through the
         # planning thread (the small ones above are planned and posted in the
         # read task's first step, their claim sent after); it posts during its
         # claim only if the grant has not come back before its plan did.
-        D.start_read(P.prefill("big", Request(seed=11, prompt_tokens=8 * 40)))
+        D.start_read(P.prefill("big", Request(seed=11, prompt_tokens=8 * 200)))
         assert D.wait_for(["big"])["big"][0].kind == "received"
         assert D.verify("big") == []
         assert P.wait_for(["big"], timeout_s=10)["big"][0].kind == "sent"
