@@ -4,8 +4,7 @@ The thread progresses NIXL itself (no NIXL progress thread: it would spin a
 core), so how long it blocks on its job queue between rounds is the trade of
 latency against CPU (each timed wake-up costs CPU, not NIXL's idle poll):
 
-- a completion is imminent (``soon``): ``soon_s``, doubling with every
-  round in which nothing happened up to ``soon_max_s``, for at most
+- a completion is imminent (``soon``): ``soon_s`` for at most
   ``soon_window_s`` after this worker posted a read that did not finish inside
   ``transfer()`` (while at most ``soon_max_reads`` are in flight), or after
   the owner granted a reader a lease, until the next notification arrives.
@@ -60,17 +59,11 @@ class PollPolicy:
     #: a read of ours opens the soon window only while at most this many are
     #: in flight (see :meth:`PollPacer.imminent`)
     soon_max_reads: int = 2
-    #: inside the soon window a round in which nothing happened doubles the
-    #: wait from ``soon_s`` up to this: a wake-up costs CPU the peers need on a
-    #: small host, and a completion that did not come in the first polls is
-    #: waiting for the peer's loop (its grant), not for our poll
-    soon_max_s: float = 0.0002
 
     def __post_init__(self) -> None:
         if min(self.busy_s, self.hot_s, self.idle_s, self.soon_s) <= 0:
             raise ValueError("poll intervals must be positive")
-        if (self.hot_max_s < self.hot_s or self.idle_max_s < self.idle_s
-                or self.soon_max_s < self.soon_s):
+        if self.hot_max_s < self.hot_s or self.idle_max_s < self.idle_s:
             raise ValueError("a poll cap must not be below its floor")
 
     def next_wait(self, last: float, *, active: bool, inflight: bool, reads_expected: bool,
@@ -80,9 +73,7 @@ class PollPolicy:
         completion is imminent (a read of ours posted, or one of a reader we
         just granted a lease, within ``soon_window_s``)."""
         if soon:
-            if active or not self.soon_s <= last <= self.soon_max_s:
-                return self.soon_s  # something happened, or the window just opened
-            return min(self.soon_max_s, last * 2)
+            return self.soon_s
         if inflight:
             return self.busy_s
         if reads_expected:

@@ -472,9 +472,8 @@ async def test_poll_waits_follow_holds_leases_notifications_and_posts() -> None:
     at once; a lease polls at the soon floor until a notification came, then at
     the hot floor; a read of ours still in flight polls soon, then busy."""
     hour = 3600.0
-    poll = PollPolicy(busy_s=5e-4, idle_s=hour, idle_max_s=hour, hot_s=1e-3, hot_max_s=hour,
-                      soon_s=1e-4, soon_max_s=4e-4, soon_window_s=hour)
-    soon = (1e-4, 2e-4, 4e-4)  # the soon wait doubles while nothing happens
+    poll = PollPolicy(busy_s=2e-4, idle_s=hour, idle_max_s=hour, hot_s=1e-3, hot_max_s=hour,
+                      soon_s=1e-4, soon_window_s=hour)
     r = await make_rig(poll=poll)
     w = r.w
     try:
@@ -489,7 +488,7 @@ async def test_poll_waits_follow_holds_leases_notifications_and_posts() -> None:
         await until(lambda: w.poll_wait_s > 1.0, "hot wait escalated past 1 s")
         r.peer.add_remote_agent(await w.metadata())
         w.expect_reads(60.0)
-        await until(lambda: w.poll_wait_s in soon, "soon polling for a reader")
+        await until(lambda: w.poll_wait_s == 1e-4, "soon polling for a reader")
         r.peer.send_notif("local", b"read-done")
         await until(lambda: bool(r.notifs), "the reader's notification")
         assert w.poll_wait_s == 1e-3  # the soon window closed; the lease runs
@@ -497,7 +496,7 @@ async def test_poll_waits_follow_holds_leases_notifications_and_posts() -> None:
         await until(lambda: w.poll_wait_s == hour, "idle after the holds ended")
         r.fabric.script.append(Xfer(polls=None))
         r.w.post_soon(r.read(0, 0, 64))
-        await until(lambda: w.poll_wait_s in soon, "soon polling after our post")
+        await until(lambda: w.poll_wait_s == 1e-4, "soon polling after our post")
     finally:
         await w.stop()
     r2 = await make_rig(poll=PollPolicy(busy_s=2e-4, soon_s=1e-4, soon_window_s=0.005))
