@@ -151,6 +151,39 @@ def proc_threads_run_wait(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def proc_threads_wakeups(pid: int) -> dict[str, int]:
+    """Voluntary context switches of a sidecar's threads by role (as
+    :func:`proc_threads_by_role`): how often each went to sleep and was woken.
+    A count, not a time, so it is a fair figure of a path's work on a noisy
+    host: on this one a wake-up costs tens of microseconds of CPU."""
+    out = {"loop": 0, "NIXL worker": 0, "planning": 0, "other": 0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                n = int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        role = "loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")
+        out[role] += n
+    return out
+
+
+def wakeups_note(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]],
+                 reads: int) -> str:
+    """Wake-ups per read by sidecar and thread, from two
+    :func:`proc_threads_wakeups` snapshots per sidecar name."""
+    parts = []
+    for name, b in before.items():
+        a = after[name]
+        per = ", ".join(f"{role} {(a[role] - b[role]) / reads:.1f}" for role in b
+                        if a[role] > b[role])
+        parts.append(f"{name}: {per}")
+    return ("wake-ups per read by thread (voluntary context switches; the whole window, "
+            "untimed engine calls included): " + "; ".join(parts))
+
+
 def host_busy() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole host so far, from /proc/stat."""
     with open("/proc/stat") as f:
@@ -701,8 +734,11 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
     waiting polls (the headline) and, in the same run, spinning on empty polls."""
     lat: dict[bool, list[float]] = {False: [], True: []}
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
+        assert p0.proc is not None and d0.proc is not None
         pair = Pair(p0, d0, small_attention, 8, "lat")
         inside = _InsideD(d0.metrics_port)
+        wake0: dict[str, dict[str, int]] = {}
+        woke = ""
         try:
             for spin in (False, True):
                 for i in range(s.latency_reads + 5):
@@ -714,10 +750,15 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                     pair.finish([sent], got)
                     if i == 4 and not spin:
                         inside.start()
+                        wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
+                                 "P": proc_threads_wakeups(p0.proc.pid)}
                     if i >= 5:
                         lat[spin].append(dt)
                 if not spin:
                     where = inside.stop()
+                    woke = wakeups_note(wake0, {"D": proc_threads_wakeups(d0.proc.pid),
+                                                "P": proc_threads_wakeups(p0.proc.pid)},
+                                        s.latency_reads)
         finally:
             pair.close()
     raw = raw_latencies(16384, s.latency_reads)
@@ -732,6 +773,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    "p50 ≤ raw + 100 µs (honest here: 1-1.5 ms, the hops' floors in the notes)",
                    p50 <= r50 + 100e-6,
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
+                    woke,
                     f"the same reads with the engine spinning on empty polls instead (same "
                     f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
 
@@ -752,6 +794,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 done, elapsed = 0, 0.0
                 c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
+                wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
+                         "P": proc_threads_wakeups(p0.proc.pid)}
                 while done < s.sustained_requests:
                     n = min(window, s.sustained_requests - done)
                     # P fills and holds the round first (not timed: that is P's engine);
@@ -775,6 +819,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 p_cpu = proc_cpu_s(p0.proc.pid) - c_p
                 by_d = _per_read(r_d, proc_threads_by_role(d0.proc.pid), done)
                 by_p = _per_read(r_p, proc_threads_by_role(p0.proc.pid), done)
+                woke = wakeups_note(wake0, {"D": proc_threads_wakeups(d0.proc.pid),
+                                            "P": proc_threads_wakeups(p0.proc.pid)}, done)
                 rate = done / elapsed
                 # what the daemons' CPU alone allows on this machine's cores
                 ceiling = (os.cpu_count() or 1) * done / max(1e-9, d_cpu + p_cpu)
@@ -794,6 +840,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                      "polls) until all of it is received; P's fills and holds are not timed; "
                      "daemon CPU covers the whole run (untimed holds included)",
                      f"daemon CPU per read by thread (schedstat): D {by_d}; P {by_p}",
+                     woke,
                      "baseline: one process posts the same reads' descriptors with bare NIXL "
                      "(reads of one `read_many` as one READ with one notification, as the D "
                      "sidecar merges them) and polls each to DONE: the CMA copy and NIXL's own "
