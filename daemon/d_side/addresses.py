@@ -19,6 +19,7 @@ from kvsidecar.daemon.planner import (
     plan_many_addressed,
     plan_read,
 )
+from kvsidecar.daemon.planner.small import plan_small
 from kvsidecar.daemon.staging_plan import StagedPlan, plan_staging
 from kvsidecar.ipc.layout import Layout
 from kvsidecar.ipc.protocol import Read
@@ -37,14 +38,6 @@ I64 = NDArray[np.int64]
 #: 100-250 us, while a trip to the planning thread and back cost the loop and
 #: that thread about 200 us of CPU per read and two wake-ups.
 INLINE_PLAN_PIECES = 1024
-
-
-def plan_cost(local: Layout, remote_tp: int, blocks: int) -> int:
-    """What planning ``blocks`` local pages costs, in pieces: a page's
-    segment pieces over every region and kernel block, times the P ranks each
-    page is read from (a smaller D tp reads each page from several)."""
-    per_page = local.num_regions * sum(g.sub_blocks * len(g.segments) for g in local.groups)
-    return blocks * per_page * max(1, remote_tp // local.tp_size)
 
 
 @dataclass(frozen=True)
@@ -94,7 +87,16 @@ def plan_and_address(local: Layout, rank: int, remote: Layout, req: Read,
                       local_bases: I64, remote_bases: dict[int, I64],
                       staging: dict[int, str] | None = None,
                       ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
-    """Plan, addresses, and per P rank the staged plan (``staging``: mode per rank)."""
+    """Plan, addresses, and per P rank the staged plan (``staging``: mode per rank).
+    A small attention read with nothing staged is planned with Python ints
+    (:func:`~kvsidecar.daemon.planner.small.plan_small`: the same plan)."""
+    if not staging or all(m == "off" for m in staging.values()):
+        small = plan_small(local, rank, remote, req.local_block_ids, req.remote_block_ids,
+                           req.skip_tokens, req.num_tokens, local_bases=local_bases,
+                           remote_bases=remote_bases)
+        if small is not None:
+            posts = posts_of(*small)
+            return small[0], posts, [None] * len(posts)
     plan = plan_read(local, rank, remote, req.local_block_ids, req.remote_block_ids,
                      skip_tokens=req.skip_tokens, num_tokens=req.num_tokens, check=False)
     return _address(plan, local_bases, remote_bases, staging)

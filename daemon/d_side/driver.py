@@ -44,12 +44,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
-from kvsidecar.daemon.d_side.addresses import (
-    INLINE_PLAN_PIECES,
-    PostList,
-    plan_and_address,
-    plan_cost,
-)
+from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES, PostList, plan_and_address
 from kvsidecar.daemon.d_side.futures import all_or_cancel, retrieve
 from kvsidecar.daemon.d_side.job import (
     Attempt,
@@ -67,6 +62,7 @@ from kvsidecar.daemon.leases import ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.links import Peer
 from kvsidecar.daemon.planner import ReadPlan, candidate_ranks
+from kvsidecar.daemon.planner.cost import plan_cost
 from kvsidecar.daemon.staging import Area
 from kvsidecar.daemon.staging_plan import StagedPlan
 from kvsidecar.daemon.thread_groups import ThreadGroups

@@ -18,6 +18,8 @@ into addresses. LAYOUT.md is the contract. One module per step of a plan::
 - :mod:`.block_ids`: the one validation of a request's block ids.
 - :mod:`.pairing`: which local view pairs with which remote view.
 - :mod:`.plan`: the descriptors, per P rank, of one or several requests.
+- :mod:`.small`: the same plan of one small attention request with Python ints
+  (what the event loop plans), :mod:`.cost` a plan's size in pieces.
 - :mod:`.errors`: the :class:`PlanError` of each rule a request can break.
 """
 

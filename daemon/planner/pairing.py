@@ -64,7 +64,7 @@ def pair_group(
         lk = view_offsets(local, lg, lids)
         rk = view_offsets(remote, rg, rids)
         return lk[l0:l0 + n], rk[r0:r0 + n]
-    skip_k, n = _attention_pairs(gi, lg, rg, int(lids.size), int(rids.size), skip_tokens,
+    skip_k, n = attention_pairs(gi, lg, rg, int(lids.size), int(rids.size), skip_tokens,
                                  num_tokens)
     lk = view_offsets(local, lg, lids)
     rk = view_offsets(remote, rg, rids)
@@ -97,7 +97,7 @@ def _window_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
     return start - lfirst, start - rfirst, max(0, end - start)
 
 
-def _attention_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
+def attention_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
                      skip_tokens: int | None, num_tokens: int | None) -> tuple[int, int]:
     """For an attention group with ``nl`` local and ``nr`` remote blocks (nl > 0):
     (remote kernel blocks skipped, kernel blocks paired); raises PairingError."""
@@ -238,7 +238,7 @@ def _group_pairs_many(gi: int, local: Layout, remote: Layout, requests: Sequence
     if not (in_range(lids, local.num_blocks) and in_range(rids, remote.num_blocks)):
         return None
     try:
-        got = [_attention_pairs(gi, lg, rg, a, b, skip, num) if a else (0, 0)
+        got = [attention_pairs(gi, lg, rg, a, b, skip, num) if a else (0, 0)
                for (_, _, skip, num), a, b in zip(requests, nl, nr)]
     except PlanError:
         return None

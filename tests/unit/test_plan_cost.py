@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES, plan_cost
+from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES
 from kvsidecar.daemon.planner import plan_read
+from kvsidecar.daemon.planner.cost import plan_cost
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.sim.models import attn, hybrid
 
