@@ -626,8 +626,14 @@ class Pair:
 
     def finish(self, sents: Sequence[Sent], got: dict[str, dict[int, Completion]], *,
                verify: bool = True) -> None:
-        """Check what D received, then give both sides their blocks back."""
-        self.P.wait_for([x.request_id for x in sents], timeout_s=60)
+        """Check what D received, then give both sides their blocks back. P's
+        engine waits for its holds to end with waiting polls, as an engine of
+        protocol minor 4 does (spinning on empty polls it would keep P's loop
+        busy and count as P's CPU per read)."""
+        sent = wait_all(self.P, [x.request_id for x in sents], timeout_s=60)
+        ended = [c for per in sent.values() for c in per.values() if c.kind != "sent"]
+        if ended:
+            raise RuntimeError(f"hold {ended[0].request_id}: {ended[0].kind} ({ended[0].reason})")
         if verify:
             check(self.D, got)
         else:
@@ -690,6 +696,22 @@ class _InsideD:
     means: dict[str, float] = {}
 
 
+def _cycle_cpu_note(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                    engine_s: float, wall_s: float, reads: int) -> str:
+    """CPU per read cycle (P's fill and hold, D's read, both engines' polls and
+    frees) by sidecar thread and for the engine process, against the cycle's
+    wall time: how much of the host's cores one read keeps busy."""
+    parts, total = [], engine_s
+    for name, b in before.items():
+        total += sum(after[name][r] - b[r] for r in b)
+        parts.append(f"{name} {_per_read(b, after[name], reads)}")
+    cores = os.cpu_count() or 1
+    return (f"CPU per read cycle (P's fill and hold, the read, both engines' polls and frees; "
+            f"schedstat): {'; '.join(parts)}; the engine process {us(engine_s / reads)}; in "
+            f"all {us(total / reads)} of CPU in a cycle of {us(wall_s / reads)} wall time: "
+            f"{total / wall_s / cores:.0%} of this host's {cores} cores")
+
+
 def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> list[str]:
     """One note per hop of a 1-block read: the sidecars' time there (means over
     the run's waiting-poll reads, from D's /metrics) next to that hop's floor,
@@ -738,7 +760,9 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
         pair = Pair(p0, d0, small_attention, 8, "lat")
         inside = _InsideD(d0.metrics_port)
         wake0: dict[str, dict[str, int]] = {}
-        woke = ""
+        cpu0: dict[str, dict[str, float]] = {}
+        woke = busy = ""
+        cycle0 = eng0 = 0.0
         try:
             for spin in (False, True):
                 for i in range(s.latency_reads + 5):
@@ -752,6 +776,9 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                         inside.start()
                         wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
                                  "P": proc_threads_wakeups(p0.proc.pid)}
+                        cpu0 = {"D": proc_threads_by_role(d0.proc.pid),
+                                "P": proc_threads_by_role(p0.proc.pid)}
+                        cycle0, eng0 = time.perf_counter(), time.process_time()
                     if i >= 5:
                         lat[spin].append(dt)
                 if not spin:
@@ -759,6 +786,10 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                     woke = wakeups_note(wake0, {"D": proc_threads_wakeups(d0.proc.pid),
                                                 "P": proc_threads_wakeups(p0.proc.pid)},
                                         s.latency_reads)
+                    busy = _cycle_cpu_note(cpu0, {"D": proc_threads_by_role(d0.proc.pid),
+                                                  "P": proc_threads_by_role(p0.proc.pid)},
+                                           time.process_time() - eng0,
+                                           time.perf_counter() - cycle0, s.latency_reads)
         finally:
             pair.close()
     raw = raw_latencies(16384, s.latency_reads)
@@ -773,7 +804,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    "p50 ≤ raw + 100 µs (honest here: 1-1.5 ms, the hops' floors in the notes)",
                    p50 <= r50 + 100e-6,
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
-                    woke,
+                    woke, busy,
                     f"the same reads with the engine spinning on empty polls instead (same "
                     f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
 
