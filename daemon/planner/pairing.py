@@ -65,7 +65,7 @@ def pair_group(
         rk = view_offsets(remote, rg, rids)
         return lk[l0:l0 + n], rk[r0:r0 + n]
     skip_k, n = attention_pairs(gi, lg, rg, int(lids.size), int(rids.size), skip_tokens,
-                                 num_tokens)
+                                num_tokens)
     lk = view_offsets(local, lg, lids)
     rk = view_offsets(remote, rg, rids)
     return lk[:n], rk[skip_k : skip_k + n]
@@ -98,7 +98,7 @@ def _window_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
 
 
 def attention_pairs(gi: int, lg: Group, rg: Group, nl: int, nr: int,
-                     skip_tokens: int | None, num_tokens: int | None) -> tuple[int, int]:
+                    skip_tokens: int | None, num_tokens: int | None) -> tuple[int, int]:
     """For an attention group with ``nl`` local and ``nr`` remote blocks (nl > 0):
     (remote kernel blocks skipped, kernel blocks paired); raises PairingError."""
     kbs = lg.block_tokens

@@ -8,13 +8,13 @@ per-call overhead is nearly all of the work (a 1-page read planned in about
 several of its calls release the GIL even for a handful of elements, which
 hands the loop's GIL to the NIXL worker thread whenever it is runnable.
 
-Only attention groups without a sliding window, block ids as plain lists and
-at most :data:`SMALL_PIECES` descriptors before coalescing qualify
-(:func:`plan_small` returns None otherwise: past that the Python loop costs
-more than numpy's vectorised pass, about 1.5 us a descriptor); the pieces come from the same
-:class:`~kvsidecar.daemon.planner.pieces.PieceCache`, the pairing rule from
-:func:`~kvsidecar.daemon.planner.pairing.attention_pairs`, the validation
-from :func:`~kvsidecar.daemon.planner.block_ids.check_block_ids`.
+Only attention groups without a sliding window, block ids as plain lists of
+ints and at most :data:`SMALL_PIECES` descriptors before coalescing qualify
+(:func:`plan_small` returns None otherwise: past that the Python loop, about
+1.5 us a descriptor, costs more than numpy's vectorised pass). The pieces
+come from the same :class:`~kvsidecar.daemon.planner.pieces.PieceCache`, the
+pairing rule from :func:`~kvsidecar.daemon.planner.pairing.attention_pairs`,
+the validation from :func:`~kvsidecar.daemon.planner.block_ids.check_block_ids`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvsidecar.daemon.planner.arrays import I64
 from kvsidecar.daemon.planner.block_ids import BlockIds, check_block_ids
 from kvsidecar.daemon.planner.cost import plan_cost
 from kvsidecar.daemon.planner.pairing import attention_pairs
-from kvsidecar.daemon.planner.pieces import SHARED_PIECES, PieceCache
+from kvsidecar.daemon.planner.pieces import SHARED_PIECES, PieceCache, PieceGroup
 from kvsidecar.daemon.planner.plan import Addresses, RankRead, ReadPlan
 from kvsidecar.daemon.planner.ranks import candidate_ranks
 from kvsidecar.ipc.layout import Group, Layout
@@ -88,37 +88,45 @@ def plan_small(local: Layout, d_rank: int, remote: Layout, local_ids: BlockIds,
     addrs: Addresses = {}
     lbase = local_bases.tolist() if local_bases is not None else None
     for p, groups in (cache or SHARED_PIECES).get(local, d_rank, remote):
-        regs: list[int] = []
-        los: list[int] = []
-        ros: list[int] = []
-        lns: list[int] = []
-        before = 0
-        for gi, regions, po_l, po_r, po_n in groups:
-            lk, rk = pairs[gi]
-            if not lk:
-                continue
-            pieces = list(zip(po_l.tolist(), po_r.tolist(), po_n.tolist()))
-            for reg in regions.tolist():
-                for lv, rv in zip(lk, rk):
-                    for a, b, n in pieces:
-                        before += 1
-                        lo, ro = lv + a, rv + b
-                        # coalesce: continues the previous descriptor on both sides
-                        if (regs and regs[-1] == reg and los[-1] + lns[-1] == lo
-                                and ros[-1] + lns[-1] == ro):
-                            lns[-1] += n
-                        else:
-                            regs.append(reg)
-                            los.append(lo)
-                            ros.append(ro)
-                            lns.append(n)
+        regs, los, ros, lns, before = _coalesced(groups, pairs)
         if not before:
             continue
-        lo_a, ro_a = np.array(los, np.int64), np.array(ros, np.int64)
-        reads.append(RankRead(p, np.array(regs, np.int32), lo_a, ro_a,
-                              np.array(lns, np.int64), before))
+        reads.append(RankRead(p, np.array(regs, np.int32), np.array(los, np.int64),
+                              np.array(ros, np.int64), np.array(lns, np.int64), before))
         if lbase is not None and remote_bases is not None:
             rbase = remote_bases[p].tolist()
             addrs[p] = (np.array([lbase[r] + o for r, o in zip(regs, los)], np.int64),
                         np.array([rbase[r] + o for r, o in zip(regs, ros)], np.int64))
     return ReadPlan(notify, tuple(reads)), addrs
+
+
+def _coalesced(groups: list[PieceGroup], pairs: list[tuple[list[int], list[int]]]
+               ) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """One P rank's descriptors in the planner's order (piece group by piece
+    group, each region by region, pair by pair, piece by piece), each merged
+    into its predecessor when it continues it on both sides: regions, local
+    offsets, remote offsets, lengths, and how many there were before merging."""
+    regs: list[int] = []
+    los: list[int] = []
+    ros: list[int] = []
+    lns: list[int] = []
+    before = 0
+    for gi, regions, po_l, po_r, po_n in groups:
+        lk, rk = pairs[gi]
+        if not lk:
+            continue
+        pieces = list(zip(po_l.tolist(), po_r.tolist(), po_n.tolist()))
+        for reg in regions.tolist():
+            for lv, rv in zip(lk, rk):
+                for a, b, n in pieces:
+                    before += 1
+                    lo, ro = lv + a, rv + b
+                    if (regs and regs[-1] == reg and los[-1] + lns[-1] == lo
+                            and ros[-1] + lns[-1] == ro):
+                        lns[-1] += n
+                    else:
+                        regs.append(reg)
+                        los.append(lo)
+                        ros.append(ro)
+                        lns.append(n)
+    return regs, los, ros, lns, before
