@@ -15,6 +15,8 @@ from kvsidecar.daemon.planner.small import SMALL_PIECES, plan_small
 from kvsidecar.ipc.layout import Group, Layout, Segment, attention_layout, mla_layout, validate
 from kvsidecar.sim.models import hybrid
 
+from .test_planner_many import _same
+
 NB = 64
 
 
@@ -49,17 +51,6 @@ def outcome(fn):
         return fn()
     except PlanError as e:
         return (type(e), str(e))
-
-
-def same_plan(a, b) -> None:
-    assert a.notify == b.notify
-    assert len(a.reads) == len(b.reads)
-    for x, y in zip(a.reads, b.reads):
-        assert x.remote_rank == y.remote_rank
-        assert x.descriptors_before_coalescing == y.descriptors_before_coalescing
-        for f in ("region", "local_offset", "remote_offset", "length"):
-            u, v = getattr(x, f), getattr(y, f)
-            assert u.dtype == v.dtype and np.array_equal(u, v), f
 
 
 @pytest.mark.parametrize("name", list(MAKERS))
@@ -100,7 +91,7 @@ def test_small_reads_plan_as_the_planner_plans_them(name: str, p_tp: int, d_tp: 
             continue
         assert got is not None and not isinstance(got[0], type), (case, nl, nr)
         plan, addrs = got
-        same_plan(plan, want)
+        _same(plan, want)
         (addressed,) = plan_many_addressed(local, d_rank, remote, [(lids, rids, skip, num)],
                                            lb, rb)
         assert not isinstance(addressed, PlanError)
