@@ -86,8 +86,9 @@ _Planned = tuple[ReadPlan, list[PostList], list[StagedPlan | None]]
 #: a read ready to post: its plan, posts, staged plans, and its claim when still running
 _Ready = tuple[Attempt, ReadPlan, list[PostList], list[StagedPlan | None],
                "asyncio.Future[None] | None"]
-#: what planning is given for a read: the planner's arguments and their cost
-_Inputs = tuple[tuple[Any, ...], int]
+#: what planning is given for a read: the planner's arguments, their cost, and
+#: the local blocks the read names
+_Inputs = tuple[tuple[Any, ...], int, int]
 
 
 async def run_group(eng: ReaderRank, jobs: Sequence[ReadJob], planner: Executor,
@@ -128,9 +129,9 @@ async def run_group(eng: ReaderRank, jobs: Sequence[ReadJob], planner: Executor,
     group, layout = linked
     inputs = [_inputs(a, layout) for a in group]
     if alone:
-        a, (args, cost) = group[0], inputs[0]
-        if (not args[-1] and cost <= INLINE_PLAN_PIECES and _confirmed(a)
-                and sum(map(len, a.job.req.local_block_ids)) <= POST_FIRST_BLOCKS):
+        a, (args, cost, blocks) = group[0], inputs[0]
+        if (not args[-1] and cost <= INLINE_PLAN_PIECES and blocks <= POST_FIRST_BLOCKS
+                and _confirmed(a)):
             return await _post_first(a, handshakes, args)
     ready = await _claim_and_plan(group, plans, inputs, alone, fail)
     if alone:
@@ -148,8 +149,9 @@ def _raise(job: ReadJob, got: ReadOutcome | BaseException) -> NoReturn:
 
 
 def _inputs(a: Attempt, layout: Layout) -> _Inputs:
-    """What planning ``a`` takes, and its cost. Staging: host memory on both
-    sides only (a GPU engine posts scattered descriptors)."""
+    """What planning ``a`` takes, its cost, and the local blocks it names.
+    Staging: host memory on both sides only (a GPU engine posts scattered
+    descriptors)."""
     eng, req = a.eng, a.job.req
     modes = ({p: eng.staging_mode for p, peer in zip(a.cands, a.peers)
               if peer.info.mem_type == "DRAM"}
@@ -157,7 +159,7 @@ def _inputs(a: Attempt, layout: Layout) -> _Inputs:
     args = (eng.layout, eng.tp_rank, layout, req, eng.bases,
             {p: peer.bases for p, peer in zip(a.cands, a.peers)}, modes)
     blocks = sum(len(ids) for ids in req.local_block_ids)
-    return args, plan_cost(eng.layout, layout.tp_size, blocks)
+    return args, plan_cost(eng.layout, layout.tp_size, blocks), blocks
 
 
 async def _post_alone(a: Attempt, plan: ReadPlan, posts: list[PostList],
@@ -262,7 +264,7 @@ async def _claim_and_plan(group: list[Attempt], plans: ThreadGroups, inputs: lis
         for a in group:
             a.job.leases = claims_of(first.handshakes, eng, a.job.req, agents_of(a.cands, a.peers))
             sent.append(a.job.leases.send_claims())
-        planning = [plans.submit(plan_and_address, *args, cost=cost) for args, cost in inputs]
+        planning = [plans.submit(plan_and_address, *args, cost=cost) for args, cost, _ in inputs]
         for planned in planning:
             planned.add_done_callback(retrieve)
         if alone:

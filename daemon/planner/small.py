@@ -40,14 +40,17 @@ _INT = {int}
 
 
 def _qualifies(local: Layout, remote: Layout, lids: BlockIds, rids: BlockIds) -> bool:
+    """Checked cheapest first: a large read (planned on the planning thread)
+    is turned away by its counts before any of its ids is looked at."""
     if not all(g.kind == "attention" and not g.window_tokens
                for g in (*local.groups, *remote.groups)):
         return False
-    if not all(type(ids) is list and set(map(type, ids)) <= _INT for ids in (*lids, *rids)):
+    if not all(type(ids) is list for ids in (*lids, *rids)):
         return False
-    pages = sum(map(len, lids))
-    return (sum(map(len, rids)) <= SMALL_PIECES
-            and plan_cost(local, remote.tp_size, pages) <= SMALL_PIECES)
+    if (sum(map(len, rids)) > SMALL_PIECES
+            or plan_cost(local, remote.tp_size, sum(map(len, lids))) > SMALL_PIECES):
+        return False
+    return all(set(map(type, ids)) <= _INT for ids in (*lids, *rids))
 
 
 def _views(layout: Layout, group: Group, ids: list[int]) -> list[int]:
