@@ -116,20 +116,26 @@ def proc_threads_cpu_s(pid: int) -> float:
 _THREAD_ROLES = {"kvs-nixl": "NIXL worker", "kvs-plan": "planning"}
 
 
-def proc_threads_by_role(pid: int) -> dict[str, float]:
-    """CPU seconds of a sidecar's threads by role: event loop, NIXL worker,
-    planning, other (peer ZMQ I/O, metrics, guards)."""
-    out = {"loop": 0.0, "NIXL worker": 0.0, "planning": 0.0, "other": 0.0}
+def _threads(pid: int, name: str) -> Iterator[tuple[str, str]]:
+    """Each live thread of a sidecar: its role (event loop, NIXL worker,
+    planning, other: peer ZMQ I/O, metrics, guards) and the text of its
+    ``/proc/<pid>/task/<tid>/<name>`` file; a thread that ended meanwhile is skipped."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                text = f.read()
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 comm = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-        role = "loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")
-        out[role] += ns / 1e9
+        except OSError:
+            continue
+        yield ("loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")), text
+
+
+def proc_threads_by_role(pid: int) -> dict[str, float]:
+    """CPU seconds of a sidecar's threads by role (see :func:`_threads`)."""
+    out = {"loop": 0.0, "NIXL worker": 0.0, "planning": 0.0, "other": 0.0}
+    for role, text in _threads(pid, "schedstat"):
+        out[role] += int(text.split()[0]) / 1e9
     return out
 
 
@@ -137,15 +143,8 @@ def proc_threads_run_wait(pid: int) -> dict[str, tuple[float, float]]:
     """Per role (as :func:`proc_threads_by_role`): CPU seconds run, and seconds
     spent runnable but waiting for a CPU (schedstat's second field)."""
     out: dict[str, tuple[float, float]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run, wait = (int(x) for x in f.read().split()[:2])
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-        role = "loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")
+    for role, text in _threads(pid, "schedstat"):
+        run, wait = (int(x) for x in text.split()[:2])
         r0, w0 = out.get(role, (0.0, 0.0))
         out[role] = (r0 + run / 1e9, w0 + wait / 1e9)
     return out
@@ -157,16 +156,8 @@ def proc_threads_wakeups(pid: int) -> dict[str, int]:
     A count, not a time, so it is a fair figure of a path's work on a noisy
     host: on this one a wake-up costs tens of microseconds of CPU."""
     out = {"loop": 0, "NIXL worker": 0, "planning": 0, "other": 0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                n = int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-        role = "loop" if int(tid) == pid else _THREAD_ROLES.get(comm, "other")
-        out[role] += n
+    for role, text in _threads(pid, "status"):
+        out[role] += int(text.split("voluntary_ctxt_switches:")[1].split()[0])
     return out
 
 
