@@ -15,6 +15,7 @@ nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -36,7 +37,7 @@ from kvsidecar.daemon.d_side.addresses import build_posts
 from kvsidecar.daemon.planner import plan_read
 from kvsidecar.daemon.staging import scatter
 from kvsidecar.daemon.staging_plan import plan_staging
-from kvsidecar.ipc.client import HoldSpec, ReadSpec, SidecarClient
+from kvsidecar.ipc.client import AsyncSidecarClient, HoldSpec, ReadSpec, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout, mamba2_hybrid_layout
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, Completions, Held, Hold, Ok, Poll, Read
@@ -792,28 +793,43 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    f"{us(p50)} / {us(p99)}",
                    f"raw NIXL post + completion + notification: {us(r50)} / {us(r99)}",
                    f"p50 raw + {us(p50 - r50)}",
-                   "p50 ≤ raw + 100 µs (honest here: 1-1.5 ms, the hops' floors in the notes)",
-                   p50 <= r50 + 100e-6,
+                   "p50 ≤ 500 µs and p99 ≤ 2 ms (the hops' floors in the notes)",
+                   p50 <= 500e-6 and p99 <= 2e-3,
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
                     woke, busy,
                     f"the same reads with the engine spinning on empty polls instead (same "
                     f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
 
 
+#: how the sustained rows' D engine sends its reads: one blocking ``read`` call per
+#: read; one ``read`` message per read, the round's all sent before any reply is
+#: awaited (the async client, as an asyncio engine issuing a step's reads at once);
+#: ``read_many`` messages of 16 (and P's engine ``hold_many``)
+_SENDING = {
+    "one": "one `read` (and P's `hold`) each",
+    "at_once": "one `read` message each, the round's sent at once through the async client "
+               "(and P's `hold` each)",
+    "many": "16 per `read_many` (and P's `hold_many`) message",
+}
+
+
 def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
-    """16-block reads, ``sustained_in_flight`` at a time, on one D sidecar: one
-    ``read`` message per read, then (same run) 16 reads per ``read_many``."""
+    """16-block reads, ``sustained_in_flight`` at a time, on one D sidecar, sent
+    each way of :data:`_SENDING` in turn (same run, same sidecars)."""
     k, window, per_msg = 16, s.sustained_in_flight, 16
     rows = []
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
         assert p0.proc is not None and d0.proc is not None
         pair = Pair(p0, d0, small_attention, k * window, "sus")
+        loop = asyncio.new_event_loop()
+        at_once = [AsyncSidecarClient(d0.socket, timeout_s=30)]
         try:
             warm = pair.prefill(8 * k)
             pair.D.start_read(warm)
             pair.finish([warm], wait_all(pair.D, [warm.request_id]))
-            for batched in (False, True):
-                done, elapsed = 0, 0.0
+            for sending, how in _SENDING.items():
+                batched = sending == "many"
+                done, elapsed, issuing = 0, 0.0, 0.0
                 c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
                 wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
@@ -826,13 +842,16 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     if batched:
                         for i in range(0, n, per_msg):
                             pair.P.hold_many(sents[i:i + per_msg])
-                    t0 = time.perf_counter()
+                    t0, e0 = time.perf_counter(), time.process_time()
                     if batched:
                         for i in range(0, n, per_msg):
                             pair.D.start_reads(sents[i:i + per_msg])
+                    elif sending == "at_once":
+                        loop.run_until_complete(pair.D.start_reads_at_once(at_once, sents))
                     else:
                         for sent in sents:
                             pair.D.start_read(sent)
+                    issuing += time.process_time() - e0
                     got = wait_all(pair.D, [x.request_id for x in sents])
                     elapsed += time.perf_counter() - t0
                     pair.finish(sents, got, verify=done == 0)
@@ -846,9 +865,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 rate = done / elapsed
                 # what the daemons' CPU alone allows on this machine's cores
                 ceiling = (os.cpu_count() or 1) * done / max(1e-9, d_cpu + p_cpu)
-                how = (f"{per_msg} per `read_many` (and P's `hold_many`) message" if batched
-                       else "one `read` (and P's `hold`) each")
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
+                goal = 8000 if batched else 3000
                 rows.append(Figure(
                     f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "
                     f"{how} ({done} reads)",
@@ -856,19 +874,24 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     f"P {us(p_cpu / done)}",
                     f"bare NIXL in one process, CPU per read: {us(raw)} "
                     f"({per_msg if batched else 1} per READ)", "—",
-                    f"≥ 5,000 reads/s (bound here: the daemons' CPU per read caps "
-                    f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= 5000,
+                    f"≥ {goal:,} reads/s (bound here: the daemons' CPU per read caps "
+                    f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= goal,
                     ["rounds of the window: the engine posts a round, then waits (waiting "
                      "polls) until all of it is received; P's fills and holds are not timed; "
                      "daemon CPU covers the whole run (untimed holds included)",
                      f"daemon CPU per read by thread (schedstat): D {by_d}; P {by_p}",
                      woke,
+                     f"the engine's CPU issuing the reads (D's engine process, the calls "
+                     f"alone): {us(issuing / done)} per read",
                      "baseline: one process posts the same reads' descriptors with bare NIXL "
                      "(reads of one `read_many` as one READ with one notification, as the D "
                      "sidecar merges them) and polls each to DONE: the CMA copy and NIXL's own "
                      "cost, what any design pays per read on D"]))
             rows.append(_sustained_sliding(pair, d0, p0, s, k, window, per_msg))
         finally:
+            for client in at_once:
+                loop.run_until_complete(client.close())
+            loop.close()
             pair.close()
     return rows
 
@@ -963,8 +986,8 @@ def _sustained_sliding(pair: Pair, d0: SidecarProcess, p0: SidecarProcess, s: Sc
         f"{per} per `read_many` (and P's `hold_many`) message ({done} reads)",
         f"{rate:,.0f} reads/s; daemon CPU per read: D {us(d_cpu / done)}, P {us(p_cpu / done)}",
         "— (the rounds above, same run)", "—",
-        f"≥ 5,000 reads/s (bound here: the daemons' CPU per read caps "
-        f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= 5000,
+        f"≥ 8,000 reads/s (bound here: the daemons' CPU per read caps "
+        f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= 8000,
         ["a new message of reads leaves as soon as the previous one in its slot was "
          "received (no rounds); P's holds and D's reads are both in the timed window; "
          "P's blocks were filled once, D's are handed back without poisoning once "

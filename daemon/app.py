@@ -158,6 +158,7 @@ class Sidecar:
             long_message_timeout_s=settings.long_message_timeout_s,
             idle_timeout_s=settings.engine_idle_timeout_s,
             on_refuse=lambda reason: m.refused.labels(channel="engine", reason=reason).inc(),
+            burst=self._reads.together,
         )
         m.engine_assembling_bytes.set_function(lambda: server.assembling_bytes)
         m.counter_from(

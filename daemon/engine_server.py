@@ -25,7 +25,9 @@ memory, deregistering while reads drain, a waiting poll) goes on in its own
 task from where it stopped (:func:`_carry_on`) and delays only its own
 caller. Replies carry
 the request's id, so a connection may pipeline requests (the async client's
-concurrent calls).
+concurrent calls). The messages one wake-up reads from a connection (up to
+64 queued) are handled inside one entry of ``burst`` (the sidecar's read
+table gathers their reads there and starts them together at its end).
 
 No input can stop the loop: undecodable messages, unknown ops, wrong types,
 refused requests and handler bugs all become
@@ -75,6 +77,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import msgspec
@@ -186,11 +189,15 @@ class EngineServer:
                  long_message_timeout_s: float = DEFAULT_LONG_MESSAGE_TIMEOUT_S,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
-                 on_refuse: Callable[[str], None] | None = None) -> None:
+                 on_refuse: Callable[[str], None] | None = None,
+                 burst: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         if max_connections < 1 or max_in_flight < 1:
             raise ValueError("max_connections and max_in_flight must be >= 1")
         self.socket_path = os.path.abspath(socket_path)
         self.handler = handler
+        #: entered around the messages one wake-up reads from a connection (the
+        #: sidecar's: the reads they ask for start together, see ReadTable.together)
+        self.burst = burst if burst is not None else contextlib.nullcontext
         self.access = access if access is not None else AccessPolicy.own_uid()
         self.max_message_bytes = max_message_bytes
         self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
@@ -564,6 +571,11 @@ class _Connection:
         self.server._closed(self)
 
     def _on_readable(self) -> None:
+        with self.server.burst():
+            self._read_burst()
+
+    def _read_burst(self) -> None:
+        """Read and answer up to ``_READ_BURST`` queued messages."""
         server = self.server
         view = server._view
         for _ in range(_READ_BURST):

@@ -128,8 +128,9 @@ class Metrics:
             "--post-during-claim seconds); their notifications follow the grant", ENGINE)
         self.batched_reads = lc(
             "kvsidecar_reads_batched_total", "Reads carried by a batch task: reads of one "
-            "engine message to one remote engine over links already made share one task "
-            "(one wait for their claims and plans, one post)", ENGINE)
+            "engine message, or of messages queued together on one connection, to one "
+            "remote engine over links already made share one task (one wait for their "
+            "claims and plans, one post)", ENGINE)
         self.verified_bytes = lc(
             "kvsidecar_verified_bytes_total", "Bytes of reads whose digest matched P's "
             "(--verify-bytes, read(verify=True))", ENGINE)

@@ -11,6 +11,7 @@ daemon: every byte moves through NIXL between processes.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -35,7 +36,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsidecar.daemon.engines.memory import remove_stale_segments, shm_prefix_for
 from kvsidecar.daemon.peer_auth import generate_keys
 from kvsidecar.ipc import hold_token
-from kvsidecar.ipc.client import HoldSpec, ReadSpec, Registration, SidecarClient
+from kvsidecar.ipc.client import (
+    AsyncSidecarClient,
+    HoldSpec,
+    ReadSpec,
+    Registration,
+    SidecarClient,
+)
 from kvsidecar.ipc.memory import ENGINE_SHM_PREFIX, ShmRegion, allocate_for_layout
 from kvsidecar.ipc.protocol import Completion, MemoryKind, RemoteEngine
 from kvsidecar.ipc.regions import Region, RegionView
@@ -435,6 +442,26 @@ class SimEngine:
             refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]
             if refused:
                 raise refused[0]
+        return recs
+
+    async def start_reads_at_once(self, clients: Sequence[AsyncSidecarClient],
+                                  sents: Sequence[Sent]) -> list[Receiving]:
+        """Start several reads, one ``read`` message each, all sent before any
+        reply is awaited (``clients``: an async client per rank, to this engine's
+        sidecars): what an asyncio engine issuing a step's reads concurrently
+        does. The first refusal is raised once every read was answered."""
+        if len(clients) != self.tp:
+            raise ValueError(f"engine {self.engine_id}: {self.tp} ranks need {self.tp} clients")
+        recs = [self._receive(sent, None, 0, False) for sent in sents]
+        calls = [client.read(self.engine_id, rec.request_id, rec.block_ids, rec.sent.remote,
+                             rec.sent.block_ids, remote_request_id=rec.sent.request_id,
+                             skip_tokens=rec.skip_tokens,
+                             num_tokens=rec.sent.req.prompt_tokens,
+                             remote_tokens=rec.sent.tokens)
+                 for client in clients for rec in recs]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
         return recs
 
     def _receive(self, sent: Sent, request_id: str | None, skip_blocks: int,

@@ -11,7 +11,8 @@
 A group is the reads one task carries (an :class:`~kvsidecar.daemon.d_side.job.Attempt`
 each), through the same steps as a list: link, claim and plan, post and
 wait. A read alone is a group of one; the read table gathers several only
-for one engine message's reads of one remote engine over links already made
+for the reads of one remote engine, over links already made, that one engine
+message asks for or that messages queued together on one connection ask for
 (see :meth:`~kvsidecar.daemon.d_side.table.ReadTable.together`). The states
 and what is decided from them (abort, retry, completion) live in
 :class:`~kvsidecar.daemon.d_side.book.ReadBook`; this module executes the steps.

@@ -1,6 +1,6 @@
 """D side: every accepted read of this sidecar (:class:`ReadTable`, what the
 service uses), from acceptance to its completion: validation, gathering one
-message's reads (:meth:`ReadTable.together`), starting them in groups, each
+message's reads, or queued messages' (:meth:`ReadTable.together`), starting them in groups, each
 carried by one task through :func:`~kvsidecar.daemon.d_side.driver.run_group`
 (a read alone is a group of one), retries, aborts and completions.
 """
@@ -186,12 +186,14 @@ class ReadTable:
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
         """Reads accepted inside start together when it ends (one engine message's,
-        e.g. a Batch): those of one engine rank that read the same remote engine
-        over links already made share one task (a group, see
-        :mod:`~kvsidecar.daemon.d_side.driver`), the others start one task each
-        (a group of one) as :meth:`accept` alone would.
+        e.g. a Batch, or those of the messages one wake-up reads from a connection:
+        the engine server enters this around each burst): those of one engine
+        rank that read the same remote engine over links already made share one
+        task (a group, see :mod:`~kvsidecar.daemon.d_side.driver`), the others
+        start one task each (a group of one) as :meth:`accept` alone would.
 
-        What is gathered lives in a context variable, i.e. per asyncio task: should
+        What is gathered lives in a context variable, i.e. per asyncio task (or
+        reader callback): should
         a handler inside ever suspend, the reads other connections' tasks accept
         meanwhile start at once as usual, instead of joining this message's
         group and waiting for its end."""

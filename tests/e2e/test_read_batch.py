@@ -6,12 +6,16 @@ sidecars with metrics, so the batch counter counts this test only."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvsidecar.ipc.client import AsyncSidecarClient, BadRequest, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_mid_read
 from kvsidecar.sim.models import attn
@@ -49,8 +53,10 @@ def test_reads_of_one_message_share_a_task_and_each_keeps_its_own_fate(engines) 
     remote block ids lie outside P's cache fails (planning: P's engine issued its
     token for those blocks and holds nothing under its id), one whose hold P
     released before the claim fails (refused lease), one D releases right after
-    the message ends aborted; the other 13 land oracle-exact and their holds end
-    by their own notifications."""
+    the message ends aborted (the release goes over another connection: one sent
+    over the same one could be read in the same wake-up as the read_many, and
+    its read would then end before it started, outside the group); the other 13
+    land oracle-exact and their holds end by their own notifications."""
     P, D, d = engines
     before = d.metric(BATCHED, engine=D.engine_id)
     sents = [P.prefill(f"k{i}", Request(seed=90 + i, prompt_tokens=8 + 3 * i), hold=i != 5)
@@ -60,7 +66,8 @@ def test_reads_of_one_message_share_a_task_and_each_keeps_its_own_fate(engines) 
     sents[5] = dataclasses.replace(bad, block_ids=far, tokens=P.issue_tokens("k5", far))
     P.clients[0].release(P.engine_id, "k7")  # P gave the blocks back: no lease
     recs = D.start_reads(sents)
-    D.clients[0].release(D.engine_id, "k9")
+    with SidecarClient(d.socket) as other:
+        other.release(D.engine_id, "k9")
     rids = [s.request_id for s in sents]
     got = {rid: per[0] for rid, per in D.wait_for(rids).items()}
     assert d.metric(BATCHED, engine=D.engine_id) - before == 16
@@ -71,6 +78,55 @@ def test_reads_of_one_message_share_a_task_and_each_keeps_its_own_fate(engines) 
     assert got["k9"].kind == "aborted"
     assert got["k9"].invalid_block_ids == recs[9].block_ids
     good = [rid for rid in rids if rid not in ("k5", "k7", "k9")]
+    for rid in good:
+        assert got[rid].kind == "received", (rid, got[rid])
+        assert not D.verify(rid), rid
+    sent_back = {rid: per[0].kind for rid, per in P.wait_for(good).items()}
+    assert {sent_back[rid] for rid in good} == {"sent"}
+
+
+def test_reads_of_messages_queued_together_start_as_one_group(engines) -> None:
+    """One ``read`` per message, 12 sent at once while D's sidecar is stopped
+    (SIGSTOP), so all 12 and a release wait in its socket and one wake-up reads
+    them: one read is refused at once (a local block id out of range: its error
+    comes back, the others stay accepted), one is released before it started
+    (it ends ``aborted``, never posted), and the other 10 start as one group
+    (counted), as a ``read_many`` of them would, and land oracle-exact."""
+    P, D, d = engines
+    assert d.proc is not None
+    before = d.metric(BATCHED, engine=D.engine_id)
+    sents = [P.prefill(f"q{i}", Request(seed=120 + i, prompt_tokens=8 + 5 * i))
+             for i in range(12)]
+
+    async def burst() -> tuple[list[Any], BaseException | None]:
+        client = AsyncSidecarClient(d.socket, timeout_s=30)
+        try:
+            d.proc.send_signal(signal.SIGSTOP)
+            try:
+                good = asyncio.ensure_future(D.start_reads_at_once([client], sents[:11]))
+                bad = asyncio.ensure_future(client.read(
+                    D.engine_id, "q-bad", [[D.layout.num_blocks + 3]], sents[11].remote,
+                    sents[11].block_ids, remote_tokens=sents[11].tokens))
+                await asyncio.sleep(0.2)  # every read is in D's socket by now
+                release = asyncio.ensure_future(client.release(D.engine_id, "q4"))
+                await asyncio.sleep(0.1)
+            finally:
+                d.proc.send_signal(signal.SIGCONT)
+            recs = await good
+            await release
+            refused = await asyncio.gather(bad, return_exceptions=True)
+            return recs, refused[0]
+        finally:
+            await client.close()
+
+    recs, refused = asyncio.run(burst())
+    assert isinstance(refused, BadRequest) and "out of range" in str(refused), refused
+    rids = [s.request_id for s in sents[:11]]
+    got = {rid: per[0] for rid, per in D.wait_for(rids).items()}
+    assert d.metric(BATCHED, engine=D.engine_id) - before == 10
+    assert got["q4"].kind == "aborted"
+    assert got["q4"].invalid_block_ids == recs[4].block_ids
+    good = [rid for rid in rids if rid != "q4"]
     for rid in good:
         assert got[rid].kind == "received", (rid, got[rid])
         assert not D.verify(rid), rid

@@ -4,6 +4,8 @@ other engines: a request that waits goes on in its own task."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -102,3 +104,45 @@ async def test_cancelling_a_carried_on_request_cancels_what_it_waits_for() -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert seen == ["cancelled"] and inner.cancelled()
+
+
+class BurstHandler:
+    """Records, for each request, which burst (entry of the server's ``burst``
+    context) it was handled in; None: outside any."""
+
+    def __init__(self) -> None:
+        self.bursts = 0
+        self.current: int | None = None
+        self.seen: list[int | None] = []
+
+    @contextlib.contextmanager
+    def burst(self) -> Iterator[None]:
+        self.bursts += 1
+        self.current = self.bursts
+        try:
+            yield
+        finally:
+            self.current = None
+
+    async def handle(self, req: Request) -> Reply:
+        self.seen.append(self.current)
+        return Pong(version=1)
+
+
+async def test_messages_queued_together_are_handled_in_one_burst(tmp_path) -> None:
+    """Messages one wake-up reads from a connection are all handled inside one
+    entry of ``burst`` (the sidecar gathers their reads there): the client sends
+    five before the server's loop can run, then one more after their replies."""
+    handler = BurstHandler()
+    server = EngineServer(str(tmp_path / "s.sock"), handler, burst=handler.burst)
+    await server.start()
+    try:
+        async with AsyncSidecarClient(server.socket_path) as c:
+            await c.ping()  # connected
+            assert handler.seen == [1]
+            out = await asyncio.gather(*(c.ping() for _ in range(5)))
+            assert len(out) == 5
+            await c.ping()
+        assert handler.seen == [1, 2, 2, 2, 2, 2, 3]
+    finally:
+        await server.stop()
