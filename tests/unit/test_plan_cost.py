@@ -10,17 +10,27 @@ import pytest
 from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES
 from kvsidecar.daemon.planner import plan_read
 from kvsidecar.daemon.planner.cost import plan_cost
-from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.models import attn, hybrid
 
+
+def _separate(tp: int, num_blocks: int) -> Layout:
+    """K and V in regions of their own (two per layer)."""
+    return attention_layout(model="m", num_layers=3, total_kv_heads=8, head_dim=64,
+                            block_tokens=8, tp_size=tp, num_blocks=num_blocks,
+                            kv_separate=True)
+
+
 SHAPES = [(attn(8), 1, 1), (attn(8), 2, 1), (attn(8), 1, 2), (attn(8), 4, 2),
+          (_separate, 1, 1), (_separate, 2, 1), (_separate, 1, 2),
           (hybrid, 1, 1), (hybrid, 2, 1), (hybrid, 1, 2)]
 
 
 @pytest.mark.parametrize(("make", "p_tp", "d_tp"), SHAPES)
 def test_the_cost_bounds_the_pieces_the_planner_cuts(make, p_tp: int, d_tp: int) -> None:
     """Never below the pieces the plan has before coalescing (a read judged
-    cheap must be cheap), and exact for a homogeneous attention read."""
+    cheap must be cheap), and exact for a homogeneous attention read, K and V
+    in one region or in two."""
     rng = random.Random(p_tp * 10 + d_tp)
     local = make(d_tp, 128)
     for blocks in (1, 2, 7, 16, 64):
