@@ -256,11 +256,13 @@ def drops_links(failure: Failure) -> bool:
 #: a batched read's failures handed to its own task (links dropped there, and
 #: maybe retried) rather than completed by the batch at once
 _GOES_ON_ALONE = frozenset({Failure.PARTIAL, Failure.REFUSED, Failure.REFUSED_STALE_LINK,
-                            Failure.TRANSFER, Failure.TIMEOUT, Failure.RESET})
+                            Failure.TOKEN, Failure.TRANSFER, Failure.TIMEOUT,
+                            Failure.RESET})
 
 
 def goes_on_alone(failure: Failure) -> bool:
     """A read of a batch that failed so carries on in a task of its own, where
-    :meth:`ReadBook.retry` decides (a token refusal or any other failure
-    completes it at once)."""
+    :meth:`ReadBook.retry` decides, as for a read alone (a token refused over
+    links made before the request re-links once: the rank may have registered
+    again, with a new hold key); any other failure completes it at once."""
     return failure in _GOES_ON_ALONE

@@ -193,6 +193,25 @@ def test_a_rank_that_re_registered_is_caught_by_the_lease_before_anything_is_pos
         assert "retrying with a fresh handshake" in pool.d[0].read_log()
 
 
+def test_a_batch_over_a_rank_that_re_registered_re_links_each_read(pool) -> None:
+    """The same within a ``read_many``: every read's token fails against the key
+    D linked with, and each read goes on in a task of its own, re-links and
+    receives, as a read alone does (the batch completed them failed, unretried)."""
+    with pool.engines(attn(8), 2, 1) as (P, (D,)):
+        D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=24)))
+        assert D.wait_for(["warm"])["warm"][0].kind == "received"
+        P.register_again(1)
+        sents = [P.prefill(f"again{i}", Request(seed=3 + i, prompt_tokens=24))
+                 for i in range(3)]
+        D.start_reads(sents)
+        got = D.wait_for([s.request_id for s in sents])
+        for s in sents:
+            c = got[s.request_id][0]
+            assert c.kind == "received", c
+            assert not D.verify(s.request_id)
+        assert "retrying with a fresh handshake" in pool.d[0].read_log()
+
+
 SENTINEL = 0x5A
 
 

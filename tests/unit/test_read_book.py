@@ -209,7 +209,8 @@ def test_links_dropped() -> None:
 
 def test_batched_failures_going_on_alone() -> None:
     """What a batch hands to the read's own task: every NIXL failure, a partial
-    read and a refused claim; a token refusal and anything else complete at once."""
+    read, a refused claim and a refused token (a read alone re-links after one);
+    anything else completes at once."""
     assert {f for f in Failure if goes_on_alone(f)} == {
-        Failure.PARTIAL, Failure.REFUSED, Failure.REFUSED_STALE_LINK, Failure.TRANSFER,
-        Failure.TIMEOUT, Failure.RESET}
+        Failure.PARTIAL, Failure.REFUSED, Failure.REFUSED_STALE_LINK, Failure.TOKEN,
+        Failure.TRANSFER, Failure.TIMEOUT, Failure.RESET}
