@@ -39,6 +39,7 @@ from kvsidecar.daemon.d_side.job import (
     failure_of,
     log_fields,
 )
+from kvsidecar.daemon.d_side.parts import SPLIT_MIN_BYTES
 from kvsidecar.daemon.engines import EngineRank
 from kvsidecar.daemon.leases import LeaseLost, ReaderLeases
 from kvsidecar.daemon.peers.client import HandshakeClient
@@ -75,6 +76,21 @@ class _Gathering:
 #: the :meth:`ReadTable.together` the current task is inside
 _GATHERING: contextvars.ContextVar[_Gathering | None] = (
     contextvars.ContextVar("kvsidecar_read_gathering", default=None))
+
+
+def goes_alone(eng: EngineRank, job: ReadJob) -> bool:
+    """A read that starts alone even among others of its message or burst: a
+    verified one (pipelined per digest chunk), or, over several lanes
+    (``--post-lanes``), one whose local blocks come to :data:`SPLIT_MIN_BYTES`
+    or more (alone it may be cut into a part per lane; in a group it would be
+    posted whole on lane 0)."""
+    if job.verify is not None:
+        return True
+    if len(eng.lanes) < 2:
+        return False
+    layout = eng.layout
+    blocks = sum(map(len, job.req.local_block_ids))
+    return blocks * layout.page_bytes * layout.num_regions >= SPLIT_MIN_BYTES
 
 
 class ReadTable:
@@ -218,11 +234,11 @@ class ReadTable:
         for group in groups.values():
             eng = group[0][0]
             jobs = [job for _, job in group if not self._aborted_unstarted(eng, job)]
-            if any(job.verify is not None for job in jobs):  # verified reads go alone
+            if any(goes_alone(eng, job) for job in jobs):
                 for job in jobs:
-                    if job.verify is not None:
+                    if goes_alone(eng, job):
                         self._start_one(eng, job)
-                jobs = [job for job in jobs if job.verify is None]
+                jobs = [job for job in jobs if not goes_alone(eng, job)]
             if len(jobs) > 1 and self._links_made(eng, jobs):
                 self._start_group(eng, jobs)
             else:

@@ -45,8 +45,8 @@ read is completed from its own transfers' done callbacks (:class:`_Waiting`),
 and one timer starts the renewals of those still running (:class:`_Renewals`).
 Over several lanes a read from several P ranks is spread as on its own,
 posted without notifications and notified from lane 0 once all its transfers
-ended; a large read from one P rank is not cut into parts there: it is
-posted whole on lane 0.
+ended; a read large enough to be cut into parts starts alone instead
+(:func:`~kvsidecar.daemon.d_side.table.goes_alone`).
 """
 
 from __future__ import annotations

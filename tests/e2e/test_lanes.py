@@ -154,6 +154,35 @@ def test_a_large_homogeneous_read_is_split_over_the_lanes(lanes: Sidecars) -> No
             for k in range(2)] == [1, 1]
 
 
+def test_large_reads_of_one_batch_are_each_split_over_the_lanes(lanes: Sidecars) -> None:
+    """Two such reads in one read_many over links already made: each starts
+    alone (not in the batch's group, which would post it whole on lane 0) and
+    is cut in halves, one per lane; both oracle-exact, each hold ``sent``."""
+    ps, ds = lanes["p"], lanes["off"]
+    with engines(ps, ds, lambda p: f"{p}{next(_ids)}", stall_layout, 1, 1,
+                 blocks=16) as (P, (D,)):
+        D.start_read(P.prefill("bsplit-w", Request(seed=12, prompt_tokens=64)))  # links
+        assert D.wait_for(["bsplit-w"])["bsplit-w"][0].kind == "received"
+        engine = D.engine_id
+        lanes0 = [ds[0].metric("kvsidecar_lane_transfers_total", engine=engine, lane=str(k))
+                  for k in range(2)]
+        batched0 = ds[0].metric("kvsidecar_reads_batched_total", engine=engine)
+        sents = [P.prefill(f"bsplit-{i}", Request(seed=13 + i, prompt_tokens=64 * 5))
+                 for i in range(2)]
+        rids = [x.request_id for x in sents]
+        D.start_reads(sents)
+        got = D.wait_for(rids, timeout_s=120)
+        for rid in rids:
+            assert got[rid][0].kind == "received", got[rid]
+            problems = D.verify(rid)
+            assert not problems, "; ".join(problems[:3])
+        held = P.wait_for(rids)
+        assert {c.kind for per in held.values() for c in per.values()} == {"sent"}
+        assert [ds[0].metric("kvsidecar_lane_transfers_total", engine=engine, lane=str(k))
+                - lanes0[k] for k in range(2)] == [2, 2]
+        assert ds[0].metric("kvsidecar_reads_batched_total", engine=engine) == batched0
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("p_tp", "stopped"), [(2, 1), (2, 0), (1, 0)])
 def test_a_read_failing_on_one_lane_never_writes_after_it_is_reported(tmp_path: Path,

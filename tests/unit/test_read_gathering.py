@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
-from kvsidecar.daemon.d_side.table import ReadTable
+from kvsidecar.daemon.d_side.parts import SPLIT_MIN_BYTES
+from kvsidecar.daemon.d_side.table import ReadTable, goes_alone
 from kvsidecar.metrics.registry import Metrics
 
 
@@ -77,3 +79,21 @@ async def test_a_read_a_task_created_inside_accepts_after_the_end_starts_at_once
     go.set()
     await task
     assert alone == ["late"] and groups == [["a"]]
+
+
+def test_over_lanes_a_large_read_starts_alone_a_small_one_joins() -> None:
+    """Over several lanes a read of SPLIT_MIN_BYTES or more local bytes starts
+    alone (it may then be cut into a part per lane), a smaller one joins its
+    group; over one lane every unverified read joins; a verified read never."""
+    layout = SimpleNamespace(page_bytes=1 << 20, num_regions=4)  # 4 MiB a block
+    one = SimpleNamespace(lanes=[object()], layout=layout)
+    two = SimpleNamespace(lanes=[object(), object()], layout=layout)
+
+    def job(blocks: int, verify: object = None) -> Any:
+        return SimpleNamespace(verify=verify, req=SimpleNamespace(
+            local_block_ids=[list(range(blocks))]))
+
+    assert SPLIT_MIN_BYTES == 16 << 20
+    assert goes_alone(two, job(4)) and not goes_alone(two, job(3))
+    assert not goes_alone(one, job(4)) and not goes_alone(one, job(100))
+    assert goes_alone(one, job(1, verify=object()))
