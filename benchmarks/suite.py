@@ -236,6 +236,11 @@ def ms(x: float) -> str:
     return f"{x * 1e3:,.1f} ms"
 
 
+def plus_us(x: float) -> str:
+    """``x`` as a difference: "+ 18 µs", or "− 62 µs" when the floor measured higher."""
+    return f"{'+' if x >= 0 else '−'} {us(abs(x))}"
+
+
 #: sidecars whose name starts with a key get these flags (A/B runs in one fleet)
 _NAMED_ARGS = {"off-": ["--staging", "off"], "stg-": ["--staging", "auto"],
                "off2-": ["--staging", "off", "--post-lanes", "2"],
@@ -1223,7 +1228,7 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                f"{us(floor_late)}; batches meet it)", read <= 20e-6,
                [bound, minimal.format(us(m_read / n_x))]),
         Figure("engine CPU per `hold` call (16 blocks)", us(hold), hold_bound,
-               f"floor + {us(hold - floor_fill)}",
+               f"floor {plus_us(hold - floor_fill)}",
                f"≤ 20 µs (a bare round trip after the same fill: {us(floor_fill)}; "
                "batches meet it)", hold <= 20e-6,
                [minimal.format(us(m_hold / n_x)),
@@ -1242,7 +1247,7 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                "sleep)",
                f"floor: a bare round trip {us(floor)} back to back, {us(floor_slept)} after "
                "the same 3 ms sleep (same run)",
-               f"floor + {us(poll_empty - floor)}; + {us(poll_full_us - floor_slept)}",
+               f"floor {plus_us(poll_empty - floor)}; {plus_us(poll_full_us - floor_slept)}",
                "≤ 20 µs", max(poll_empty, poll_full_us) <= 20e-6,
                [minimal.format(f"{us(m_poll / max(1, m_full))} returning completions")]),
     ]
