@@ -1,8 +1,9 @@
 """D side: every accepted read of this sidecar (:class:`ReadTable`, what the
-service uses), from acceptance to its completion: validation, gathering one
-message's reads, or queued messages' (:meth:`ReadTable.together`), starting them in groups, each
-carried by one task through :func:`~kvsidecar.daemon.d_side.driver.run_group`
-(a read alone is a group of one), retries, aborts and completions.
+service uses), from acceptance to its completion: validation, gathering the
+reads of one message or of messages queued together (:meth:`ReadTable.together`),
+starting them in groups, each carried by one task through
+:func:`~kvsidecar.daemon.d_side.driver.run_group` (a read alone is a group of
+one), retries, aborts and completions.
 """
 
 from __future__ import annotations
@@ -209,10 +210,9 @@ class ReadTable:
         start one task each (a group of one) as :meth:`accept` alone would.
 
         What is gathered lives in a context variable, i.e. per asyncio task (or
-        reader callback): should
-        a handler inside ever suspend, the reads other connections' tasks accept
-        meanwhile start at once as usual, instead of joining this message's
-        group and waiting for its end."""
+        reader callback): should a handler inside ever suspend, the reads other
+        connections' tasks accept meanwhile start at once as usual, instead of
+        joining this message's group and waiting for its end."""
         if self._gathering() is not None:
             yield  # nested: the outer one starts them
             return
@@ -234,11 +234,11 @@ class ReadTable:
         for group in groups.values():
             eng = group[0][0]
             jobs = [job for _, job in group if not self._aborted_unstarted(eng, job)]
-            if any(goes_alone(eng, job) for job in jobs):
-                for job in jobs:
-                    if goes_alone(eng, job):
-                        self._start_one(eng, job)
-                jobs = [job for job in jobs if not goes_alone(eng, job)]
+            alone = [goes_alone(eng, job) for job in jobs]
+            for job, by_itself in zip(jobs, alone):
+                if by_itself:
+                    self._start_one(eng, job)
+            jobs = [job for job, by_itself in zip(jobs, alone) if not by_itself]
             if len(jobs) > 1 and self._links_made(eng, jobs):
                 self._start_group(eng, jobs)
             else:
