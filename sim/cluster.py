@@ -221,6 +221,14 @@ class Receiving:
     done: dict[int, Completion] = field(default_factory=dict)
 
 
+def _spec(rec: Receiving) -> ReadSpec:
+    """The read of ``rec`` as :meth:`SimEngine.start_reads` and
+    :meth:`SimEngine.start_reads_at_once` send it: ids, skip and length explicit."""
+    return ReadSpec(rec.request_id, rec.block_ids, rec.sent.remote, rec.sent.block_ids,
+                    remote_request_id=rec.sent.request_id, skip_tokens=rec.skip_tokens,
+                    num_tokens=rec.sent.req.prompt_tokens, remote_tokens=rec.sent.tokens)
+
+
 class SimEngine:
     """One engine of ``tp`` ranks, each served by its own sidecar."""
 
@@ -433,11 +441,7 @@ class SimEngine:
     def start_reads(self, sents: Sequence[Sent]) -> list[Receiving]:
         """Start several reads in one message per rank (``read_many``)."""
         recs = [self._receive(sent, None, 0, False) for sent in sents]
-        specs = [ReadSpec(rec.request_id, rec.block_ids, rec.sent.remote, rec.sent.block_ids,
-                          remote_request_id=rec.sent.request_id,
-                          skip_tokens=rec.skip_tokens, num_tokens=rec.sent.req.prompt_tokens,
-                          remote_tokens=rec.sent.tokens)
-                 for rec in recs]
+        specs = [_spec(rec) for rec in recs]
         for rank in range(self.tp):
             refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]
             if refused:
@@ -453,12 +457,9 @@ class SimEngine:
         if len(clients) != self.tp:
             raise ValueError(f"engine {self.engine_id}: {self.tp} ranks need {self.tp} clients")
         recs = [self._receive(sent, None, 0, False) for sent in sents]
-        calls = [client.read(self.engine_id, rec.request_id, rec.block_ids, rec.sent.remote,
-                             rec.sent.block_ids, remote_request_id=rec.sent.request_id,
-                             skip_tokens=rec.skip_tokens,
-                             num_tokens=rec.sent.req.prompt_tokens,
-                             remote_tokens=rec.sent.tokens)
-                 for client in clients for rec in recs]
+        specs = [_spec(rec) for rec in recs]
+        # a ReadSpec's fields are read()'s arguments after the engine id, by name
+        calls = [client.read(self.engine_id, **vars(spec)) for client in clients for spec in specs]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 raise outcome
