@@ -21,6 +21,7 @@ client, the errors (:mod:`.errors`) and the call arguments and results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -69,6 +70,7 @@ from .protocol import (
     KeepItem,
     MemoryKind,
     Pong,
+    Read,
     RemoteEngine,
     Reply,
     Request,
@@ -129,6 +131,7 @@ class SidecarClient:
         self._sock: socket.socket | None = None
         self._timeo = -1.0  # SO_RCVTIMEO/SO_SNDTIMEO as last set on _sock
         self._forks = 0  # client_socket.forks() when _sock was opened
+        self._posted_in = 0  # client_socket.forks() when the last read_nowait was sent
 
     @property
     def timeout_s(self) -> float:
@@ -212,6 +215,53 @@ class SidecarClient:
                                     verify, remote_tokens)
         expect(self._exchange(req), kind)
 
+    def read_nowait(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
+                    remote: RemoteEngine, remote_block_ids: BlockIdsLike, *,
+                    remote_request_id: str | None = None, skip_tokens: int | None = None,
+                    num_tokens: int | None = None, verify: bool = False,
+                    remote_tokens: Sequence[str] = ()) -> None:
+        """:meth:`read` without waiting for the sidecar's answer: the message is
+        sent and the call returns (the engine's cost is one send). Reads sent
+        so, one after another, queue on the connection, and the sidecar starts
+        those a wake-up finds together as one group (as ``read_many``'s).
+
+        What :meth:`read` would raise arrives instead as a ``failed`` completion
+        of ``request_id`` from the next :meth:`poll` of ``engine_id`` (reason:
+        the refusal's code and message; nothing was started, no block written);
+        an accepted read completes as any read. Answers are taken by whatever
+        call this client makes next (:meth:`poll` first waits for the answers
+        still due, so a refusal is never held up by a waiting poll). A
+        connection the sidecar closes loses none: the reads it left unanswered
+        go again on the next connection (see :mod:`~kvsidecar.ipc.posted_reads`).
+
+        Bounded: with 64 reads unanswered this call first takes answers
+        (waiting for them if it must); with 4,096 refusals not yet polled it
+        raises :class:`Unavailable` (poll, then send again). Raises, with
+        nothing sent, only what the client itself can tell: the sidecar
+        reading nothing for ``timeout_s`` (:class:`SidecarTimeout`), no
+        sidecar listening, or ``verify`` against a sidecar that would ignore
+        it (as :meth:`read`)."""
+        if verify:
+            can_verify(self.ping().minor)
+        core = self._core
+        posted = core.posted
+        posted.check_room()
+        req = core.read_request(engine_id, request_id, local_block_ids, remote,
+                                remote_block_ids, remote_request_id, skip_tokens, num_tokens,
+                                verify, remote_tokens)
+        data = encode_request(req)
+        if posted.full:
+            deadline = time.monotonic() + core.timeout_s
+            resends = 0
+            while posted.full:
+                if time.monotonic() >= deadline:
+                    raise core.timeout_error(req, core.timeout_s)
+                if self._sock is None or self._forks != client_socket.forks():
+                    self._reconnect(req, core.timeout_s, deadline, resends)  # sends them again
+                    resends += 1
+                self._take_answers(until=posted.max_unanswered - 1)
+        self._send_nowait(req, data)
+
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> Held:
         """Keep blocks for readers; the reply's lease and ``token`` travel to them with
@@ -251,10 +301,22 @@ class SidecarClient:
 
         ``wait_s``: with nothing to return, block up to that long until a
         completion arrives (an engine waiting for its reads then costs no CPU
-        and learns of each at once, instead of spinning on empty polls)."""
+        and learns of each at once, instead of spinning on empty polls).
+        Reads of ``engine_id`` sent by :meth:`read_nowait` and refused come
+        first, as ``failed`` completions (each once; with any, no waiting)."""
         core = self._core
+        posted = core.posted
+        if len(posted):  # reads sent without waiting: their answers first
+            self._take_answers(until=0)
+            if len(posted) or posted.has_refused(engine_id):
+                wait_s = 0.0  # refusals to report (or answers still due): no waiting
+        elif posted.has_refused(engine_id):
+            wait_s = 0.0
         req, kind = core.poll(engine_id, wait_s)
-        return core.polled(engine_id, expect(self._exchange(req), kind))
+        items = core.polled(engine_id, expect(self._exchange(req), kind))
+        if posted.has_refused(engine_id):  # answers taken during the exchange too
+            return posted.take_refused(engine_id) + items
+        return items
 
     def keep(self, engine_id: str, items: Sequence[KeepItem]) -> None:
         """Keep P's holds of requests this engine admitted and reads later
@@ -274,6 +336,21 @@ class SidecarClient:
         return expect(self._exchange(req), kind)
 
     def close(self) -> None:
+        """Close the connection. Answers still due to reads sent without
+        waiting are taken first (up to ``timeout_s``: a refusal is then
+        reported by a later :meth:`poll` of this client); a read still
+        unanswered after that is the sidecar's to carry out or refuse,
+        unreported here, and never sent again."""
+        if self._sock is not None and len(self._core.posted):
+            with contextlib.suppress(SidecarError):
+                self._take_answers(until=0)
+            if len(self._core.posted):
+                log.warning("closing with %d reads sent without waiting still unanswered "
+                            "(the sidecar may still carry them out)", len(self._core.posted))
+                self._core.posted.drop_unanswered()
+        self._drop_socket()
+
+    def _drop_socket(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -303,8 +380,14 @@ class SidecarClient:
 
 
     def _connect(self, req: Request, timeout_s: float, deadline: float) -> socket.socket:
-        """A connection to the daemon, waiting (until ``deadline``) for one to listen."""
+        """A connection to the daemon, waiting (until ``deadline``) for one to listen.
+        Reads sent without waiting that the last connection left unanswered go
+        first (:meth:`~.posted_reads.PostedReads.resend`), unless they are a
+        parent process's (this one forked since they were sent)."""
         pause, most = client_socket.CONNECT_PAUSE_S
+        posted = self._core.posted
+        if len(posted) and self._posted_in != client_socket.forks():
+            posted.forget()
         while True:
             try:
                 sock = client_socket.connect(self._core.path)
@@ -317,7 +400,109 @@ class SidecarClient:
             self._core.reset_framing()
             sock.setblocking(True)
             self._sock, self._timeo, self._forks = sock, -1.0, client_socket.forks()
+            if not len(posted):
+                return sock
+            client_socket.set_timeouts(sock, timeout_s)
+            self._timeo = timeout_s
+            try:
+                for data in posted.resend():
+                    self._send_data(sock, data)
+            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
+                raise self._core.timeout_error(req, timeout_s) from None
+            except OSError:  # closed again: what it answered is taken, the rest goes again
+                self._leftover(sock)
+                self._drop_socket()
+                if time.monotonic() >= deadline:
+                    raise self._core.timeout_error(req, timeout_s) from None
+                continue
             return sock
+
+    @staticmethod
+    def _send_data(sock: socket.socket, data: bytes) -> None:
+        if len(data) <= MAX_PACKET:
+            sock.send(data, _NOSIGNAL)
+        else:
+            for packet in packets(data):
+                sock.send(packet, _NOSIGNAL)
+
+    def _after_timeout(self) -> None:
+        """No reply in time: a fresh socket next time, so a late reply dies with
+        this one; kept while reads sent without waiting await answers on it
+        (replies carry ids: a late one is dropped as stale)."""
+        if not len(self._core.posted):
+            self._drop_socket()
+
+    def _send_nowait(self, req: Read, data: bytes) -> None:
+        """Send a read whose answer is taken later (:meth:`read_nowait`)."""
+        core = self._core
+        timeout_s = core.timeout_s
+        deadline = time.monotonic() + timeout_s
+        resends = 0
+        while True:
+            sock = self._sock
+            if sock is None or self._forks != client_socket.forks():
+                sock = self._reconnect(req, timeout_s, deadline, resends)
+            if timeout_s != self._timeo:
+                client_socket.set_timeouts(sock, timeout_s)
+                self._timeo = timeout_s
+            core.posted.add(req, data)
+            self._posted_in = client_socket.forks()
+            try:
+                self._send_data(sock, data)
+            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
+                core.posted.discard(req.id)
+                self._after_timeout()
+                raise core.timeout_error(req, timeout_s) from None
+            except OSError:
+                # The daemon closed this connection: its answers are taken, and
+                # the next connection sends again what it left unanswered
+                # (this read among them).
+                self._leftover(sock)
+                self._drop_socket()
+                if req.id not in core.posted:
+                    return  # answered after all (refused at the door)
+                if time.monotonic() >= deadline:
+                    raise core.timeout_error(req, timeout_s) from None
+                try:  # the new connection sends it again, with the others unanswered
+                    self._reconnect(req, timeout_s, deadline, resends + 1)
+                except BaseException:
+                    core.posted.discard(req.id)  # never reached the sidecar
+                    raise
+            return
+
+    def _take_answers(self, until: int) -> None:
+        """Receive until at most ``until`` reads sent without waiting await their
+        answers (each answer goes to the book; a stale reply is dropped). A
+        connection that closes meanwhile hands over what it queued; the reads
+        it left unanswered go again on the next one."""
+        core = self._core
+        posted = core.posted
+        sock = self._sock
+        if self._posted_in != client_socket.forks():
+            posted.forget()  # a forked child: the reads and the connection are its parent's
+            return
+        if sock is None or self._forks != client_socket.forks():
+            return  # the next connection sends them again
+        timeout_s = core.timeout_s
+        if timeout_s != self._timeo:
+            client_socket.set_timeouts(sock, timeout_s)
+            self._timeo = timeout_s
+        while len(posted) > until:
+            try:
+                n = sock.recv_into(core.buf, 0, _TRUNC)
+            except BlockingIOError:  # SO_RCVTIMEO
+                raise SidecarTimeout(f"no answer to {len(posted)} reads sent without waiting "
+                                     f"within {timeout_s} s from {core.endpoint}") from None
+            except ConnectionResetError:
+                self._leftover(sock)
+                self._drop_socket()
+                return
+            if n == 0 and peer_closed(sock):
+                self._drop_socket()
+                return
+            got = core.received(n)
+            if got is not None and not posted.answered(*got):
+                log.debug("dropping a stale reply with id %d", got[0])
 
     def _exchange(self, req: Request) -> Reply:
         """Send ``req`` and return its reply (or raise what the transport means).
@@ -342,13 +527,9 @@ class SidecarClient:
                 self._timeo = timeout_s
             reply: Reply | None
             try:
-                if len(data) <= MAX_PACKET:
-                    sock.send(data, _NOSIGNAL)
-                else:
-                    for packet in packets(data):
-                        sock.send(packet, _NOSIGNAL)
+                self._send_data(sock, data)
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
-                self.close()
+                self._after_timeout()
                 raise core.timeout_error(req, timeout_s) from None
             except OSError:
                 # The daemon closed this connection (it restarted, or refused this
@@ -357,7 +538,7 @@ class SidecarClient:
                 got = self._leftover(sock)
                 reply = None if got is None else self._settle(req, *got)
                 if got is None:
-                    self.close()
+                    self._drop_socket()
             else:
                 reply = self._receive(sock, req, timeout_s, deadline)
             if reply is not None:
@@ -371,7 +552,7 @@ class SidecarClient:
         """A new connection: the first, or after the daemon closed one (``resends``
         times for this call), or a forked child's own."""
         if self._sock is not None:
-            self.close()  # a forked child: the connection is its parent's (closed here only)
+            self._drop_socket()  # a forked child: the connection is its parent's (closed here only)
         if resends:  # a daemon that keeps closing on us is not hammered
             pause, most = client_socket.CONNECT_PAUSE_S
             time.sleep(min(most, pause * resends))
@@ -389,14 +570,14 @@ class SidecarClient:
             try:
                 n = sock.recv_into(core.buf, 0, _TRUNC)
             except BlockingIOError:  # SO_RCVTIMEO
-                self.close()  # a fresh socket next time: a late reply dies with this one
+                self._after_timeout()
                 raise core.timeout_error(req, timeout_s) from None
             except ConnectionResetError:
                 # Closed with data of ours unread (one call in flight: this request),
                 # maybe after a refusal it queued for us.
                 got = self._leftover(sock)
                 if got is None:
-                    self.close()
+                    self._drop_socket()
                     return None
             else:
                 if 0 < n <= MAX_PACKET and not core.assembler.announced:
@@ -407,18 +588,22 @@ class SidecarClient:
                     else:
                         if whole.id == req.id:
                             return whole
+                        if core.posted.answered(whole.id, whole):
+                            continue  # a read sent without waiting: answered
                 if n == 0 and peer_closed(sock):
-                    self.close()
+                    self._drop_socket()
                     raise core.closed_error(type(req).__name__)
                 got = core.received(n)
                 if got is None:
                     continue  # a chunk of a long reply
+                if core.posted.answered(*got):
+                    continue
             settled = self._settle(req, *got)
             if settled is not None:
                 return settled
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.close()
+                self._after_timeout()
                 raise core.timeout_error(req, timeout_s)
             client_socket.set_timeouts(sock, remaining)
             self._timeo = remaining
@@ -435,16 +620,30 @@ class SidecarClient:
         return None
 
     def _leftover(self, sock: socket.socket) -> tuple[int, Reply | SidecarError] | None:
-        """A message still queued on a connection the daemon closed (a SEQPACKET
-        socket reports the reset once, before what is queued)."""
-        for _ in range(2):
+        """What is still queued on a connection the daemon closed (a SEQPACKET
+        socket reports the reset once, before what is queued): answers to reads
+        sent without waiting go to the book, and the first other message is
+        returned (with one call in flight, the reply to it if any)."""
+        core = self._core
+        first: tuple[int, Reply | SidecarError] | None = None
+        resets = 0
+        for _ in range(len(core.posted) + 2):
             try:
-                n = sock.recv_into(self._core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+                n = sock.recv_into(core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
             except ConnectionResetError:
+                resets += 1
+                if resets > 1:
+                    break
                 continue
             except OSError:
-                return None
+                break
             if n == 0:
-                return None
-            return self._core.received(n)
-        return None
+                break
+            got = core.received(n)
+            if got is None or core.posted.answered(*got):
+                continue
+            if first is None:
+                first = got
+            if not len(core.posted):
+                break
+        return first

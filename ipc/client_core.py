@@ -24,6 +24,7 @@ from .block_ids import BlockIdsLike, block_id_lists
 from .errors import BadMessage, SidecarError, SidecarTimeout, Unavailable, error_from_reply, expect
 from .layout import Layout
 from .mapping import map_refs
+from .posted_reads import PostedReads
 from .protocol import (
     BAD_MESSAGE,
     MAX_BATCH,
@@ -221,6 +222,8 @@ class ClientCore:
         self.endpoint = self.path  # what error messages name
         self.timeout_s = timeout_s
         self.acks: dict[str, tuple[str, int]] = {}
+        #: reads sent without waiting for their answers (``read_nowait``)
+        self.posted = PostedReads()
         self._ids = itertools.count(1)
         #: the receive buffer (one connection at a time per client) and its framing state
         self.buf = bytearray(RECV_BYTES)
@@ -264,9 +267,19 @@ class ClientCore:
              remote_request_id: str | None, skip_tokens: int | None,
              num_tokens: int | None, verify: bool = False,
              remote_tokens: Sequence[str] = ()) -> Ask[Ok]:
+        return self.read_request(engine_id, request_id, local_block_ids, remote,
+                                 remote_block_ids, remote_request_id, skip_tokens, num_tokens,
+                                 verify, remote_tokens), Ok
+
+    def read_request(self, engine_id: str, request_id: str, local_block_ids: BlockIdsLike,
+                     remote: RemoteEngine, remote_block_ids: BlockIdsLike,
+                     remote_request_id: str | None, skip_tokens: int | None,
+                     num_tokens: int | None, verify: bool = False,
+                     remote_tokens: Sequence[str] = ()) -> Read:
+        """The :class:`Read` of :meth:`read` (``read_nowait`` sends it unanswered)."""
         return Read(engine_id, request_id, block_id_lists(local_block_ids), remote,
                     block_id_lists(remote_block_ids), remote_request_id, skip_tokens,
-                    num_tokens, verify, list(remote_tokens), id=next(self._ids)), Ok
+                    num_tokens, verify, list(remote_tokens), id=next(self._ids))
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
              timeout_s: float | None) -> Ask[Held]:

@@ -222,8 +222,8 @@ class Receiving:
 
 
 def _spec(rec: Receiving) -> ReadSpec:
-    """The read of ``rec`` as :meth:`SimEngine.start_reads` and
-    :meth:`SimEngine.start_reads_at_once` send it: ids, skip and length explicit."""
+    """The read of ``rec`` as :meth:`SimEngine.start_reads` and the other ways of
+    starting several send it: ids, skip and length explicit."""
     return ReadSpec(rec.request_id, rec.block_ids, rec.sent.remote, rec.sent.block_ids,
                     remote_request_id=rec.sent.request_id, skip_tokens=rec.skip_tokens,
                     num_tokens=rec.sent.req.prompt_tokens, remote_tokens=rec.sent.tokens)
@@ -446,6 +446,19 @@ class SimEngine:
             refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]
             if refused:
                 raise refused[0]
+        return recs
+
+    def start_reads_nowait(self, sents: Sequence[Sent]) -> list[Receiving]:
+        """Start several reads, one ``read`` message each, none waiting for its
+        answer (``read_nowait``): what a blocking engine issuing a step's reads
+        one by one does without a round trip each. A refusal comes from
+        :meth:`poll` as a ``failed`` completion."""
+        recs = [self._receive(sent, None, 0, False) for sent in sents]
+        specs = [_spec(rec) for rec in recs]
+        for rank in range(self.tp):
+            for spec in specs:
+                # a ReadSpec's fields are read_nowait()'s arguments after the engine id
+                self.clients[rank].read_nowait(self.engine_id, **vars(spec))
         return recs
 
     async def start_reads_at_once(self, clients: Sequence[AsyncSidecarClient],

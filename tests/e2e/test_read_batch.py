@@ -261,3 +261,39 @@ def test_a_batch_cut_short_by_deregistration_or_stop_leaves_no_hold_on_p(
             assert not D2.verify("after")
         finally:
             D2.close()
+
+
+def test_reads_sent_without_waiting_queue_and_refusals_come_through_poll(engines) -> None:
+    """A blocking engine sends 12 reads with ``read_nowait`` (one message each,
+    no answer awaited) while D's sidecar is stopped (SIGSTOP), and one it
+    refuses (a local block id out of range): the calls return at once, the
+    reads queue in D's socket and one wake-up starts the 11 good ones as one
+    group (counted), which land oracle-exact; the refused one is a ``failed``
+    completion from the engine's poll, naming the refusal."""
+    P, D, d = engines
+    assert d.proc is not None
+    before = d.metric(BATCHED, engine=D.engine_id)
+    sents = [P.prefill(f"n{i}", Request(seed=150 + i, prompt_tokens=8 + 5 * i))
+             for i in range(12)]
+    client = D.clients[0]
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        recs = D.start_reads_nowait(sents[:11])
+        client.read_nowait(D.engine_id, "n-bad", [[D.layout.num_blocks + 3]],
+                           sents[11].remote, sents[11].block_ids,
+                           remote_tokens=sents[11].tokens)
+        assert len(client._core.posted) == 12  # sent, none answered yet
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    rids = [s.request_id for s in sents[:11]]
+    got = {rid: per[0] for rid, per in D.wait_for([*rids, "n-bad"]).items()}
+    assert got["n-bad"].kind == "failed"
+    assert got["n-bad"].reason.startswith("refused by the sidecar (bad_request)")
+    assert "out of range" in got["n-bad"].reason
+    assert d.metric(BATCHED, engine=D.engine_id) - before == 11
+    for rid, rec in zip(rids, recs):
+        assert got[rid].kind == "received", (rid, got[rid])
+        assert not D.verify(rec.request_id), rid
+    sent_back = {rid: per[0].kind for rid, per in P.wait_for(rids).items()}
+    assert {sent_back[rid] for rid in rids} == {"sent"}
+    P.clients[0].release(P.engine_id, sents[11].request_id)

@@ -790,3 +790,202 @@ def test_register_waits_longer_for_larger_caches() -> None:
     reg = Register("e", 0, big, "allocate", id=1)
     assert core.timeout_for(reg) >= 10.0 + 0.9 * nbytes / 1e9
     assert core.timeout_for(Ping(id=2)) == 10.0
+
+
+# --------------------------------------------------------------------------
+# Reads sent without waiting (read_nowait)
+# --------------------------------------------------------------------------
+
+
+def _registered(client: SidecarClient) -> list[ShmRegion]:
+    regions = allocate_for_layout(LAYOUT, "kvtest")
+    client.register("d0", 0, LAYOUT, regions=regions)
+    return regions
+
+
+def _unlink(regions: list[ShmRegion]) -> None:
+    for r in regions:
+        r.close()
+        r.unlink()
+
+
+def test_read_nowait_refusals_come_as_failed_completions(client: SidecarClient,
+                                                         handler: HandlerDouble) -> None:
+    """An accepted read completes as ever; a refused one is a ``failed``
+    completion of its request id from the next poll, ahead of the sidecar's
+    own, once; the call itself raised nothing."""
+    regions = _registered(client)
+    try:
+        client.read_nowait("d0", "ok1", [[0]], REMOTE, [[2]])
+        client.read_nowait("d0", "bad", [[9]], REMOTE, [[2]])  # out of range: refused
+        client.read_nowait("d0", "ok2", [[1]], REMOTE, [[3]], num_tokens=4)
+        got = client.poll("d0")
+        assert [(c.request_id, c.kind) for c in got] == [
+            ("bad", "failed"), ("ok1", "received"), ("ok2", "received")]
+        assert got[0].reason == ("refused by the sidecar (bad_request): local block id out "
+                                 "of range") and got[0].invalid_block_ids == []
+        assert client.poll("d0") == []
+        reads = [r for r in handler.requests if isinstance(r, Read)]
+        assert [r.request_id for r in reads] == ["ok1", "bad", "ok2"]
+        assert reads[2].num_tokens == 4
+        assert len(client._core.posted) == 0
+    finally:
+        _unlink(regions)
+
+
+def test_a_waiting_poll_is_not_held_up_by_a_refusal(client: SidecarClient) -> None:
+    """The refusal is known before the poll leaves: the poll does not wait."""
+    regions = _registered(client)
+    try:
+        client.read_nowait("d0", "bad", [[9]], REMOTE, [[2]])
+        t0 = time.monotonic()
+        got = client.poll("d0", wait_s=4.0)
+        assert time.monotonic() - t0 < 2.0
+        assert [(c.request_id, c.kind) for c in got] == [("bad", "failed")]
+    finally:
+        _unlink(regions)
+
+
+def test_read_nowait_of_an_unknown_engine_is_reported_once_it_polls(
+        client: SidecarClient) -> None:
+    client.read_nowait("later", "r1", [[0]], REMOTE, [[2]])
+    with pytest.raises(UnknownEngine):
+        client.poll("later")  # unknown: the engine registers, then polls
+    regions = allocate_for_layout(LAYOUT, "kvtest")
+    try:
+        client.register("later", 0, LAYOUT, regions=regions)
+        got = client.poll("later")
+        assert [(c.request_id, c.kind) for c in got] == [("r1", "failed")]
+        assert "unknown_engine" in got[0].reason
+    finally:
+        _unlink(regions)
+
+
+def test_read_nowait_bounds_what_awaits_answers_and_polls(client: SidecarClient,
+                                                          handler: HandlerDouble) -> None:
+    """At most 64 reads await their answers; at most ``max_refused`` refusals
+    await a poll (then Unavailable, with nothing sent, until the engine polls)."""
+    regions = _registered(client)
+    posted = client._core.posted
+    try:
+        most = 0
+        for i in range(200):
+            client.read_nowait("d0", f"r{i}", [[i % LAYOUT.num_blocks]], REMOTE, [[0]])
+            most = max(most, len(posted))
+        assert most == 64
+        got = client.poll("d0")
+        assert sorted(c.request_id for c in got) == sorted(f"r{i}" for i in range(200))
+        assert {c.kind for c in got} == {"received"}
+
+        posted.max_refused = 3
+        for i in range(3):
+            client.read_nowait("d0", f"bad{i}", [[9]], REMOTE, [[0]])
+        client.ping()  # takes the answers
+        sent = len(handler.requests)
+        with pytest.raises(Unavailable, match="3 reads sent without waiting were refused"):
+            client.read_nowait("d0", "one-more", [[0]], REMOTE, [[0]])
+        assert len(handler.requests) == sent  # nothing sent
+        assert [c.request_id for c in client.poll("d0")] == ["bad0", "bad1", "bad2"]
+        client.read_nowait("d0", "one-more", [[0]], REMOTE, [[0]])
+        assert [c.request_id for c in client.poll("d0")] == ["one-more"]
+    finally:
+        _unlink(regions)
+
+
+def test_close_takes_the_answers_first(path: str, threaded: ServerThread) -> None:
+    c = SidecarClient(path, timeout_s=5.0)
+    regions = _registered(c)
+    try:
+        c.read_nowait("d0", "bad", [[9]], REMOTE, [[2]])
+        c.close()
+        assert len(c._core.posted) == 0
+        assert [(x.request_id, x.kind) for x in c.poll("d0")] == [("bad", "failed")]
+    finally:
+        c.close()
+        _unlink(regions)
+
+
+def _two_connections(path: str, first: Callable[[socket.socket], None],
+                     second: Callable[[socket.socket], None]) -> threading.Thread:
+    """A bare listener whose first connection ``first`` handles and whose
+    second ``second`` handles, one after the other."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    listener = new_socket()
+    listener.bind(path)
+    listener.listen()
+
+    def run() -> None:
+        with listener:
+            for handle in (first, second):
+                conn, _ = listener.accept()
+                with conn:
+                    handle(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> None:
+    """The daemon answers the first read, reads no further and closes: the
+    answer is taken, the two reads it left go again on the next connection
+    (in order; a ``duplicate`` there means the first copy was taken, dropped),
+    and nothing that was answered goes twice."""
+    fake = str(tmp_path / "fake.sock")
+    seen: list[list[str]] = [[], []]
+
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        req = decode_request(conn.recv(MAX_PACKET))
+        assert isinstance(req, Read)
+        seen[0].append(req.request_id)
+        conn.send(encode_reply(Error(BAD_REQUEST, "no such block", id=req.id)))
+        time.sleep(0.2)  # the client sends two more, which are never read
+
+    def second(conn: socket.socket) -> None:
+        while True:
+            req = decode_request(conn.recv(MAX_PACKET))
+            if isinstance(req, Poll):
+                conn.send(encode_reply(Completions([Completion("r3", "received")], last=1,
+                                                   id=req.id)))
+                return
+            assert isinstance(req, Read)
+            seen[1].append(req.request_id)
+            reply = (Error(DUPLICATE, "read 'r2' is already in progress", id=req.id)
+                     if req.request_id == "r2" else Ok(id=req.id))
+            conn.send(encode_reply(reply))
+
+    t = _two_connections(fake, first, second)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        c.ping()
+        for rid in ("r1", "r2", "r3"):
+            c.read_nowait("d0", rid, [[0]], REMOTE, [[1]])
+            time.sleep(0.05)
+        time.sleep(0.3)  # the first connection is closed by now
+        got = c.poll("d0")
+        assert [(x.request_id, x.kind) for x in got] == [("r1", "failed"), ("r3", "received")]
+        assert "no such block" in got[0].reason
+    t.join(5)
+    assert seen == [["r1"], ["r2", "r3"]]
+
+
+def test_a_forked_child_neither_takes_nor_sends_again_its_parents_reads(
+        client: SidecarClient, handler: HandlerDouble) -> None:
+    regions = _registered(client)
+    try:
+        client.read_nowait("d0", "mine", [[0]], REMOTE, [[2]])
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                ok = client.ping().version == PROTOCOL_VERSION and len(client._core.posted) == 0
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("mine", "received")]
+        assert [r.request_id for r in handler.requests if isinstance(r, Read)] == ["mine"]
+    finally:
+        _unlink(regions)

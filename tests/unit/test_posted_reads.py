@@ -1,0 +1,109 @@
+"""The book of reads sent without waiting (ipc/posted_reads.py): pure, no socket."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.ipc.errors import BadRequest, Unavailable
+from kvsidecar.ipc.posted_reads import PostedReads
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    UNKNOWN_ENGINE,
+    Completion,
+    Error,
+    Ok,
+    Pong,
+    Read,
+    RemoteEngine,
+)
+
+REMOTE = RemoteEngine("p0", 1, ["127.0.0.1:7000"])
+
+
+def _read(msg_id: int, engine: str = "d0", rid: str | None = None) -> Read:
+    return Read(engine, rid or f"r{msg_id}", [[0]], REMOTE, [[1]], id=msg_id)
+
+
+def _sent(book: PostedReads, *ids: int, engine: str = "d0") -> None:
+    for i in ids:
+        book.add(_read(i, engine), f"msg{i}".encode())
+
+
+def test_an_accepted_read_is_forgotten_and_reported_by_nobody_here() -> None:
+    book = PostedReads()
+    _sent(book, 1)
+    assert len(book) == 1 and 1 in book
+    assert book.answered(1, Ok(id=1))
+    assert len(book) == 0 and not book.has_refused("d0") and book.take_refused("d0") == []
+
+
+def test_a_refusal_becomes_one_failed_completion_for_its_engines_poll() -> None:
+    book = PostedReads()
+    _sent(book, 1, 2)
+    _sent(book, 3, engine="d1")
+    assert book.answered(2, Error(BAD_REQUEST, "local block id 9 out of range", id=2))
+    assert book.answered(3, BadRequest(BAD_REQUEST, "no such group"))  # a decoded error too
+    assert book.has_refused("d0") and book.has_refused("d1")
+    assert book.take_refused("d0") == [Completion(
+        "r2", "failed", reason="refused by the sidecar (bad_request): local block id 9 out of "
+                               "range")]
+    assert book.take_refused("d0") == []  # each once
+    assert [c.request_id for c in book.take_refused("d1")] == ["r3"]
+    assert len(book) == 1  # r1 still awaits its answer
+
+
+def test_what_is_not_an_answer_to_a_posted_read_is_left_to_the_caller() -> None:
+    book = PostedReads()
+    _sent(book, 1)
+    assert not book.answered(7, Pong(1, id=7))
+    assert not book.answered(-1, Error(BAD_REQUEST, "no id"))
+    assert len(book) == 1
+
+
+def test_sent_again_a_duplicate_means_the_first_copy_was_taken() -> None:
+    book = PostedReads()
+    _sent(book, 1, 2, 3)
+    assert book.answered(1, Ok(id=1))
+    assert book.resend() == [b"msg2", b"msg3"]  # the unanswered, in the order sent
+    assert book.answered(2, Error(DUPLICATE, "read 'r2' is already in progress", id=2))
+    assert book.answered(3, Error(UNKNOWN_ENGINE, "engine 'd0' is not registered", id=3))
+    # the duplicate of a read sent again is dropped; another refusal still counts
+    assert [c.request_id for c in book.take_refused("d0")] == ["r3"]
+
+
+def test_a_duplicate_of_a_read_sent_once_is_the_engines_and_reported() -> None:
+    book = PostedReads()
+    _sent(book, 1)
+    assert book.answered(1, Error(DUPLICATE, "read 'r1' is already in progress", id=1))
+    assert [c.kind for c in book.take_refused("d0")] == ["failed"]
+
+
+def test_bounds_unanswered_and_refused() -> None:
+    book = PostedReads(max_unanswered=2, max_refused=2)
+    _sent(book, 1)
+    assert not book.full
+    _sent(book, 2)
+    assert book.full
+    book.check_room()
+    for i in (1, 2):
+        book.answered(i, Error(BAD_REQUEST, "no", id=i))
+    assert not book.full
+    with pytest.raises(Unavailable, match="2 reads sent without waiting were refused"):
+        book.check_room()
+    book.take_refused("d0")
+    book.check_room()
+
+
+def test_discard_drop_and_forget() -> None:
+    book = PostedReads()
+    _sent(book, 1, 2, 3)
+    book.answered(3, Error(BAD_REQUEST, "no", id=3))
+    book.discard(1)
+    assert 1 not in book and len(book) == 1
+    book.drop_unanswered()  # the client closed: refusals stay for a poll
+    assert len(book) == 0 and book.has_refused("d0")
+    _sent(book, 4)
+    book.forget()  # a forked child's
+    assert len(book) == 0 and not book.has_refused("d0")
+    book.check_room()
