@@ -807,11 +807,14 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
 
 
 #: how the sustained rows' D engine sends its reads: one blocking ``read`` call per
-#: read; one ``read`` message per read, the round's all sent before any reply is
+#: read; one ``read_nowait`` per read (the blocking client sends each and takes
+#: the answers later); one ``read`` message per read, the round's all sent before any reply is
 #: awaited (the async client, as an asyncio engine issuing a step's reads at once);
 #: ``read_many`` messages of 16 (and P's engine ``hold_many``)
 _SENDING = {
     "one": "one `read` (and P's `hold`) each",
+    "nowait": "one `read_nowait` each, the blocking client not waiting for the answers (and "
+              "P's `hold` each)",
     "at_once": "one `read` message each, the round's sent at once through the async client "
                "(and P's `hold` each)",
     "many": "16 per `read_many` (and P's `hold_many`) message",
@@ -853,6 +856,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                             pair.D.start_reads(sents[i:i + per_msg])
                     elif sending == "at_once":
                         loop.run_until_complete(pair.D.start_reads_at_once(at_once, sents))
+                    elif sending == "nowait":
+                        pair.D.start_reads_nowait(sents)
                     else:
                         for sent in sents:
                             pair.D.start_read(sent)
@@ -1160,6 +1165,15 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                 min_poll()  # acknowledge the last, so D's client finds nothing of these
             nf_hold, *_ = single_calls(
                 "n", rounds_x, p_hold, d_read, lambda: dc.poll(D.engine_id), fill=False)
+
+            def d_read_nowait(rid: str, ids: list[int]) -> None:
+                dc.read_nowait(D.engine_id, rid, [ids], P.remote, [ids], remote_request_id=rid,
+                               remote_tokens=[tokens.pop(rid)])
+
+            # the same reads, each sent without waiting for its answer (the poll
+            # after the round takes the answers: its CPU is the poll's)
+            _, nowait_cpu, *_ = single_calls("w", rounds, p_hold, d_read_nowait,
+                                             lambda: dc.poll(D.engine_id))
             n_x = rounds_x * slots
             c0 = time.process_time()
             for _ in range(s.cpu_calls):
@@ -1227,6 +1241,12 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                f"{read / base:.2f}x", f"≤ 20 µs (a bare round trip answered as late: "
                f"{us(floor_late)}; batches meet it)", read <= 20e-6,
                [bound, minimal.format(us(m_read / n_x))]),
+        Figure("engine CPU per `read_nowait` call (16 blocks; the answer taken by the "
+               "next poll)", us(nowait_cpu / n),
+               f"one `read` call per read (above): {us(read)}",
+               f"{nowait_cpu / n / read:.2f}x", "≤ 20 µs", nowait_cpu / n <= 20e-6,
+               ["the same rounds as `read`'s: 4 reads, then polls until all is read; the "
+                "poll after them takes the answers (its CPU is counted there, not here)"]),
         Figure("engine CPU per `hold` call (16 blocks)", us(hold), hold_bound,
                f"floor {plus_us(hold - floor_fill)}",
                f"≤ 20 µs (a bare round trip after the same fill: {us(floor_fill)}; "
