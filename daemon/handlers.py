@@ -24,7 +24,7 @@ from typing import Any
 from kvsidecar import __version__
 from kvsidecar.daemon import keeps
 from kvsidecar.daemon.background import Alarm, Background
-from kvsidecar.daemon.d_side.table import ReadTable
+from kvsidecar.daemon.d_side.table import ReadTable, duplicate_read
 from kvsidecar.daemon.engine_access import current_peer
 from kvsidecar.daemon.engines.departures import Departures
 from kvsidecar.daemon.engines.rank import EngineRank
@@ -178,6 +178,10 @@ class Handlers:
                                             "engine): its KV cache is already here")
         self._check_addresses(req.remote)
         reads = self.ctx.reads
+        if reads.reading(req.engine_id, req.request_id):
+            # Before the limits: a read sent again (a client's after a lost
+            # connection) learns it is already reading, not that it is refused.
+            raise duplicate_read(req.request_id)
         self._admit(eng, "reads", reads.count(eng.engine_id),
                     self.ctx.settings.max_reads_per_engine, "reads in flight")
         reads.accept(eng, req)

@@ -62,6 +62,7 @@ from .errors import (
     expect,
 )
 from .layout import Layout
+from .posted_reads import PostedReads
 from .protocol import (
     Completion,
     DrainMode,
@@ -69,8 +70,8 @@ from .protocol import (
     Held,
     KeepItem,
     MemoryKind,
+    Ok,
     Pong,
-    Read,
     RemoteEngine,
     Reply,
     Request,
@@ -112,6 +113,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _NOSIGNAL: Final = socket.MSG_NOSIGNAL
+#: at most this many packets are read from a connection the daemon closed (its
+#: queue is finite; the bound only guards against a peer that is not a daemon)
+_MAX_LEFTOVER: Final = 65536
 _TRUNC: Final = socket.MSG_TRUNC
 
 
@@ -155,6 +159,7 @@ class SidecarClient:
         (see :class:`~kvsidecar.ipc.protocol.Deregister`)."""
         req, kind = self._core.deregister(engine_id, mode)
         expect(self._exchange(req), kind)
+        self._book().forget_engine(engine_id)
 
     def reserve(self, engine_id: str, nbytes: int, memory: MemoryKind = "memfd") -> Region:
         """Have the sidecar allocate one region of ``nbytes`` for ``engine_id`` and
@@ -229,38 +234,53 @@ class SidecarClient:
         of ``request_id`` from the next :meth:`poll` of ``engine_id`` (reason:
         the refusal's code and message; nothing was started, no block written);
         an accepted read completes as any read. Answers are taken by whatever
-        call this client makes next (:meth:`poll` first waits for the answers
-        still due, so a refusal is never held up by a waiting poll). A
-        connection the sidecar closes loses none: the reads it left unanswered
-        go again on the next connection (see :mod:`~kvsidecar.ipc.posted_reads`).
+        call this client makes next (:meth:`poll` first takes the answers still
+        due, so a refusal is never held up by a waiting poll). A connection the
+        sidecar closes loses none: the reads it left unanswered it never read,
+        and they go again on the next connection (see
+        :mod:`~kvsidecar.ipc.posted_reads`, and :meth:`close`).
 
         Bounded: with 64 reads unanswered this call first takes answers
-        (waiting for them if it must); with 4,096 refusals not yet polled it
-        raises :class:`Unavailable` (poll, then send again). Raises, with
-        nothing sent, only what the client itself can tell: the sidecar
-        reading nothing for ``timeout_s`` (:class:`SidecarTimeout`), no
-        sidecar listening, or ``verify`` against a sidecar that would ignore
-        it (as :meth:`read`)."""
+        (waiting for them if it must); with 4,096 refusals of ``engine_id`` not
+        yet polled it raises :class:`Unavailable` (poll, then send again). A
+        read whose message needs several packets (tens of thousands of block
+        ids) waits for its answer and raises its refusal, as :meth:`read`
+        does. Otherwise it raises, with this read not sent, only what the
+        client itself can tell: the sidecar reading nothing for ``timeout_s``
+        (:class:`SidecarTimeout`), no sidecar listening, or ``verify`` against
+        a sidecar that would ignore it (as :meth:`read`)."""
         if verify:
             can_verify(self.ping().minor)
         core = self._core
-        posted = core.posted
-        posted.check_room()
+        posted = self._book()
+        posted.check_room(engine_id)
         req = core.read_request(engine_id, request_id, local_block_ids, remote,
                                 remote_block_ids, remote_request_id, skip_tokens, num_tokens,
                                 verify, remote_tokens)
         data = encode_request(req)
+        if len(data) > MAX_PACKET:  # a long message (several packets) waits, as read() does
+            expect(self._exchange(req), Ok)
+            return
+        timeout_s = core.timeout_s
+        deadline = time.monotonic() + timeout_s
         if posted.full:
-            deadline = time.monotonic() + core.timeout_s
-            resends = 0
-            while posted.full:
+            self._answers(posted.max_unanswered - 1, req, deadline)
+        while True:
+            sock = self._ready(req, timeout_s, deadline)
+            posted.add(req, data)
+            try:
+                sock.send(data, _NOSIGNAL)
+            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
+                posted.discard(req.id)
+                self._after_timeout()
+                raise core.timeout_error(req, timeout_s) from None
+            except OSError:  # the daemon closed the connection: this read never reached it
+                posted.discard(req.id)
+                self._closed_by_daemon(sock)
                 if time.monotonic() >= deadline:
-                    raise core.timeout_error(req, core.timeout_s)
-                if self._sock is None or self._forks != client_socket.forks():
-                    self._reconnect(req, core.timeout_s, deadline, resends)  # sends them again
-                    resends += 1
-                self._take_answers(until=posted.max_unanswered - 1)
-        self._send_nowait(req, data)
+                    raise core.timeout_error(req, timeout_s) from None
+                continue
+            return
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> Held:
@@ -305,13 +325,12 @@ class SidecarClient:
         Reads of ``engine_id`` sent by :meth:`read_nowait` and refused come
         first, as ``failed`` completions (each once; with any, no waiting)."""
         core = self._core
-        posted = core.posted
+        posted = self._book()
         if len(posted):  # reads sent without waiting: their answers first
-            self._take_answers(until=0)
-            if len(posted) or posted.has_refused(engine_id):
-                wait_s = 0.0  # refusals to report (or answers still due): no waiting
-        elif posted.has_refused(engine_id):
-            wait_s = 0.0
+            req, kind = core.poll(engine_id, 0.0)
+            self._answers(0, req, time.monotonic() + core.timeout_s)
+        if posted.has_refused(engine_id):
+            wait_s = 0.0  # refusals to report: no waiting
         req, kind = core.poll(engine_id, wait_s)
         items = core.polled(engine_id, expect(self._exchange(req), kind))
         if posted.has_refused(engine_id):  # answers taken during the exchange too
@@ -337,17 +356,25 @@ class SidecarClient:
 
     def close(self) -> None:
         """Close the connection. Answers still due to reads sent without
-        waiting are taken first (up to ``timeout_s``: a refusal is then
-        reported by a later :meth:`poll` of this client); a read still
-        unanswered after that is the sidecar's to carry out or refuse,
-        unreported here, and never sent again."""
-        if self._sock is not None and len(self._core.posted):
-            with contextlib.suppress(SidecarError):
-                self._take_answers(until=0)
-            if len(self._core.posted):
+        waiting are taken first (up to ``timeout_s``), so their refusals are
+        reported by a later :meth:`poll` of this client. Of the reads still
+        unanswered then, those the sidecar never read (it closed their
+        connection) are reported ``failed`` the same way; those it may still
+        read from the closed connection's queue are its to carry out or refuse,
+        never sent again (their completions come from it)."""
+        posted = self._book()
+        if len(posted):
+            if self._sock is not None and self._forks == client_socket.forks():
+                with contextlib.suppress(SidecarError):
+                    self._answers(0, None, time.monotonic() + self._core.timeout_s,
+                                  send=False)
+            posted.fail_behind("the sidecar closed its connection before reading this read "
+                               "(it stopped or restarted), and the client closed before "
+                               "sending it again")
+            if len(posted):
                 log.warning("closing with %d reads sent without waiting still unanswered "
-                            "(the sidecar may still carry them out)", len(self._core.posted))
-                self._core.posted.drop_unanswered()
+                            "(the sidecar may still carry them out)", len(posted))
+                posted.drop_unanswered()
         self._drop_socket()
 
     def _drop_socket(self) -> None:
@@ -379,43 +406,142 @@ class SidecarClient:
                 raise
 
 
-    def _connect(self, req: Request, timeout_s: float, deadline: float) -> socket.socket:
-        """A connection to the daemon, waiting (until ``deadline``) for one to listen.
-        Reads sent without waiting that the last connection left unanswered go
-        first (:meth:`~.posted_reads.PostedReads.resend`), unless they are a
-        parent process's (this one forked since they were sent)."""
+    def _connect(self, req: Request | None, timeout_s: float,
+                 deadline: float) -> socket.socket:
+        """A connection to the daemon, waiting (until ``deadline``) for one to
+        listen; the reads sent without waiting that a connection the daemon
+        closed left unanswered go out on it first (:meth:`_flush_behind`)."""
         pause, most = client_socket.CONNECT_PAUSE_S
-        posted = self._core.posted
-        if len(posted) and self._posted_in != client_socket.forks():
-            posted.forget()
+        posted = self._book()
         while True:
             try:
                 sock = client_socket.connect(self._core.path)
             except client_socket.NOT_YET:
                 if time.monotonic() + pause >= deadline:
-                    raise self._core.timeout_error(req, timeout_s) from None
+                    raise self._timeout(req, timeout_s) from None
                 time.sleep(pause)
                 pause = min(2 * pause, most)
                 continue
             self._core.reset_framing()
             sock.setblocking(True)
             self._sock, self._timeo, self._forks = sock, -1.0, client_socket.forks()
-            if not len(posted):
+            if not posted.behind or self._flush_behind(sock, req, timeout_s):
                 return sock
+            if time.monotonic() + pause >= deadline:  # closed again before it took them
+                raise self._timeout(req, timeout_s)
+            time.sleep(pause)  # a daemon that keeps closing on us is not hammered
+            pause = min(2 * pause, most)
+
+    def _timeout(self, req: Request | None, timeout_s: float) -> SidecarTimeout:
+        if req is None:
+            return SidecarTimeout(f"no answer to reads sent without waiting within "
+                                  f"{timeout_s} s from {self._core.endpoint}")
+        return self._core.timeout_error(req, timeout_s)
+
+    def _book(self) -> PostedReads:
+        """The book of reads sent without waiting; a forked child's starts empty
+        (the reads, their answers and refusals are its parent's)."""
+        posted = self._core.posted
+        forks = client_socket.forks()
+        if self._posted_in != forks:
+            posted.forget()
+            self._posted_in = forks
+        return posted
+
+    def _ready(self, req: Request | None, timeout_s: float, deadline: float) -> socket.socket:
+        """A connection of this process with every unanswered read sent on it,
+        its timeouts set to ``timeout_s``."""
+        sock = self._sock
+        if sock is None or self._forks != client_socket.forks():
+            sock = self._reconnect(req, timeout_s, deadline, 0)
+        elif self._core.posted.behind and not self._flush_behind(sock, req, timeout_s):
+            sock = self._reconnect(req, timeout_s, deadline, 1)
+        if timeout_s != self._timeo:
             client_socket.set_timeouts(sock, timeout_s)
             self._timeo = timeout_s
+        return sock
+
+    def _flush_behind(self, sock: socket.socket, req: Request | None, timeout_s: float) -> bool:
+        """Send on ``sock`` the unanswered reads not sent on it yet (the last
+        connection closed without reading them), in order. False: the daemon
+        closed this one too (its answers taken, the rest still behind); a
+        refusal of the connection itself is raised."""
+        posted = self._core.posted
+        if timeout_s != self._timeo:
+            client_socket.set_timeouts(sock, timeout_s)
+            self._timeo = timeout_s
+        for msg_id, data in posted.unsent():
             try:
-                for data in posted.resend():
-                    self._send_data(sock, data)
+                sock.send(data, _NOSIGNAL)
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
-                raise self._core.timeout_error(req, timeout_s) from None
-            except OSError:  # closed again: what it answered is taken, the rest goes again
-                self._leftover(sock)
-                self._drop_socket()
-                if time.monotonic() >= deadline:
-                    raise self._core.timeout_error(req, timeout_s) from None
+                raise self._timeout(req, timeout_s) from None
+            except OSError:
+                refusal = self._closed_by_daemon(sock)
+                if refusal is not None:  # e.g. forbidden, said at the door
+                    outcome = refusal[1]
+                    if isinstance(outcome, SidecarError):
+                        raise outcome from None
+                    if isinstance(outcome, Error):
+                        raise error_from_reply(outcome) from None
+                return False
+            posted.sent_again(msg_id)
+        return True
+
+    def _closed_by_daemon(self, sock: socket.socket) -> tuple[int, Reply | SidecarError] | None:
+        """The daemon closed ``sock``: take what it queued (answers to the book),
+        drop the socket; the reads it left unanswered it never read, and go
+        again on the next connection. Returns an error it said without an id."""
+        got = self._leftover(sock, None)
+        self._drop_socket()
+        self._core.posted.new_connection()
+        return got
+
+    def _after_timeout(self) -> None:
+        """No reply in time: a fresh socket next time, so a late reply dies with
+        this one; kept while reads sent without waiting await answers on it
+        (replies carry ids: a late one is dropped as stale)."""
+        if not self._core.posted.due:
+            self._drop_socket()
+
+    def _answers(self, until: int, req: Request | None, deadline: float, *,
+                 send: bool = True) -> None:
+        """Receive until at most ``until`` reads sent without waiting await their
+        answers (each answer goes to the book; a stale reply is dropped).
+        ``send``: first (re)connect and send what a closed connection left
+        unanswered; else only take what the current connection owes."""
+        core = self._core
+        posted = core.posted
+        timeout_s = max(0.0, deadline - time.monotonic())
+        while len(posted) > until:
+            if time.monotonic() >= deadline:
+                raise self._timeout(req, core.timeout_s)
+            if send:
+                sock = self._ready(req, core.timeout_s, deadline)
+            elif self._sock is None or not posted.due:
+                return
+            else:
+                sock = self._sock
+            if timeout_s != self._timeo:
+                client_socket.set_timeouts(sock, max(timeout_s, 0.001))
+                self._timeo = timeout_s
+            try:
+                n = sock.recv_into(core.buf, 0, _TRUNC)
+            except BlockingIOError:  # SO_RCVTIMEO
+                raise self._timeout(req, core.timeout_s) from None
+            except ConnectionResetError:
+                self._closed_by_daemon(sock)
                 continue
-            return sock
+            if n == 0 and peer_closed(sock):
+                self._closed_by_daemon(sock)
+                continue
+            got = core.received(n)
+            if got is None or posted.answered(*got):
+                continue
+            if got[0] == -1:
+                log.warning("an error without a request id while taking answers to reads "
+                            "sent without waiting: %s", got[1])
+            else:
+                log.debug("dropping a stale reply with id %d", got[0])
 
     @staticmethod
     def _send_data(sock: socket.socket, data: bytes) -> None:
@@ -424,85 +550,6 @@ class SidecarClient:
         else:
             for packet in packets(data):
                 sock.send(packet, _NOSIGNAL)
-
-    def _after_timeout(self) -> None:
-        """No reply in time: a fresh socket next time, so a late reply dies with
-        this one; kept while reads sent without waiting await answers on it
-        (replies carry ids: a late one is dropped as stale)."""
-        if not len(self._core.posted):
-            self._drop_socket()
-
-    def _send_nowait(self, req: Read, data: bytes) -> None:
-        """Send a read whose answer is taken later (:meth:`read_nowait`)."""
-        core = self._core
-        timeout_s = core.timeout_s
-        deadline = time.monotonic() + timeout_s
-        resends = 0
-        while True:
-            sock = self._sock
-            if sock is None or self._forks != client_socket.forks():
-                sock = self._reconnect(req, timeout_s, deadline, resends)
-            if timeout_s != self._timeo:
-                client_socket.set_timeouts(sock, timeout_s)
-                self._timeo = timeout_s
-            core.posted.add(req, data)
-            self._posted_in = client_socket.forks()
-            try:
-                self._send_data(sock, data)
-            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
-                core.posted.discard(req.id)
-                self._after_timeout()
-                raise core.timeout_error(req, timeout_s) from None
-            except OSError:
-                # The daemon closed this connection: its answers are taken, and
-                # the next connection sends again what it left unanswered
-                # (this read among them).
-                self._leftover(sock)
-                self._drop_socket()
-                if req.id not in core.posted:
-                    return  # answered after all (refused at the door)
-                if time.monotonic() >= deadline:
-                    raise core.timeout_error(req, timeout_s) from None
-                try:  # the new connection sends it again, with the others unanswered
-                    self._reconnect(req, timeout_s, deadline, resends + 1)
-                except BaseException:
-                    core.posted.discard(req.id)  # never reached the sidecar
-                    raise
-            return
-
-    def _take_answers(self, until: int) -> None:
-        """Receive until at most ``until`` reads sent without waiting await their
-        answers (each answer goes to the book; a stale reply is dropped). A
-        connection that closes meanwhile hands over what it queued; the reads
-        it left unanswered go again on the next one."""
-        core = self._core
-        posted = core.posted
-        sock = self._sock
-        if self._posted_in != client_socket.forks():
-            posted.forget()  # a forked child: the reads and the connection are its parent's
-            return
-        if sock is None or self._forks != client_socket.forks():
-            return  # the next connection sends them again
-        timeout_s = core.timeout_s
-        if timeout_s != self._timeo:
-            client_socket.set_timeouts(sock, timeout_s)
-            self._timeo = timeout_s
-        while len(posted) > until:
-            try:
-                n = sock.recv_into(core.buf, 0, _TRUNC)
-            except BlockingIOError:  # SO_RCVTIMEO
-                raise SidecarTimeout(f"no answer to {len(posted)} reads sent without waiting "
-                                     f"within {timeout_s} s from {core.endpoint}") from None
-            except ConnectionResetError:
-                self._leftover(sock)
-                self._drop_socket()
-                return
-            if n == 0 and peer_closed(sock):
-                self._drop_socket()
-                return
-            got = core.received(n)
-            if got is not None and not posted.answered(*got):
-                log.debug("dropping a stale reply with id %d", got[0])
 
     def _exchange(self, req: Request) -> Reply:
         """Send ``req`` and return its reply (or raise what the transport means).
@@ -522,6 +569,11 @@ class SidecarClient:
             sock = self._sock
             if sock is None or self._forks != client_socket.forks():
                 sock = self._reconnect(req, timeout_s, deadline, resends)
+            elif core.posted.behind and not self._flush_behind(sock, req, timeout_s):
+                if time.monotonic() >= deadline:
+                    raise core.timeout_error(req, timeout_s)
+                resends += 1
+                continue  # closed before it read them: a new connection sends them
             if timeout_s != self._timeo:
                 client_socket.set_timeouts(sock, timeout_s)
                 self._timeo = timeout_s
@@ -535,10 +587,10 @@ class SidecarClient:
                 # The daemon closed this connection (it restarted, or refused this
                 # process): what it said first is still queued; else the request never
                 # reached it, so it goes again on a new connection.
-                got = self._leftover(sock)
+                got = self._leftover(sock, req.id)
+                self._drop_socket()
+                core.posted.new_connection()
                 reply = None if got is None else self._settle(req, *got)
-                if got is None:
-                    self._drop_socket()
             else:
                 reply = self._receive(sock, req, timeout_s, deadline)
             if reply is not None:
@@ -547,7 +599,7 @@ class SidecarClient:
                 raise core.timeout_error(req, timeout_s) from None
             resends += 1
 
-    def _reconnect(self, req: Request, timeout_s: float, deadline: float,
+    def _reconnect(self, req: Request | None, timeout_s: float, deadline: float,
                    resends: int) -> socket.socket:
         """A new connection: the first, or after the daemon closed one (``resends``
         times for this call), or a forked child's own."""
@@ -575,9 +627,10 @@ class SidecarClient:
             except ConnectionResetError:
                 # Closed with data of ours unread (one call in flight: this request),
                 # maybe after a refusal it queued for us.
-                got = self._leftover(sock)
+                got = self._leftover(sock, req.id)
+                self._drop_socket()
+                core.posted.new_connection()
                 if got is None:
-                    self._drop_socket()
                     return None
             else:
                 if 0 < n <= MAX_PACKET and not core.assembler.announced:
@@ -592,6 +645,7 @@ class SidecarClient:
                             continue  # a read sent without waiting: answered
                 if n == 0 and peer_closed(sock):
                     self._drop_socket()
+                    core.posted.new_connection()
                     raise core.closed_error(type(req).__name__)
                 got = core.received(n)
                 if got is None:
@@ -619,15 +673,17 @@ class SidecarClient:
         log.debug("dropping a stale reply with id %d", id)
         return None
 
-    def _leftover(self, sock: socket.socket) -> tuple[int, Reply | SidecarError] | None:
+    def _leftover(self, sock: socket.socket, req_id: int | None
+                  ) -> tuple[int, Reply | SidecarError] | None:
         """What is still queued on a connection the daemon closed (a SEQPACKET
-        socket reports the reset once, before what is queued): answers to reads
-        sent without waiting go to the book, and the first other message is
-        returned (with one call in flight, the reply to it if any)."""
+        socket reports the reset once, before what is queued), read to its
+        end: answers to reads sent without waiting go to the book, stale replies
+        are dropped, and the reply to ``req_id`` (or an error without an id,
+        which with one call in flight is that call's) is returned."""
         core = self._core
-        first: tuple[int, Reply | SidecarError] | None = None
+        found: tuple[int, Reply | SidecarError] | None = None
         resets = 0
-        for _ in range(len(core.posted) + 2):
+        for _ in range(_MAX_LEFTOVER):
             try:
                 n = sock.recv_into(core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
             except ConnectionResetError:
@@ -642,8 +698,8 @@ class SidecarClient:
             got = core.received(n)
             if got is None or core.posted.answered(*got):
                 continue
-            if first is None:
-                first = got
-            if not len(core.posted):
-                break
-        return first
+            if found is None and (got[0] == req_id or got[0] == -1):
+                found = got
+            else:
+                log.debug("dropping a stale reply with id %d", got[0])
+        return found

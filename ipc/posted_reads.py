@@ -13,18 +13,23 @@ that answer comes:
   engine returns ahead of the sidecar's own (reason: the refusal's code and
   message; no block was written, so none is listed invalid).
 
-No read is lost to a connection the sidecar closes: the answers still queued
-on it are taken first, and the reads it left unanswered are sent again on the
-next connection (:meth:`PostedReads.resend`), as a blocking call's request
-is. A read sent twice so can meet ``duplicate`` the second time: its first
-copy was taken (the sidecar answers in order, and a closed connection's
-queued answers were read) and its completion comes as usual, so that refusal
-is dropped.
+The sidecar answers one connection's reads in the order it reads them, at
+once, and a reply it queued stays readable after it closes the connection.
+So when the sidecar closes a connection, the answers still queued on it are
+taken, and a read it left unanswered was never handled: it goes again on the
+next connection (:meth:`PostedReads.new_connection`), as a blocking call's
+request is. There a ``duplicate`` refusal means the first copy was taken
+after all, and is dropped. A read sent on a connection the client itself
+gave up (it closed, or a forked child) may still be handled from that
+connection's queue, so it is never sent again: it is reported ``failed``
+(:meth:`PostedReads.fail_behind`) only where the sidecar is known not to
+have read it.
 
 Bounded: at most ``max_unanswered`` reads await their answers (a client takes
 answers, waiting if it must, before it sends more) and at most
-``max_refused`` refusals await a poll; past that :meth:`check_room` raises
-:class:`~.errors.Unavailable` (the engine polls, then sends again).
+``max_refused`` refusals of one engine await its poll; past that
+:meth:`check_room` raises :class:`~.errors.Unavailable` for that engine (it
+polls, then sends again).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ __all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedReads"]
 #: reads sent without waiting whose answers a client has not taken yet (the
 #: sidecar reads up to 64 queued messages of a connection in one wake-up)
 MAX_UNANSWERED: Final = 64
-#: refused reads a client keeps for the engine's next poll
+#: refused reads of one engine a client keeps for that engine's next poll
 MAX_REFUSED: Final = 4096
 
 
@@ -50,13 +55,16 @@ class _Sent:
     request_id: str
     #: the encoded message, for sending it again on a new connection
     data: bytes
-    #: sent again after its connection closed unanswered
+    #: the connection it went out on (-1: not yet on the current one)
+    conn: int
+    #: went out on an earlier connection, which closed without answering it
     resent: bool = False
 
 
 class PostedReads:
     """The reads a client sent without waiting, by message id, and the
-    refusals not yet polled, by engine. Pure: the client face does the I/O."""
+    refusals not yet polled, by engine. Pure: the client face does the I/O
+    and tells the book each new connection and what went out on it."""
 
     def __init__(self, max_unanswered: int = MAX_UNANSWERED,
                  max_refused: int = MAX_REFUSED) -> None:
@@ -64,27 +72,49 @@ class PostedReads:
         self.max_refused = max_refused
         self._sent: dict[int, _Sent] = {}
         self._refused: dict[str, list[Completion]] = {}
-        self._refused_count = 0
+        #: the client's current connection (numbered by :meth:`new_connection`)
+        self._conn = 0
+        #: unanswered reads not yet sent on the current connection
+        self.behind = 0
 
     def __len__(self) -> int:
         """Reads sent and not answered yet."""
         return len(self._sent)
+
+    def __contains__(self, msg_id: int) -> bool:
+        return msg_id in self._sent
 
     @property
     def full(self) -> bool:
         """As many reads await answers as may: take answers before sending more."""
         return len(self._sent) >= self.max_unanswered
 
-    def check_room(self) -> None:
-        """Raise Unavailable when ``max_refused`` refusals wait for a poll."""
-        if self._refused_count >= self.max_refused:
+    @property
+    def due(self) -> int:
+        """Reads sent on the current connection and not answered yet: the
+        answers that connection still owes."""
+        return len(self._sent) - self.behind
+
+    def check_room(self, engine_id: str) -> None:
+        """Raise Unavailable when ``max_refused`` refusals of ``engine_id`` wait
+        for its poll."""
+        waiting = len(self._refused.get(engine_id, ()))
+        if waiting >= self.max_refused:
             raise Unavailable(UNAVAILABLE, (
-                f"{self._refused_count} reads sent without waiting were refused and wait "
-                "for poll() to report them, the limit; poll, then send again"))
+                f"{waiting} reads of engine {engine_id[:200]!r} sent without waiting were "
+                "refused and wait for poll() to report them, the limit; poll, then send "
+                "again"))
 
     def add(self, req: Read, data: bytes) -> None:
-        """``req`` (encoded as ``data``) is being sent; its answer comes later."""
-        self._sent[req.id] = _Sent(req.engine_id, req.request_id, data)
+        """``req`` (encoded as ``data``) goes out now on the current connection;
+        its answer comes later."""
+        self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
+
+    def discard(self, msg_id: int) -> None:
+        """Message ``msg_id`` did not go out after all: forget it."""
+        sent = self._sent.pop(msg_id, None)
+        if sent is not None and sent.conn != self._conn:
+            self.behind -= 1
 
     def answered(self, msg_id: int, outcome: Reply | SidecarError) -> bool:
         """Take the answer to message ``msg_id`` if it is one of these reads
@@ -92,49 +122,70 @@ class PostedReads:
         sent = self._sent.pop(msg_id, None)
         if sent is None:
             return False
+        if sent.conn != self._conn:
+            self.behind -= 1  # answered on a connection closed since: counted, not owed
         if not isinstance(outcome, (Error, SidecarError)):
             return True  # accepted: its completion comes from the sidecar
-        code, message = outcome.code, outcome.message
-        if sent.resent and code == DUPLICATE:
+        if sent.resent and outcome.code == DUPLICATE:
             return True  # its first copy was taken before the connection closed
-        self._refused.setdefault(sent.engine_id, []).append(Completion(
-            sent.request_id, "failed", reason=f"refused by the sidecar ({code}): {message}"))
-        self._refused_count += 1
+        self._refuse(sent, f"refused by the sidecar ({outcome.code}): {outcome.message}")
         return True
 
-    def discard(self, msg_id: int) -> None:
-        """Message ``msg_id`` was not sent after all: forget it."""
-        self._sent.pop(msg_id, None)
-
-    def drop_unanswered(self) -> None:
-        """Forget the reads still unanswered (their client closed): never sent
-        again; the refusals already taken stay for a poll."""
-        self._sent.clear()
-
-    def __contains__(self, msg_id: int) -> bool:
-        return msg_id in self._sent
+    def _refuse(self, sent: _Sent, reason: str) -> None:
+        self._refused.setdefault(sent.engine_id, []).append(
+            Completion(sent.request_id, "failed", reason=reason))
 
     def has_refused(self, engine_id: str) -> bool:
         return bool(self._refused.get(engine_id))
 
     def take_refused(self, engine_id: str) -> list[Completion]:
         """The refusals of ``engine_id``'s reads, each returned once."""
-        out = self._refused.pop(engine_id, [])
-        self._refused_count -= len(out)
-        return out
+        return self._refused.pop(engine_id, [])
 
-    def resend(self) -> list[bytes]:
-        """The unanswered reads' messages, in the order they were sent, for a new
-        connection (the last one closed without answering them)."""
-        out = []
-        for _, sent in sorted(self._sent.items()):
+    def new_connection(self) -> None:
+        """The last connection closed (the sidecar closed it: what it left
+        unanswered it never read); a new one starts. Every unanswered read is
+        now behind: :meth:`unsent` gives them, in the order first sent."""
+        self._conn += 1
+        for sent in self._sent.values():
             sent.resent = True
-            out.append(sent.data)
-        return out
+        self.behind = len(self._sent)
+
+    def unsent(self) -> list[tuple[int, bytes]]:
+        """(message id, message) of the unanswered reads not yet sent on the
+        current connection, in the order first sent."""
+        return [(i, s.data) for i, s in sorted(self._sent.items()) if s.conn != self._conn]
+
+    def sent_again(self, msg_id: int) -> None:
+        """Message ``msg_id`` of :meth:`unsent` went out on the current connection."""
+        sent = self._sent.get(msg_id)
+        if sent is not None and sent.conn != self._conn:
+            sent.conn = self._conn
+            self.behind -= 1
+
+    def fail_behind(self, reason: str) -> None:
+        """Report ``failed`` (``reason``) every unanswered read not sent on the
+        current connection: the sidecar never read them (it closed their
+        connection), and they will not be sent again."""
+        for msg_id, sent in list(self._sent.items()):
+            if sent.conn != self._conn:
+                self._refuse(sent, reason)
+                del self._sent[msg_id]
+        self.behind = 0
+
+    def drop_unanswered(self) -> None:
+        """Forget the reads still unanswered, never to send or report them: the
+        sidecar may still handle them (their connection's queue), and their
+        completions, if any, come from it."""
+        self._sent.clear()
+        self.behind = 0
 
     def forget(self) -> None:
         """Drop everything: a forked child's client starts with its own book (the
-        reads are its parent's, and so are their answers)."""
-        self._sent.clear()
+        reads are its parent's, and so are their answers and refusals)."""
+        self.drop_unanswered()
         self._refused.clear()
-        self._refused_count = 0
+
+    def forget_engine(self, engine_id: str) -> None:
+        """``engine_id`` deregistered: nobody polls its refusals any more."""
+        self._refused.pop(engine_id, None)

@@ -94,6 +94,11 @@ def goes_alone(eng: EngineRank, job: ReadJob) -> bool:
     return blocks * layout.page_bytes * layout.num_regions >= SPLIT_MIN_BYTES
 
 
+def duplicate_read(request_id: str) -> RequestError:
+    """The refusal of a read whose request id is already reading."""
+    return RequestError(DUPLICATE, f"read {request_id!r} is already in progress")
+
+
 class ReadTable:
     """Every accepted read of this sidecar, from acceptance to its completion.
 
@@ -130,6 +135,10 @@ class ReadTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def reading(self, engine_id: str, request_id: str) -> bool:
+        """A read of ``request_id`` by ``engine_id`` is in progress."""
+        return (engine_id, request_id) in self._jobs
+
     def oldest_age(self, engine_id: str, now: float) -> float:
         """Seconds since ``engine_id``'s oldest read in flight was accepted (0.0: none)."""
         return max((now - job.accepted_at for (e, _), job in self._jobs.items()
@@ -146,7 +155,7 @@ class ReadTable:
         """Validate what can be checked locally (raises RequestError) and start the read."""
         key = (req.engine_id, req.request_id)
         if key in self._jobs:
-            raise RequestError(DUPLICATE, f"read {req.request_id!r} is already in progress")
+            raise duplicate_read(req.request_id)
         r = req.remote
         if len(r.handshake) != r.tp_size:
             raise RequestError(BAD_REQUEST, f"remote engine {r.engine_id!r} has tp_size "

@@ -19,6 +19,7 @@ import pytest
 from kvsidecar.daemon.engines.memory import shm_prefix_for
 from kvsidecar.ipc.client import (
     AsyncSidecarClient,
+    Duplicate,
     SidecarClient,
     Unavailable,
     process_instance,
@@ -178,6 +179,10 @@ def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
             with pytest.raises(Unavailable, match=r"3 reads in flight, the limit is 3 "
                                                   r"\(--max-reads-per-engine\)"):
                 c.read("bounded", "r3", [[3]], remote, [[3]], remote_tokens=["unchecked"])
+            # at the limit, a read already in progress sent again (a client's after
+            # a lost connection) learns that it is, not that it is refused
+            with pytest.raises(Duplicate, match="'r1' is already in progress"):
+                c.read("bounded", "r1", [[1]], remote, [[1]], remote_tokens=["unchecked"])
             c.hold("bounded", "h0", [[0]], timeout_s=1000)
             c.hold("bounded", "h1", [[1]], timeout_s=1000)
             # reads + holds + completions: 3 + 2 = 5 of 6

@@ -882,7 +882,8 @@ def test_read_nowait_bounds_what_awaits_answers_and_polls(client: SidecarClient,
             client.read_nowait("d0", f"bad{i}", [[9]], REMOTE, [[0]])
         client.ping()  # takes the answers
         sent = len(handler.requests)
-        with pytest.raises(Unavailable, match="3 reads sent without waiting were refused"):
+        with pytest.raises(Unavailable,
+                           match="3 reads of engine 'd0' sent without waiting were refused"):
             client.read_nowait("d0", "one-more", [[0]], REMOTE, [[0]])
         assert len(handler.requests) == sent  # nothing sent
         assert [c.request_id for c in client.poll("d0")] == ["bad0", "bad1", "bad2"]
@@ -987,5 +988,52 @@ def test_a_forked_child_neither_takes_nor_sends_again_its_parents_reads(
         assert os.waitstatus_to_exitcode(status) == 0
         assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("mine", "received")]
         assert [r.request_id for r in handler.requests if isinstance(r, Read)] == ["mine"]
+    finally:
+        _unlink(regions)
+
+
+def test_close_reports_the_reads_a_closed_connection_never_read(tmp_path: Path) -> None:
+    """The daemon closes the connection with two reads unread; the engine
+    closes its client before any call sent them again: both are reported
+    ``failed`` by the next poll (they were never read, and are never sent)."""
+    fake = str(tmp_path / "fake.sock")
+    polls: list[Request] = []
+
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        time.sleep(0.3)  # the two reads arrive; closed unread
+
+    def second(conn: socket.socket) -> None:
+        req = decode_request(conn.recv(MAX_PACKET))
+        polls.append(req)
+        conn.send(encode_reply(Completions([], id=req.id)))
+
+    t = _two_connections(fake, first, second)
+    c = SidecarClient(fake, timeout_s=5.0)
+    try:
+        c.ping()
+        c.read_nowait("d0", "r1", [[0]], REMOTE, [[1]])
+        c.read_nowait("d0", "r2", [[1]], REMOTE, [[2]])
+        time.sleep(0.5)  # the first connection is closed by now
+        c.close()
+        got = c.poll("d0")
+        assert [(x.request_id, x.kind) for x in got] == [("r1", "failed"), ("r2", "failed")]
+        assert "closed its connection before reading this read" in got[0].reason
+        assert [type(r) for r in polls] == [Poll]  # nothing sent again
+    finally:
+        c.close()
+    t.join(5)
+
+
+def test_a_read_too_long_for_one_packet_waits_for_its_answer(client: SidecarClient) -> None:
+    """A read whose message needs several packets is not sent without waiting:
+    its refusal is raised, as read() raises it."""
+    regions = _registered(client)
+    try:
+        ids = list(range(20_000))  # > 64 KiB of block ids; out of range here
+        with pytest.raises(BadRequest, match="out of range"):
+            client.read_nowait("d0", "long", [ids], REMOTE, [ids])
+        assert len(client._core.posted) == 0
     finally:
         _unlink(regions)

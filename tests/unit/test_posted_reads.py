@@ -65,11 +65,28 @@ def test_sent_again_a_duplicate_means_the_first_copy_was_taken() -> None:
     book = PostedReads()
     _sent(book, 1, 2, 3)
     assert book.answered(1, Ok(id=1))
-    assert book.resend() == [b"msg2", b"msg3"]  # the unanswered, in the order sent
+    assert book.due == 2 and book.behind == 0
+    book.new_connection()  # the sidecar closed the connection: 2 and 3 go again
+    assert book.behind == 2 and book.due == 0
+    assert book.unsent() == [(2, b"msg2"), (3, b"msg3")]  # in the order first sent
+    book.sent_again(2)
+    assert book.behind == 1 and book.unsent() == [(3, b"msg3")]
+    book.sent_again(3)
+    assert book.behind == 0 and book.due == 2
     assert book.answered(2, Error(DUPLICATE, "read 'r2' is already in progress", id=2))
     assert book.answered(3, Error(UNKNOWN_ENGINE, "engine 'd0' is not registered", id=3))
     # the duplicate of a read sent again is dropped; another refusal still counts
     assert [c.request_id for c in book.take_refused("d0")] == ["r3"]
+
+
+def test_an_answer_from_a_closed_connection_settles_a_read_behind() -> None:
+    """Answers read from a connection's queue after it closed (new_connection
+    already counted the read behind) settle it and it is not sent again."""
+    book = PostedReads()
+    _sent(book, 1, 2)
+    book.new_connection()
+    assert book.answered(1, Ok(id=1))
+    assert book.behind == 1 and book.unsent() == [(2, b"msg2")]
 
 
 def test_a_duplicate_of_a_read_sent_once_is_the_engines_and_reported() -> None:
@@ -79,31 +96,42 @@ def test_a_duplicate_of_a_read_sent_once_is_the_engines_and_reported() -> None:
     assert [c.kind for c in book.take_refused("d0")] == ["failed"]
 
 
-def test_bounds_unanswered_and_refused() -> None:
+def test_bounds_unanswered_and_refused_per_engine() -> None:
     book = PostedReads(max_unanswered=2, max_refused=2)
     _sent(book, 1)
     assert not book.full
     _sent(book, 2)
     assert book.full
-    book.check_room()
+    book.check_room("d0")
     for i in (1, 2):
         book.answered(i, Error(BAD_REQUEST, "no", id=i))
     assert not book.full
-    with pytest.raises(Unavailable, match="2 reads sent without waiting were refused"):
-        book.check_room()
+    with pytest.raises(Unavailable, match="2 reads of engine 'd0' sent without waiting"):
+        book.check_room("d0")
+    book.check_room("d1")  # another engine's reads are not held up
     book.take_refused("d0")
-    book.check_room()
+    book.check_room("d0")
+    _sent(book, 3)
+    book.answered(3, Error(BAD_REQUEST, "no", id=3))
+    book.forget_engine("d0")  # deregistered: nobody polls them
+    assert not book.has_refused("d0")
 
 
-def test_discard_drop_and_forget() -> None:
+def test_fail_behind_drop_discard_and_forget() -> None:
     book = PostedReads()
     _sent(book, 1, 2, 3)
     book.answered(3, Error(BAD_REQUEST, "no", id=3))
     book.discard(1)
     assert 1 not in book and len(book) == 1
-    book.drop_unanswered()  # the client closed: refusals stay for a poll
-    assert len(book) == 0 and book.has_refused("d0")
-    _sent(book, 4)
+    book.new_connection()  # 2 was never read by the sidecar
+    _sent(book, 4)  # went out on the new connection
+    book.fail_behind("never read")
+    assert [(c.request_id, c.reason) for c in book.take_refused("d0")] == [
+        ("r3", "refused by the sidecar (bad_request): no"), ("r2", "never read")]
+    assert len(book) == 1 and book.behind == 0 and book.due == 1
+    book.drop_unanswered()  # the client closed: 4 may still be read from its queue
+    assert len(book) == 0
+    _sent(book, 5)
+    book.answered(5, Error(BAD_REQUEST, "no", id=5))
     book.forget()  # a forked child's
     assert len(book) == 0 and not book.has_refused("d0")
-    book.check_room()
