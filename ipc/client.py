@@ -22,6 +22,7 @@ client, the errors (:mod:`.errors`) and the call arguments and results.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import time
@@ -235,10 +236,10 @@ class SidecarClient:
         the refusal's code and message; nothing was started, no block written);
         an accepted read completes as any read. Answers are taken by whatever
         call this client makes next (:meth:`poll` first takes the answers still
-        due, so a refusal is never held up by a waiting poll). A connection the
-        sidecar closes loses none: the reads it left unanswered it never read,
-        and they go again on the next connection (see
-        :mod:`~kvsidecar.ipc.posted_reads`, and :meth:`close`).
+        due, so a refusal is never held up by a waiting poll). No read is
+        carried out twice: when a connection is lost, the reads the sidecar
+        closed it on unread go again on the next one, and those it had read
+        are its own (see :mod:`~kvsidecar.ipc.posted_reads`, and :meth:`close`).
 
         Bounded: with 64 reads unanswered this call first takes answers
         (waiting for them if it must); with 4,096 refusals of ``engine_id`` not
@@ -265,8 +266,9 @@ class SidecarClient:
         deadline = time.monotonic() + timeout_s
         if posted.full:
             self._answers(posted.max_unanswered - 1, req, deadline)
+        resends = 0
         while True:
-            sock = self._ready(req, timeout_s, deadline)
+            sock = self._ready(req, timeout_s, deadline, resends)
             posted.add(req, data)
             try:
                 sock.send(data, _NOSIGNAL)
@@ -274,11 +276,12 @@ class SidecarClient:
                 posted.discard(req.id)
                 self._after_timeout()
                 raise core.timeout_error(req, timeout_s) from None
-            except OSError:  # the daemon closed the connection: this read never reached it
+            except OSError as e:  # this read never reached the daemon
                 posted.discard(req.id)
-                self._closed_by_daemon(sock)
+                self._raise_refusal(self._lost(sock, e))
                 if time.monotonic() >= deadline:
                     raise core.timeout_error(req, timeout_s) from None
+                resends += 1
                 continue
             return
 
@@ -448,14 +451,16 @@ class SidecarClient:
             self._posted_in = forks
         return posted
 
-    def _ready(self, req: Request | None, timeout_s: float, deadline: float) -> socket.socket:
+    def _ready(self, req: Request | None, timeout_s: float, deadline: float,
+               resends: int = 0) -> socket.socket:
         """A connection of this process with every unanswered read sent on it,
-        its timeouts set to ``timeout_s``."""
+        its timeouts set to ``timeout_s`` (``resends``: connections lost so far
+        in this call, so a daemon that keeps closing is not hammered)."""
         sock = self._sock
         if sock is None or self._forks != client_socket.forks():
-            sock = self._reconnect(req, timeout_s, deadline, 0)
+            sock = self._reconnect(req, timeout_s, deadline, resends)
         elif self._core.posted.behind and not self._flush_behind(sock, req, timeout_s):
-            sock = self._reconnect(req, timeout_s, deadline, 1)
+            sock = self._reconnect(req, timeout_s, deadline, resends + 1)
         if timeout_s != self._timeo:
             client_socket.set_timeouts(sock, timeout_s)
             self._timeo = timeout_s
@@ -463,9 +468,9 @@ class SidecarClient:
 
     def _flush_behind(self, sock: socket.socket, req: Request | None, timeout_s: float) -> bool:
         """Send on ``sock`` the unanswered reads not sent on it yet (the last
-        connection closed without reading them), in order. False: the daemon
-        closed this one too (its answers taken, the rest still behind); a
-        refusal of the connection itself is raised."""
+        connection closed without reading them), in order. False: this one is
+        lost too (its answers taken, the rest still behind); a refusal of the
+        connection itself is raised."""
         posted = self._core.posted
         if timeout_s != self._timeo:
             client_socket.set_timeouts(sock, timeout_s)
@@ -475,25 +480,48 @@ class SidecarClient:
                 sock.send(data, _NOSIGNAL)
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
                 raise self._timeout(req, timeout_s) from None
-            except OSError:
-                refusal = self._closed_by_daemon(sock)
-                if refusal is not None:  # e.g. forbidden, said at the door
-                    outcome = refusal[1]
-                    if isinstance(outcome, SidecarError):
-                        raise outcome from None
-                    if isinstance(outcome, Error):
-                        raise error_from_reply(outcome) from None
+            except OSError as e:
+                self._raise_refusal(self._lost(sock, e))
                 return False
             posted.sent_again(msg_id)
         return True
 
-    def _closed_by_daemon(self, sock: socket.socket) -> tuple[int, Reply | SidecarError] | None:
-        """The daemon closed ``sock``: take what it queued (answers to the book),
-        drop the socket; the reads it left unanswered it never read, and go
-        again on the next connection. Returns an error it said without an id."""
-        got = self._leftover(sock, None)
+    @staticmethod
+    def _raise_refusal(got: tuple[int, Reply | SidecarError] | None) -> None:
+        """Raise what a closing daemon said without an id (e.g. ``forbidden`` or
+        a connection limit, said at the door), if it said anything."""
+        if got is None:
+            return
+        outcome = got[1]
+        if isinstance(outcome, SidecarError):
+            raise outcome
+        if isinstance(outcome, Error):
+            raise error_from_reply(outcome)
+
+    def _lost(self, sock: socket.socket, err: OSError | None = None,
+              reset: bool = False) -> tuple[int, Reply | SidecarError] | None:
+        """``sock`` failed (``err``, or a reset or end seen while receiving):
+        take what is queued on it (answers to the book) and drop it. Returns an
+        error the daemon said without an id.
+
+        Which unanswered reads go again follows from how it ended: a reset
+        means the daemon closed it with messages of ours unread, the reads it
+        did not answer, so they go again on the next connection; an end
+        without one means it read everything (it stopped after reading them,
+        or another error broke the socket): those reads are dropped, never sent
+        twice, and their completions, if any, come from the daemon."""
+        if err is not None and err.errno == errno.ECONNRESET:
+            reset = True
+        got, saw_reset = self._leftover(sock, None)
         self._drop_socket()
-        self._core.posted.new_connection()
+        posted = self._core.posted
+        if not (reset or saw_reset) and posted.due:
+            log.warning("the sidecar's connection ended after it read %d reads sent without "
+                        "waiting, without answering them (%s): not sent again; their "
+                        "completions, if any, come from the sidecar", posted.due,
+                        err or "it closed")
+            posted.drop_due()
+        posted.new_connection()
         return got
 
     def _after_timeout(self) -> None:
@@ -506,42 +534,46 @@ class SidecarClient:
     def _answers(self, until: int, req: Request | None, deadline: float, *,
                  send: bool = True) -> None:
         """Receive until at most ``until`` reads sent without waiting await their
-        answers (each answer goes to the book; a stale reply is dropped).
-        ``send``: first (re)connect and send what a closed connection left
-        unanswered; else only take what the current connection owes."""
+        answers (each answer goes to the book; a stale reply is dropped), by
+        ``deadline``. ``send``: first (re)connect and send what a lost
+        connection left unanswered; else only take what the current
+        connection owes."""
         core = self._core
         posted = core.posted
-        timeout_s = max(0.0, deadline - time.monotonic())
+        resends = 0
+        timed: socket.socket | None = None  # the socket whose timeouts this call set
         while len(posted) > until:
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise self._timeout(req, core.timeout_s)
-            if send:
-                sock = self._ready(req, core.timeout_s, deadline)
-            elif self._sock is None or not posted.due:
+            sock = self._sock
+            if send and (sock is None or self._forks != client_socket.forks()
+                         or posted.behind):
+                sock = self._ready(req, core.timeout_s, deadline, resends)
+            elif sock is None or not posted.due:
                 return
-            else:
-                sock = self._sock
-            if timeout_s != self._timeo:
-                client_socket.set_timeouts(sock, max(timeout_s, 0.001))
-                self._timeo = timeout_s
+            if timed is not sock:
+                client_socket.set_timeouts(sock, remaining)
+                self._timeo = remaining
+                timed = sock
             try:
                 n = sock.recv_into(core.buf, 0, _TRUNC)
             except BlockingIOError:  # SO_RCVTIMEO
                 raise self._timeout(req, core.timeout_s) from None
             except ConnectionResetError:
-                self._closed_by_daemon(sock)
+                self._raise_refusal(self._lost(sock, reset=True))
+                resends += 1
                 continue
             if n == 0 and peer_closed(sock):
-                self._closed_by_daemon(sock)
+                self._raise_refusal(self._lost(sock))
+                resends += 1
                 continue
             got = core.received(n)
             if got is None or posted.answered(*got):
                 continue
-            if got[0] == -1:
-                log.warning("an error without a request id while taking answers to reads "
-                            "sent without waiting: %s", got[1])
-            else:
-                log.debug("dropping a stale reply with id %d", got[0])
+            if got[0] == -1:  # said to this connection (e.g. at the door): this call's
+                self._raise_refusal(got)
+            log.debug("dropping a stale reply with id %d", got[0])
 
     @staticmethod
     def _send_data(sock: socket.socket, data: bytes) -> None:
@@ -564,6 +596,10 @@ class SidecarClient:
         data = encode_request(req)
         timeout_s = core.timeout_for(req) if type(req) in WAIT_LONGER else core.timeout_s
         deadline = time.monotonic() + timeout_s
+        if len(data) > MAX_PACKET and core.posted.due:
+            # A long message cut by a send timeout would leave the connection
+            # mid-message while answers are still due on it: take them first.
+            self._answers(0, req, deadline)
         resends = 0
         while True:
             sock = self._sock
@@ -587,9 +623,9 @@ class SidecarClient:
                 # The daemon closed this connection (it restarted, or refused this
                 # process): what it said first is still queued; else the request never
                 # reached it, so it goes again on a new connection.
-                got = self._leftover(sock, req.id)
+                got, reset = self._leftover(sock, req.id)
                 self._drop_socket()
-                core.posted.new_connection()
+                self._after_loss(reset)
                 reply = None if got is None else self._settle(req, *got)
             else:
                 reply = self._receive(sock, req, timeout_s, deadline)
@@ -627,9 +663,9 @@ class SidecarClient:
             except ConnectionResetError:
                 # Closed with data of ours unread (one call in flight: this request),
                 # maybe after a refusal it queued for us.
-                got = self._leftover(sock, req.id)
+                got, _ = self._leftover(sock, req.id)
                 self._drop_socket()
-                core.posted.new_connection()
+                self._after_loss(True)
                 if got is None:
                     return None
             else:
@@ -645,7 +681,7 @@ class SidecarClient:
                             continue  # a read sent without waiting: answered
                 if n == 0 and peer_closed(sock):
                     self._drop_socket()
-                    core.posted.new_connection()
+                    self._after_loss(False)
                     raise core.closed_error(type(req).__name__)
                 got = core.received(n)
                 if got is None:
@@ -673,13 +709,26 @@ class SidecarClient:
         log.debug("dropping a stale reply with id %d", id)
         return None
 
+    def _after_loss(self, reset: bool) -> None:
+        """A blocking call's connection was lost (its socket dropped): the
+        unanswered reads sent without waiting go again if the daemon closed it
+        unread (``reset``), else are dropped (see :meth:`_lost`)."""
+        posted = self._core.posted
+        if not reset and posted.due:
+            log.warning("the sidecar's connection ended after it read %d reads sent without "
+                        "waiting, without answering them: not sent again; their "
+                        "completions, if any, come from the sidecar", posted.due)
+            posted.drop_due()
+        posted.new_connection()
+
     def _leftover(self, sock: socket.socket, req_id: int | None
-                  ) -> tuple[int, Reply | SidecarError] | None:
-        """What is still queued on a connection the daemon closed (a SEQPACKET
-        socket reports the reset once, before what is queued), read to its
-        end: answers to reads sent without waiting go to the book, stale replies
-        are dropped, and the reply to ``req_id`` (or an error without an id,
-        which with one call in flight is that call's) is returned."""
+                  ) -> tuple[tuple[int, Reply | SidecarError] | None, bool]:
+        """What is still queued on a connection that failed, read to its end
+        (a SEQPACKET socket reports a reset once, before what is queued):
+        answers to reads sent without waiting go to the book, stale replies are
+        dropped, and the reply to ``req_id`` (or an error without an id, which
+        with one call in flight is that call's) is returned, with whether a
+        reset was seen (the daemon closed it with messages of ours unread)."""
         core = self._core
         found: tuple[int, Reply | SidecarError] | None = None
         resets = 0
@@ -702,4 +751,4 @@ class SidecarClient:
                 found = got
             else:
                 log.debug("dropping a stale reply with id %d", got[0])
-        return found
+        return found, resets > 0

@@ -15,15 +15,19 @@ that answer comes:
 
 The sidecar answers one connection's reads in the order it reads them, at
 once, and a reply it queued stays readable after it closes the connection.
-So when the sidecar closes a connection, the answers still queued on it are
-taken, and a read it left unanswered was never handled: it goes again on the
+When a connection is lost, the answers still queued on it are taken first.
+If the sidecar closed it with messages of ours unread (the client sees a
+reset), the reads it left unanswered were never read: they go again on the
 next connection (:meth:`PostedReads.new_connection`), as a blocking call's
-request is. There a ``duplicate`` refusal means the first copy was taken
-after all, and is dropped. A read sent on a connection the client itself
+request is, and a ``duplicate`` refusal there means the first copy was
+taken after all, and is dropped. If it ended without a reset, the sidecar
+had read everything (it stopped while handling them): those reads are
+dropped (:meth:`PostedReads.drop_due`), never sent twice; their completions,
+if any, come from the sidecar. A read sent on a connection the client itself
 gave up (it closed, or a forked child) may still be handled from that
-connection's queue, so it is never sent again: it is reported ``failed``
-(:meth:`PostedReads.fail_behind`) only where the sidecar is known not to
-have read it.
+connection's queue, so it is never sent again either: it is reported
+``failed`` (:meth:`PostedReads.fail_behind`) only where the sidecar is known
+not to have read it.
 
 Bounded: at most ``max_unanswered`` reads await their answers (a client takes
 answers, waiting if it must, before it sends more) and at most
@@ -55,7 +59,7 @@ class _Sent:
     request_id: str
     #: the encoded message, for sending it again on a new connection
     data: bytes
-    #: the connection it went out on (-1: not yet on the current one)
+    #: the connection it last went out on (another than the current one: behind)
     conn: int
     #: went out on an earlier connection, which closed without answering it
     resent: bool = False
@@ -172,6 +176,13 @@ class PostedReads:
                 self._refuse(sent, reason)
                 del self._sent[msg_id]
         self.behind = 0
+
+    def drop_due(self) -> None:
+        """Forget the unanswered reads sent on the current connection, never to
+        send or report them: the sidecar read them (its connection ended
+        without a reset) and their completions, if any, come from it."""
+        for msg_id in [i for i, sent in self._sent.items() if sent.conn == self._conn]:
+            del self._sent[msg_id]
 
     def drop_unanswered(self) -> None:
         """Forget the reads still unanswered, never to send or report them: the

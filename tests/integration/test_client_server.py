@@ -21,6 +21,7 @@ from kvsidecar.ipc.client import (
     AsyncSidecarClient,
     BadRequest,
     Duplicate,
+    Forbidden,
     InternalError,
     SidecarClient,
     SidecarError,
@@ -35,6 +36,7 @@ from kvsidecar.ipc.protocol import (
     BAD_MESSAGE,
     BAD_REQUEST,
     DUPLICATE,
+    FORBIDDEN,
     PROTOCOL_VERSION,
     UNKNOWN_ENGINE,
     VERSION,
@@ -1037,3 +1039,58 @@ def test_a_read_too_long_for_one_packet_waits_for_its_answer(client: SidecarClie
         assert len(client._core.posted) == 0
     finally:
         _unlink(regions)
+
+
+def test_reads_a_connection_read_before_it_ended_are_never_sent_again(
+        tmp_path: Path) -> None:
+    """The daemon reads both reads and ends the connection without answering
+    (no reset: nothing of ours was left unread, e.g. it stopped while handling
+    them): they are not sent again, nor reported failed (their completions, if
+    any, would come from the sidecar)."""
+    fake = str(tmp_path / "fake.sock")
+    seen: list[list[str]] = [[], []]
+
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        for _ in range(2):
+            req = decode_request(conn.recv(MAX_PACKET))
+            assert isinstance(req, Read)
+            seen[0].append(req.request_id)
+
+    def second(conn: socket.socket) -> None:
+        while True:
+            req = decode_request(conn.recv(MAX_PACKET))
+            if isinstance(req, Poll):
+                conn.send(encode_reply(Completions([], id=req.id)))
+                return
+            assert isinstance(req, Read)
+            seen[1].append(req.request_id)
+
+    t = _two_connections(fake, first, second)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        c.ping()
+        c.read_nowait("d0", "r1", [[0]], REMOTE, [[1]])
+        c.read_nowait("d0", "r2", [[1]], REMOTE, [[2]])
+        time.sleep(0.3)  # both read, the connection ended
+        assert c.poll("d0") == []
+        assert len(c._core.posted) == 0
+    t.join(5)
+    assert seen == [["r1", "r2"], []]
+
+
+def test_a_refusal_said_at_the_door_is_raised_not_retried(tmp_path: Path) -> None:
+    """A daemon that refuses the connection (an error without an id, then
+    closing) makes the next call raise that refusal."""
+    fake = str(tmp_path / "fake.sock")
+
+    def answer(conn: socket.socket) -> None:
+        conn.recv(MAX_PACKET)
+        conn.send(encode_reply(Error(FORBIDDEN, "uid 1234 may not use this sidecar")))
+
+    t = _fake_daemon(fake, answer)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        c.read_nowait("d0", "r1", [[0]], REMOTE, [[1]])
+        with pytest.raises(Forbidden, match="may not use this sidecar"):
+            c.poll("d0")
+    t.join(5)

@@ -129,8 +129,13 @@ def test_fail_behind_drop_discard_and_forget() -> None:
     assert [(c.request_id, c.reason) for c in book.take_refused("d0")] == [
         ("r3", "refused by the sidecar (bad_request): no"), ("r2", "never read")]
     assert len(book) == 1 and book.behind == 0 and book.due == 1
-    book.drop_unanswered()  # the client closed: 4 may still be read from its queue
-    assert len(book) == 0
+    _sent(book, 6)
+    book.new_connection()  # 4 and 6 behind
+    book.sent_again(4)
+    book.drop_due()  # the connection ended after the sidecar read 4: dropped; 6 stays behind
+    assert 4 not in book and 6 in book and book.behind == 1
+    book.drop_unanswered()  # the client closed: 6 may still be read from its queue
+    assert len(book) == 0 and book.behind == 0
     _sent(book, 5)
     book.answered(5, Error(BAD_REQUEST, "no", id=5))
     book.forget()  # a forked child's
