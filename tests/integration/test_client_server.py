@@ -457,9 +457,10 @@ def test_a_long_message_arrives_whole(threaded: ServerThread, path: str) -> None
         assert isinstance(err, Error) and err.id == 7 and "epoch" in err.message
 
 
-def _fake_daemon(path: str, answer: Callable[[socket.socket], None]) -> threading.Thread:
-    """A bare listener at ``path`` whose one connection is handled by ``answer``
-    (in a thread): what a daemon could send that the real one does not."""
+def _fake_daemon(path: str, *answers: Callable[[socket.socket], None]) -> threading.Thread:
+    """A bare listener at ``path`` whose connections, one after another, are
+    handled by ``answers`` in turn (in a thread): what a daemon could send that
+    the real one does not."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     listener = new_socket()
     listener.bind(path)
@@ -467,9 +468,10 @@ def _fake_daemon(path: str, answer: Callable[[socket.socket], None]) -> threadin
 
     def run() -> None:
         with listener:
-            conn, _ = listener.accept()
-            with conn:
-                answer(conn)
+            for answer in answers:
+                conn, _ = listener.accept()
+                with conn:
+                    answer(conn)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -908,27 +910,6 @@ def test_close_takes_the_answers_first(path: str, threaded: ServerThread) -> Non
         _unlink(regions)
 
 
-def _two_connections(path: str, first: Callable[[socket.socket], None],
-                     second: Callable[[socket.socket], None]) -> threading.Thread:
-    """A bare listener whose first connection ``first`` handles and whose
-    second ``second`` handles, one after the other."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    listener = new_socket()
-    listener.bind(path)
-    listener.listen()
-
-    def run() -> None:
-        with listener:
-            for handle in (first, second):
-                conn, _ = listener.accept()
-                with conn:
-                    handle(conn)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> None:
     """The daemon answers the first read, reads no further and closes: the
     answer is taken, the two reads it left go again on the next connection
@@ -959,7 +940,7 @@ def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> N
                      if req.request_id == "r2" else Ok(id=req.id))
             conn.send(encode_reply(reply))
 
-    t = _two_connections(fake, first, second)
+    t = _fake_daemon(fake, first, second)
     with SidecarClient(fake, timeout_s=5.0) as c:
         c.ping()
         for rid in ("r1", "r2", "r3"):
@@ -1011,7 +992,7 @@ def test_close_reports_the_reads_a_closed_connection_never_read(tmp_path: Path) 
         polls.append(req)
         conn.send(encode_reply(Completions([], id=req.id)))
 
-    t = _two_connections(fake, first, second)
+    t = _fake_daemon(fake, first, second)
     c = SidecarClient(fake, timeout_s=5.0)
     try:
         c.ping()
@@ -1067,7 +1048,7 @@ def test_reads_a_connection_read_before_it_ended_are_never_sent_again(
             assert isinstance(req, Read)
             seen[1].append(req.request_id)
 
-    t = _two_connections(fake, first, second)
+    t = _fake_daemon(fake, first, second)
     with SidecarClient(fake, timeout_s=5.0) as c:
         c.ping()
         c.read_nowait("d0", "r1", [[0]], REMOTE, [[1]])
