@@ -283,6 +283,9 @@ class SidecarClient:
                     raise core.timeout_error(req, timeout_s) from None
                 resends += 1
                 continue
+            except BaseException:  # e.g. a signal handler's exception: nothing was sent
+                posted.discard(req.id)
+                raise
             return
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
@@ -550,6 +553,8 @@ class SidecarClient:
             if send and (sock is None or self._forks != client_socket.forks()
                          or posted.behind):
                 sock = self._ready(req, core.timeout_s, deadline, resends)
+                if len(posted) <= until:
+                    return  # a forked child's book, emptied on connecting
             elif sock is None or not posted.due:
                 return
             if timed is not sock:
@@ -593,12 +598,15 @@ class SidecarClient:
         when the daemon closed the connection with the request unread: it is
         sent again on a new connection, until the call's deadline."""
         core = self._core
+        if len(core.posted):
+            self._book()  # a forked child's starts empty
         data = encode_request(req)
         timeout_s = core.timeout_for(req) if type(req) in WAIT_LONGER else core.timeout_s
         deadline = time.monotonic() + timeout_s
-        if len(data) > MAX_PACKET and core.posted.due:
+        if len(data) > MAX_PACKET and len(core.posted):
             # A long message cut by a send timeout would leave the connection
-            # mid-message while answers are still due on it: take them first.
+            # mid-message while reads sent without waiting still await answers
+            # on it (or go again on it): every answer is taken first.
             self._answers(0, req, deadline)
         resends = 0
         while True:
@@ -619,13 +627,14 @@ class SidecarClient:
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
                 self._after_timeout()
                 raise core.timeout_error(req, timeout_s) from None
-            except OSError:
+            except OSError as e:
                 # The daemon closed this connection (it restarted, or refused this
                 # process): what it said first is still queued; else the request never
-                # reached it, so it goes again on a new connection.
+                # reached it, so it goes again on a new connection. (A send reports
+                # a pending reset itself, and then the queue no longer shows it.)
                 got, reset = self._leftover(sock, req.id)
                 self._drop_socket()
-                self._after_loss(reset)
+                self._after_loss(reset or e.errno == errno.ECONNRESET)
                 reply = None if got is None else self._settle(req, *got)
             else:
                 reply = self._receive(sock, req, timeout_s, deadline)

@@ -1075,3 +1075,64 @@ def test_a_refusal_said_at_the_door_is_raised_not_retried(tmp_path: Path) -> Non
         with pytest.raises(Forbidden, match="may not use this sidecar"):
             c.poll("d0")
     t.join(5)
+
+
+def test_a_blocking_call_after_a_reset_sends_the_unread_reads_again(tmp_path: Path) -> None:
+    """The daemon answers r1 and closes with r2 unread; the next call is a
+    blocking one (its send meets the reset first): r2 goes again on the new
+    connection, before that call's own request."""
+    fake = str(tmp_path / "fake.sock")
+    seen: list[list[str]] = [[], []]
+
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        req = decode_request(conn.recv(MAX_PACKET))
+        assert isinstance(req, Read)
+        seen[0].append(req.request_id)
+        conn.send(encode_reply(Ok(id=req.id)))
+        time.sleep(0.2)  # r2 arrives, never read
+
+    def second(conn: socket.socket) -> None:
+        while True:
+            req = decode_request(conn.recv(MAX_PACKET))
+            seen[1].append(req.request_id if isinstance(req, Read) else type(req).__name__)
+            if isinstance(req, Ping):
+                conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=req.id)))
+                return
+            conn.send(encode_reply(Ok(id=req.id)))
+
+    t = _fake_daemon(fake, first, second)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        c.ping()
+        c.read_nowait("d0", "r1", [[0]], REMOTE, [[1]])
+        c.read_nowait("d0", "r2", [[1]], REMOTE, [[2]])
+        time.sleep(0.5)  # the first connection is closed by now
+        assert c.ping().version == PROTOCOL_VERSION
+        assert len(c._core.posted) == 0
+    t.join(5)
+    assert seen == [["r1"], ["r2", "Ping"]]
+
+
+def test_a_forked_childs_long_call_does_not_wait_for_its_parents_answers(
+        client: SidecarClient) -> None:
+    regions = _registered(client)
+    try:
+        client.read_nowait("d0", "mine", [[0]], REMOTE, [[2]])
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                t0 = time.monotonic()
+                ids = list(range(20_000))  # a message of several packets
+                try:
+                    client.read("d0", "long", [ids], REMOTE, [ids])
+                except BadRequest:
+                    code = 0 if time.monotonic() - t0 < 3.0 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("mine", "received")]
+    finally:
+        _unlink(regions)
