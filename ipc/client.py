@@ -283,9 +283,6 @@ class SidecarClient:
                     raise core.timeout_error(req, timeout_s) from None
                 resends += 1
                 continue
-            except BaseException:  # e.g. a signal handler's exception: nothing was sent
-                posted.discard(req.id)
-                raise
             return
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
@@ -364,10 +361,11 @@ class SidecarClient:
         """Close the connection. Answers still due to reads sent without
         waiting are taken first (up to ``timeout_s``), so their refusals are
         reported by a later :meth:`poll` of this client. Of the reads still
-        unanswered then, those the sidecar never read (it closed their
-        connection) are reported ``failed`` the same way; those it may still
-        read from the closed connection's queue are its to carry out or refuse,
-        never sent again (their completions come from it)."""
+        unanswered then (the sidecar answered nothing for ``timeout_s``), those
+        it never read (it closed their connection) are reported ``failed`` the
+        same way; the others are left to it, never sent again: it may carry
+        them out (their completions come from it) or, finding this end closed,
+        drop them unread, so no completion is promised for them."""
         posted = self._book()
         if len(posted):
             if self._sock is not None and self._forks == client_socket.forks():
@@ -479,14 +477,18 @@ class SidecarClient:
             client_socket.set_timeouts(sock, timeout_s)
             self._timeo = timeout_s
         for msg_id, data in posted.unsent():
+            # Marked before the send: an exception raised right after it (a
+            # signal handler's) must not leave it behind, to be sent twice.
+            posted.sent_again(msg_id)
             try:
                 sock.send(data, _NOSIGNAL)
-            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing
+            except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
+                posted.not_sent_again(msg_id)
                 raise self._timeout(req, timeout_s) from None
             except OSError as e:
+                posted.not_sent_again(msg_id)
                 self._raise_refusal(self._lost(sock, e))
                 return False
-            posted.sent_again(msg_id)
         return True
 
     @staticmethod

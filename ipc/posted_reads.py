@@ -167,6 +167,13 @@ class PostedReads:
             sent.conn = self._conn
             self.behind -= 1
 
+    def not_sent_again(self, msg_id: int) -> None:
+        """Undo :meth:`sent_again`: its send failed, it is still behind."""
+        sent = self._sent.get(msg_id)
+        if sent is not None and sent.conn == self._conn:
+            sent.conn = self._conn - 1
+            self.behind += 1
+
     def fail_behind(self, reason: str) -> None:
         """Report ``failed`` (``reason``) every unanswered read not sent on the
         current connection: the sidecar never read them (it closed their

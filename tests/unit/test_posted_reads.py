@@ -71,6 +71,9 @@ def test_sent_again_a_duplicate_means_the_first_copy_was_taken() -> None:
     assert book.unsent() == [(2, b"msg2"), (3, b"msg3")]  # in the order first sent
     book.sent_again(2)
     assert book.behind == 1 and book.unsent() == [(3, b"msg3")]
+    book.not_sent_again(2)  # its send failed after all
+    assert book.behind == 2 and book.unsent() == [(2, b"msg2"), (3, b"msg3")]
+    book.sent_again(2)
     book.sent_again(3)
     assert book.behind == 0 and book.due == 2
     assert book.answered(2, Error(DUPLICATE, "read 'r2' is already in progress", id=2))
