@@ -330,8 +330,7 @@ class SidecarClient:
         core = self._core
         posted = self._book()
         if len(posted):  # reads sent without waiting: their answers first
-            req, kind = core.poll(engine_id, 0.0)
-            self._answers(0, req, time.monotonic() + core.timeout_s)
+            self._answers(0, None, time.monotonic() + core.timeout_s)
         if posted.has_refused(engine_id):
             wait_s = 0.0  # refusals to report: no waiting
         req, kind = core.poll(engine_id, wait_s)
@@ -503,21 +502,23 @@ class SidecarClient:
         if isinstance(outcome, Error):
             raise error_from_reply(outcome)
 
-    def _lost(self, sock: socket.socket, err: OSError | None = None,
-              reset: bool = False) -> tuple[int, Reply | SidecarError] | None:
+    def _lost(self, sock: socket.socket, err: OSError | None = None, reset: bool = False,
+              req_id: int | None = None) -> tuple[int, Reply | SidecarError] | None:
         """``sock`` failed (``err``, or a reset or end seen while receiving):
-        take what is queued on it (answers to the book) and drop it. Returns an
-        error the daemon said without an id.
+        take what is queued on it (answers to the book) and drop it. Returns the
+        reply to ``req_id`` found there, or an error the daemon said without an
+        id (with one call in flight, that call's).
 
         Which unanswered reads go again follows from how it ended: a reset
         means the daemon closed it with messages of ours unread, the reads it
         did not answer, so they go again on the next connection; an end
         without one means it read everything (it stopped after reading them,
         or another error broke the socket): those reads are dropped, never sent
-        twice, and their completions, if any, come from the daemon."""
+        twice, and their completions, if any, come from the daemon. (A send
+        reports a pending reset itself, and then the queue no longer shows it.)"""
         if err is not None and err.errno == errno.ECONNRESET:
             reset = True
-        got, saw_reset = self._leftover(sock, None)
+        got, saw_reset = self._leftover(sock, req_id)
         self._drop_socket()
         posted = self._core.posted
         if not (reset or saw_reset) and posted.due:
@@ -612,17 +613,7 @@ class SidecarClient:
             self._answers(0, req, deadline)
         resends = 0
         while True:
-            sock = self._sock
-            if sock is None or self._forks != client_socket.forks():
-                sock = self._reconnect(req, timeout_s, deadline, resends)
-            elif core.posted.behind and not self._flush_behind(sock, req, timeout_s):
-                if time.monotonic() >= deadline:
-                    raise core.timeout_error(req, timeout_s)
-                resends += 1
-                continue  # closed before it read them: a new connection sends them
-            if timeout_s != self._timeo:
-                client_socket.set_timeouts(sock, timeout_s)
-                self._timeo = timeout_s
+            sock = self._ready(req, timeout_s, deadline, resends)
             reply: Reply | None
             try:
                 self._send_data(sock, data)
@@ -632,11 +623,8 @@ class SidecarClient:
             except OSError as e:
                 # The daemon closed this connection (it restarted, or refused this
                 # process): what it said first is still queued; else the request never
-                # reached it, so it goes again on a new connection. (A send reports
-                # a pending reset itself, and then the queue no longer shows it.)
-                got, reset = self._leftover(sock, req.id)
-                self._drop_socket()
-                self._after_loss(reset or e.errno == errno.ECONNRESET)
+                # reached it, so it goes again on a new connection.
+                got = self._lost(sock, e, req_id=req.id)
                 reply = None if got is None else self._settle(req, *got)
             else:
                 reply = self._receive(sock, req, timeout_s, deadline)
@@ -674,9 +662,7 @@ class SidecarClient:
             except ConnectionResetError:
                 # Closed with data of ours unread (one call in flight: this request),
                 # maybe after a refusal it queued for us.
-                got, _ = self._leftover(sock, req.id)
-                self._drop_socket()
-                self._after_loss(True)
+                got = self._lost(sock, reset=True, req_id=req.id)
                 if got is None:
                     return None
             else:
@@ -691,8 +677,7 @@ class SidecarClient:
                         if core.posted.answered(whole.id, whole):
                             continue  # a read sent without waiting: answered
                 if n == 0 and peer_closed(sock):
-                    self._drop_socket()
-                    self._after_loss(False)
+                    self._lost(sock)
                     raise core.closed_error(type(req).__name__)
                 got = core.received(n)
                 if got is None:
@@ -719,18 +704,6 @@ class SidecarClient:
             return outcome
         log.debug("dropping a stale reply with id %d", id)
         return None
-
-    def _after_loss(self, reset: bool) -> None:
-        """A blocking call's connection was lost (its socket dropped): the
-        unanswered reads sent without waiting go again if the daemon closed it
-        unread (``reset``), else are dropped (see :meth:`_lost`)."""
-        posted = self._core.posted
-        if not reset and posted.due:
-            log.warning("the sidecar's connection ended after it read %d reads sent without "
-                        "waiting, without answering them: not sent again; their "
-                        "completions, if any, come from the sidecar", posted.due)
-            posted.drop_due()
-        posted.new_connection()
 
     def _leftover(self, sock: socket.socket, req_id: int | None
                   ) -> tuple[tuple[int, Reply | SidecarError] | None, bool]:

@@ -910,6 +910,22 @@ def test_close_takes_the_answers_first(path: str, threaded: ServerThread) -> Non
         _unlink(regions)
 
 
+def _answers_one_read(seen: list[str], reply: Callable[[int], Reply]
+                      ) -> Callable[[socket.socket], None]:
+    """A fake daemon's first connection: it answers the client's ping and its
+    first read (``reply`` of the read's id), records that read, then reads no
+    further and, after the client has sent more, closes with them unread."""
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        req = decode_request(conn.recv(MAX_PACKET))
+        assert isinstance(req, Read)
+        seen.append(req.request_id)
+        conn.send(encode_reply(reply(req.id)))
+        time.sleep(0.2)  # the client's next reads arrive, never read
+    return first
+
+
 def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> None:
     """The daemon answers the first read, reads no further and closes: the
     answer is taken, the two reads it left go again on the next connection
@@ -917,15 +933,7 @@ def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> N
     and nothing that was answered goes twice."""
     fake = str(tmp_path / "fake.sock")
     seen: list[list[str]] = [[], []]
-
-    def first(conn: socket.socket) -> None:
-        ping = decode_request(conn.recv(MAX_PACKET))
-        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
-        req = decode_request(conn.recv(MAX_PACKET))
-        assert isinstance(req, Read)
-        seen[0].append(req.request_id)
-        conn.send(encode_reply(Error(BAD_REQUEST, "no such block", id=req.id)))
-        time.sleep(0.2)  # the client sends two more, which are never read
+    first = _answers_one_read(seen[0], lambda i: Error(BAD_REQUEST, "no such block", id=i))
 
     def second(conn: socket.socket) -> None:
         while True:
@@ -1083,15 +1091,7 @@ def test_a_blocking_call_after_a_reset_sends_the_unread_reads_again(tmp_path: Pa
     connection, before that call's own request."""
     fake = str(tmp_path / "fake.sock")
     seen: list[list[str]] = [[], []]
-
-    def first(conn: socket.socket) -> None:
-        ping = decode_request(conn.recv(MAX_PACKET))
-        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
-        req = decode_request(conn.recv(MAX_PACKET))
-        assert isinstance(req, Read)
-        seen[0].append(req.request_id)
-        conn.send(encode_reply(Ok(id=req.id)))
-        time.sleep(0.2)  # r2 arrives, never read
+    first = _answers_one_read(seen[0], lambda i: Ok(id=i))
 
     def second(conn: socket.socket) -> None:
         while True:
