@@ -240,18 +240,26 @@ class Handlers:
     async def hold(self, req: Hold) -> Reply:
         ctx = self.ctx
         eng = ctx.table.engine(req.engine_id)
-        self._admit(eng, "holds", len(eng.holds), ctx.settings.max_holds_per_engine,
-                    "holds open")
+        if (req.engine_id, req.request_id) in eng.holds:
+            # Before the limits: a hold sent again (its first copy taken before
+            # the connection was lost) meets `duplicate`, not `unavailable`.
+            raise RequestError(DUPLICATE, f"request {req.request_id!r} is already held for "
+                                          f"engine {req.engine_id!r}")
         try:
-            check_block_ids(eng.layout, req.block_ids, "held")
-        except PlanError as e:
-            raise RequestError(BAD_REQUEST, str(e)) from None
+            self._admit(eng, "holds", len(eng.holds), ctx.settings.max_holds_per_engine,
+                        "holds open")
+            try:
+                check_block_ids(eng.layout, req.block_ids, "held")
+            except PlanError as e:
+                raise RequestError(BAD_REQUEST, str(e)) from None
+        except RequestError as e:
+            # The engine may have issued this hold's token itself, and frees the
+            # blocks on hearing of the refusal: no reader may claim them now.
+            eng.holds.refused(req.engine_id, req.request_id, str(e))
+            raise
         held = hold_token.blocks_digest(req.block_ids)
-        try:
-            eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                          req.timeout_s, time.monotonic(), digest=held, block_ids=req.block_ids)
-        except KeyError as e:
-            raise RequestError(DUPLICATE, str(e.args[0])) from None
+        eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
+                      req.timeout_s, time.monotonic(), digest=held, block_ids=req.block_ids)
         eng.worker.set_hot(len(eng.holds) > 0)
         ctx.alarm.poke()  # housekeeping now watches this hold's deadline
         ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)

@@ -252,6 +252,20 @@ class HoldBook:
         self._end(h, "aborted", "released by the engine")
         return True
 
+    def refused(self, engine_id: str, request_id: str, why: str) -> None:
+        """The engine's hold of ``request_id`` was refused (``why``): nothing is
+        pinned, and the engine, told so, may reuse the blocks. Claims from now
+        on are refused as for an ended hold (the engine may have issued the
+        token itself before it held); claims granted early are dropped, so
+        their renewals are refused too. A hold of it placed later is a new
+        hold. A refusal for a hold already placed (a copy sent again) changes
+        nothing."""
+        key = (engine_id, request_id)
+        if key in self._holds:
+            return
+        self._pop_early(key)
+        self._remember_end(key, f"the hold was refused: {why}")
+
     def drop_engine(self, engine_id: str) -> int:
         """Forget every hold of an engine that went away (no completions: nobody polls)."""
         keys = [k for k in self._holds if k[0] == engine_id]

@@ -206,6 +206,10 @@ def test_per_engine_bounds_refuse_clearly_and_lose_nothing(sidecar) -> None:
             c.hold("bounded", "h3", [[3]], timeout_s=1000)
             with pytest.raises(Unavailable, match=r"4 holds open, the limit is 4"):
                 c.hold("bounded", "h4", [[3]], timeout_s=1000)
+            # likewise a hold placed already (hold_nowait sends one again after a
+            # lost connection): duplicate, checked before the limit
+            with pytest.raises(Duplicate, match="'h1' is already held"):
+                c.hold("bounded", "h1", [[1]], timeout_s=1000)
         finally:
             for r in reg.regions:
                 r.close()

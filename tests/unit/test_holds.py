@@ -307,3 +307,21 @@ def test_early_claims_for_other_blocks_than_the_hold_lose_their_lease() -> None:
     b.add("P", "r", p_tp=1, readers=1, timeout_s=2, now=1, digest=b"y" * 16)
     b.expire(now=3.5)  # the early lease (to 3) did not stretch it; its timeout ends it
     assert [d.kind for d in done] == ["expired"]
+
+
+def test_a_refused_hold_refuses_claims_until_it_is_held() -> None:
+    """The engine, told its hold was refused, may reuse the blocks: claims from
+    then on are refused (a claim granted early loses its lease too); a later
+    hold of the same id is a new hold; a refusal of a copy of a placed hold
+    changes nothing."""
+    b, done = book()
+    assert b.claim("P", "r", now=0).granted  # early: before the hold
+    b.refused("P", "r", "bad_request: held block id out of range")
+    lease = b.claim("P", "r", now=1)
+    assert not lease.granted and "the hold was refused: bad_request" in lease.reason
+    assert b.early == 0
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=2)  # held again later
+    assert b.claim("P", "r", now=2).granted
+    b.refused("P", "r", "duplicate")  # a copy sent again: the hold stands
+    assert b.claim("P", "r", now=3).granted and ("P", "r") in b
+    assert done == []
