@@ -63,16 +63,18 @@ from .errors import (
     expect,
 )
 from .layout import Layout
-from .posted_reads import PostedReads
+from .posted_requests import PostedRequests
 from .protocol import (
     Completion,
     DrainMode,
     Error,
     Held,
+    Hold,
     KeepItem,
     MemoryKind,
     Ok,
     Pong,
+    Read,
     RemoteEngine,
     Reply,
     Request,
@@ -239,7 +241,7 @@ class SidecarClient:
         due, so a refusal is never held up by a waiting poll). No read is
         carried out twice: when a connection is lost, the reads the sidecar
         closed it on unread go again on the next one, and those it had read
-        are its own (see :mod:`~kvsidecar.ipc.posted_reads`, and :meth:`close`).
+        are its own (see :mod:`~kvsidecar.ipc.posted_requests`, and :meth:`close`).
 
         Bounded: with 64 reads unanswered this call first takes answers
         (waiting for them if it must); with 4,096 refusals of ``engine_id`` not
@@ -252,17 +254,21 @@ class SidecarClient:
         a sidecar that would ignore it (as :meth:`read`)."""
         if verify:
             can_verify(self.ping().minor)
-        core = self._core
-        posted = self._book()
-        posted.check_room(engine_id)
-        req = core.read_request(engine_id, request_id, local_block_ids, remote,
-                                remote_block_ids, remote_request_id, skip_tokens, num_tokens,
-                                verify, remote_tokens)
+        self._book().check_room(engine_id)
+        self._post(self._core.read_request(engine_id, request_id, local_block_ids, remote,
+                                           remote_block_ids, remote_request_id, skip_tokens,
+                                           num_tokens, verify, remote_tokens), Ok)
+
+    def _post(self, req: Read | Hold, kind: type[Reply]) -> None:
+        """Send ``req`` without waiting for its answer (:meth:`read_nowait`,
+        :meth:`hold_nowait`): the book takes the answer when it comes. A
+        message of several packets waits for its answer (``kind``) instead."""
+        posted = self._core.posted
         data = encode_request(req)
         if len(data) > MAX_PACKET:  # a long message (several packets) waits, as read() does
-            expect(self._exchange(req), Ok)
+            expect(self._exchange(req), kind)
             return
-        timeout_s = core.timeout_s
+        timeout_s = self._core.timeout_s
         deadline = time.monotonic() + timeout_s
         if posted.full:
             self._answers(posted.max_unanswered - 1, req, deadline)
@@ -275,12 +281,12 @@ class SidecarClient:
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
                 posted.discard(req.id)
                 self._after_timeout()
-                raise core.timeout_error(req, timeout_s) from None
-            except OSError as e:  # this read never reached the daemon
+                raise self._core.timeout_error(req, timeout_s) from None
+            except OSError as e:  # this message never reached the daemon
                 posted.discard(req.id)
                 self._raise_refusal(self._lost(sock, e))
                 if time.monotonic() >= deadline:
-                    raise core.timeout_error(req, timeout_s) from None
+                    raise self._core.timeout_error(req, timeout_s) from None
                 resends += 1
                 continue
             return
@@ -291,6 +297,26 @@ class SidecarClient:
         the request (a reader presents the token: nothing moves without it)."""
         req, kind = self._core.hold(engine_id, request_id, block_ids, readers, timeout_s)
         return expect(self._exchange(req), kind)
+
+    def hold_nowait(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
+                    readers: int = 1, timeout_s: float | None = None) -> None:
+        """:meth:`hold` without waiting for the sidecar's answer: the message is
+        sent and the call returns. The engine issues the hold's token itself
+        (:func:`~kvsidecar.ipc.hold_token.issue` with its registration's
+        ``hold_key``, as a scheduler that answers before its workers hold
+        does), so nothing in the answer is needed.
+
+        What :meth:`hold` would raise arrives instead as a ``failed``
+        completion of ``request_id`` from the next :meth:`poll` of
+        ``engine_id`` (reason: the refusal's code and message): no block was
+        pinned, and a reader presenting the token is refused by the sidecar
+        (no such hold). An accepted hold completes as any hold (``sent``,
+        ``expired`` or ``aborted``). Answers, lost connections, bounds and
+        what is raised at once are as for :meth:`read_nowait` (the two share
+        one book of requests awaiting answers)."""
+        self._book().check_room(engine_id)
+        self._post(self._core.hold_request(engine_id, request_id, block_ids, readers,
+                                           timeout_s), Held)
 
     def release(self, engine_id: str, request_id: str) -> None:
         req, kind = self._core.release(engine_id, request_id)
@@ -325,11 +351,12 @@ class SidecarClient:
         ``wait_s``: with nothing to return, block up to that long until a
         completion arrives (an engine waiting for its reads then costs no CPU
         and learns of each at once, instead of spinning on empty polls).
-        Reads of ``engine_id`` sent by :meth:`read_nowait` and refused come
-        first, as ``failed`` completions (each once; with any, no waiting)."""
+        Reads and holds of ``engine_id`` sent by :meth:`read_nowait` or
+        :meth:`hold_nowait` and refused come first, as ``failed`` completions
+        (each once; with any, no waiting)."""
         core = self._core
         posted = self._book()
-        if len(posted):  # reads sent without waiting: their answers first
+        if len(posted):  # sent without waiting: their answers first
             self._answers(0, None, time.monotonic() + core.timeout_s)
         if posted.has_refused(engine_id):
             wait_s = 0.0  # refusals to report: no waiting
@@ -357,9 +384,9 @@ class SidecarClient:
         return expect(self._exchange(req), kind)
 
     def close(self) -> None:
-        """Close the connection. Answers still due to reads sent without
-        waiting are taken first (up to ``timeout_s``), so their refusals are
-        reported by a later :meth:`poll` of this client. Of the reads still
+        """Close the connection. Answers still due to reads and holds sent
+        without waiting are taken first (up to ``timeout_s``), so their refusals
+        are reported by a later :meth:`poll` of this client. Of the requests still
         unanswered then (the sidecar answered nothing for ``timeout_s``), those
         it never read (it closed their connection) are reported ``failed`` the
         same way; the others are left to it, never sent again: it may carry
@@ -371,12 +398,12 @@ class SidecarClient:
                 with contextlib.suppress(SidecarError):
                     self._answers(0, None, time.monotonic() + self._core.timeout_s,
                                   send=False)
-            posted.fail_behind("the sidecar closed its connection before reading this read "
-                               "(it stopped or restarted), and the client closed before "
-                               "sending it again")
+            posted.fail_behind("the sidecar closed its connection before reading this "
+                               "request (it stopped or restarted), and the client closed "
+                               "before sending it again")
             if len(posted):
-                log.warning("closing with %d reads sent without waiting still unanswered "
-                            "(the sidecar may still carry them out)", len(posted))
+                log.warning("closing with %d reads or holds sent without waiting still "
+                            "unanswered (the sidecar may still carry them out)", len(posted))
                 posted.drop_unanswered()
         self._drop_socket()
 
@@ -412,7 +439,7 @@ class SidecarClient:
     def _connect(self, req: Request | None, timeout_s: float,
                  deadline: float) -> socket.socket:
         """A connection to the daemon, waiting (until ``deadline``) for one to
-        listen; the reads sent without waiting that a connection the daemon
+        listen; the requests sent without waiting that a connection the daemon
         closed left unanswered go out on it first (:meth:`_flush_behind`)."""
         pause, most = client_socket.CONNECT_PAUSE_S
         posted = self._book()
@@ -437,12 +464,12 @@ class SidecarClient:
 
     def _timeout(self, req: Request | None, timeout_s: float) -> SidecarTimeout:
         if req is None:
-            return SidecarTimeout(f"no answer to reads sent without waiting within "
+            return SidecarTimeout(f"no answer to reads or holds sent without waiting within "
                                   f"{timeout_s} s from {self._core.endpoint}")
         return self._core.timeout_error(req, timeout_s)
 
-    def _book(self) -> PostedReads:
-        """The book of reads sent without waiting; a forked child's starts empty
+    def _book(self) -> PostedRequests:
+        """The book of requests sent without waiting; a forked child's starts empty
         (the reads, their answers and refusals are its parent's)."""
         posted = self._core.posted
         forks = client_socket.forks()
@@ -453,7 +480,7 @@ class SidecarClient:
 
     def _ready(self, req: Request | None, timeout_s: float, deadline: float,
                resends: int = 0) -> socket.socket:
-        """A connection of this process with every unanswered read sent on it,
+        """A connection of this process with every unanswered request sent on it,
         its timeouts set to ``timeout_s`` (``resends``: connections lost so far
         in this call, so a daemon that keeps closing is not hammered)."""
         sock = self._sock
@@ -467,7 +494,7 @@ class SidecarClient:
         return sock
 
     def _flush_behind(self, sock: socket.socket, req: Request | None, timeout_s: float) -> bool:
-        """Send on ``sock`` the unanswered reads not sent on it yet (the last
+        """Send on ``sock`` the unanswered requests not sent on it yet (the last
         connection closed without reading them), in order. False: this one is
         lost too (its answers taken, the rest still behind); a refusal of the
         connection itself is raised."""
@@ -509,11 +536,11 @@ class SidecarClient:
         reply to ``req_id`` found there, or an error the daemon said without an
         id (with one call in flight, that call's).
 
-        Which unanswered reads go again follows from how it ended: a reset
-        means the daemon closed it with messages of ours unread, the reads it
-        did not answer, so they go again on the next connection; an end
+        Which unanswered requests go again follows from how it ended: a reset
+        means the daemon closed it with messages of ours unread, the requests
+        it did not answer, so they go again on the next connection; an end
         without one means it read everything (it stopped after reading them,
-        or another error broke the socket): those reads are dropped, never sent
+        or another error broke the socket): those are dropped, never sent
         twice, and their completions, if any, come from the daemon. (A send
         reports a pending reset itself, and then the queue no longer shows it.)"""
         if err is not None and err.errno == errno.ECONNRESET:
@@ -522,8 +549,8 @@ class SidecarClient:
         self._drop_socket()
         posted = self._core.posted
         if not (reset or saw_reset) and posted.due:
-            log.warning("the sidecar's connection ended after it read %d reads sent without "
-                        "waiting, without answering them (%s): not sent again; their "
+            log.warning("the sidecar's connection ended after it read %d reads or holds sent "
+                        "without waiting, without answering them (%s): not sent again; their "
                         "completions, if any, come from the sidecar", posted.due,
                         err or "it closed")
             posted.drop_due()
@@ -532,14 +559,14 @@ class SidecarClient:
 
     def _after_timeout(self) -> None:
         """No reply in time: a fresh socket next time, so a late reply dies with
-        this one; kept while reads sent without waiting await answers on it
+        this one; kept while requests sent without waiting await answers on it
         (replies carry ids: a late one is dropped as stale)."""
         if not self._core.posted.due:
             self._drop_socket()
 
     def _answers(self, until: int, req: Request | None, deadline: float, *,
                  send: bool = True) -> None:
-        """Receive until at most ``until`` reads sent without waiting await their
+        """Receive until at most ``until`` requests sent without waiting await their
         answers (each answer goes to the book; a stale reply is dropped), by
         ``deadline``. ``send``: first (re)connect and send what a lost
         connection left unanswered; else only take what the current
@@ -608,7 +635,7 @@ class SidecarClient:
         deadline = time.monotonic() + timeout_s
         if len(data) > MAX_PACKET and len(core.posted):
             # A long message cut by a send timeout would leave the connection
-            # mid-message while reads sent without waiting still await answers
+            # mid-message while requests sent without waiting still await answers
             # on it (or go again on it): every answer is taken first.
             self._answers(0, req, deadline)
         resends = 0
@@ -709,7 +736,7 @@ class SidecarClient:
                   ) -> tuple[tuple[int, Reply | SidecarError] | None, bool]:
         """What is still queued on a connection that failed, read to its end
         (a SEQPACKET socket reports a reset once, before what is queued):
-        answers to reads sent without waiting go to the book, stale replies are
+        answers to requests sent without waiting go to the book, stale replies are
         dropped, and the reply to ``req_id`` (or an error without an id, which
         with one call in flight is that call's) is returned, with whether a
         reset was seen (the daemon closed it with messages of ours unread)."""

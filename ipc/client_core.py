@@ -24,7 +24,7 @@ from .block_ids import BlockIdsLike, block_id_lists
 from .errors import BadMessage, SidecarError, SidecarTimeout, Unavailable, error_from_reply, expect
 from .layout import Layout
 from .mapping import map_refs
-from .posted_reads import PostedReads
+from .posted_requests import PostedRequests
 from .protocol import (
     BAD_MESSAGE,
     MAX_BATCH,
@@ -223,7 +223,7 @@ class ClientCore:
         self.timeout_s = timeout_s
         self.acks: dict[str, tuple[str, int]] = {}
         #: reads sent without waiting for their answers (``read_nowait``)
-        self.posted = PostedReads()
+        self.posted = PostedRequests()
         self._ids = itertools.count(1)
         #: the receive buffer (one connection at a time per client) and its framing state
         self.buf = bytearray(RECV_BYTES)
@@ -283,8 +283,13 @@ class ClientCore:
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, readers: int,
              timeout_s: float | None) -> Ask[Held]:
+        return self.hold_request(engine_id, request_id, block_ids, readers, timeout_s), Held
+
+    def hold_request(self, engine_id: str, request_id: str, block_ids: BlockIdsLike,
+                     readers: int, timeout_s: float | None) -> Hold:
+        """The :class:`Hold` of :meth:`hold` (``hold_nowait`` sends it unanswered)."""
         return Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
-                    id=next(self._ids)), Held
+                    id=next(self._ids))
 
     def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
         return Release(engine_id, request_id, id=next(self._ids)), Ok

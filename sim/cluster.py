@@ -424,6 +424,16 @@ class SimEngine:
                 assert not isinstance(held, Exception)
                 x.tokens.append(held.token)
 
+    def hold_nowait(self, sents: Sequence[Sent], *, readers: int = 1) -> None:
+        """Hold prefilled requests (``prefill(..., hold=False)``: their tokens
+        are the engine's own), one ``hold`` message each, none waiting for its
+        answer (``hold_nowait``). A refusal comes from :meth:`poll` as a
+        ``failed`` completion of the hold's request id."""
+        for rank in range(self.tp):
+            for x in sents:
+                self.clients[rank].hold_nowait(self.engine_id, x.request_id, x.block_ids,
+                                               readers=readers)
+
     # ------------------------------------------------------------ D role
 
     def start_read(self, sent: Sent, *, request_id: str | None = None, skip_blocks: int = 0,

@@ -297,3 +297,33 @@ def test_reads_sent_without_waiting_queue_and_refusals_come_through_poll(engines
     sent_back = {rid: per[0].kind for rid, per in P.wait_for(rids).items()}
     assert {sent_back[rid] for rid in rids} == {"sent"}
     P.clients[0].release(P.engine_id, sents[11].request_id)
+
+
+def test_holds_sent_without_waiting_pin_what_reads_take(engines) -> None:
+    """P's engine issues its tokens itself and holds with ``hold_nowait`` (no
+    answer awaited); one hold is refused (a block id out of range). The held
+    requests' reads land oracle-exact and their holds end ``sent``; the
+    refused hold is a ``failed`` completion from P's poll, and once P's engine
+    knows that (it may reuse the blocks), a read presenting that hold's token
+    fails at D: P grants no lease on blocks the engine was told are not held."""
+    P, D, _ = engines
+    sents = [P.prefill(f"hn{i}", Request(seed=170 + i, prompt_tokens=8 + 5 * i), hold=False)
+             for i in range(6)]
+    P.hold_nowait(sents[:5])
+    P.clients[0].hold_nowait(P.engine_id, "hn5", [[P.layout.num_blocks + 3]])
+    assert len(P.clients[0]._core.posted) == 6  # sent, none answered yet
+    refused = P.wait_for(["hn5"])["hn5"][0]  # P's engine learns of the refusal
+    assert refused.kind == "failed", refused
+    assert refused.reason.startswith("refused by the sidecar (bad_request)")
+    assert len(P.clients[0]._core.posted) == 0
+    recs = D.start_reads_nowait(sents)
+    rids = [s.request_id for s in sents]
+    got = {rid: per[0] for rid, per in D.wait_for(rids).items()}
+    for rid, rec in zip(rids[:5], recs):
+        assert got[rid].kind == "received", (rid, got[rid])
+        assert not D.verify(rec.request_id), rid
+    assert got["hn5"].kind == "failed", got["hn5"]
+    assert "the hold was refused" in got["hn5"].reason, got["hn5"]
+    assert got["hn5"].invalid_block_ids == recs[5].block_ids
+    held = {rid: per[0] for rid, per in P.wait_for(rids[:5]).items()}
+    assert {held[rid].kind for rid in rids[:5]} == {"sent"}

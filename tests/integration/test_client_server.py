@@ -99,6 +99,9 @@ class HandlerDouble:
             return Completions(self.pending.pop(req.engine_id, []))
         if isinstance(req, Read):
             return await self._read(req)
+        if isinstance(req, Hold) and any(b >= LAYOUT.num_blocks for g in req.block_ids
+                                         for b in g):
+            raise RequestError(BAD_REQUEST, "held block id out of range")
         kind = "sent" if isinstance(req, Hold) else "aborted"
         self.pending.setdefault(req.engine_id, []).append(Completion(req.request_id, kind))
         return Held(10.0, req.timeout_s or 120.0) if isinstance(req, Hold) else Ok()
@@ -891,12 +894,39 @@ def test_read_nowait_bounds_what_awaits_answers_and_polls(client: SidecarClient,
         client.ping()  # takes the answers
         sent = len(handler.requests)
         with pytest.raises(Unavailable,
-                           match="3 reads of engine 'd0' sent without waiting were refused"):
+                           match="3 reads or holds of engine 'd0' sent without waiting "
+                                 "were refused"):
             client.read_nowait("d0", "one-more", [[0]], REMOTE, [[0]])
         assert len(handler.requests) == sent  # nothing sent
         assert [c.request_id for c in client.poll("d0")] == ["bad0", "bad1", "bad2"]
         client.read_nowait("d0", "one-more", [[0]], REMOTE, [[0]])
         assert [c.request_id for c in client.poll("d0")] == ["one-more"]
+    finally:
+        _unlink(regions)
+
+
+def test_hold_nowait_refusals_come_as_failed_completions(client: SidecarClient,
+                                                         handler: HandlerDouble) -> None:
+    """Holds sent without waiting share the reads' book: an accepted one
+    completes as any hold, a refused one is a ``failed`` completion of its
+    request id from the next poll (nothing pinned), in the order sent, the
+    answers taken by that poll; the calls themselves raised nothing."""
+    regions = _registered(client)
+    try:
+        client.hold_nowait("d0", "h1", [[0]])
+        client.hold_nowait("d0", "h-bad", [[9]], readers=2)  # out of range: refused
+        client.read_nowait("d0", "r1", [[1]], REMOTE, [[3]])
+        client.hold_nowait("d0", "h2", [[2]], timeout_s=30.0)
+        assert len(client._core.posted) == 4
+        got = client.poll("d0")
+        assert [(c.request_id, c.kind) for c in got] == [
+            ("h-bad", "failed"), ("h1", "sent"), ("r1", "received"), ("h2", "sent")]
+        assert got[0].reason == ("refused by the sidecar (bad_request): held block id out "
+                                 "of range") and got[0].invalid_block_ids == []
+        holds = [r for r in handler.requests if isinstance(r, Hold)]
+        assert [(h.request_id, h.readers, h.timeout_s) for h in holds] == [
+            ("h1", 1, None), ("h-bad", 2, None), ("h2", 1, 30.0)]
+        assert len(client._core.posted) == 0 and client.poll("d0") == []
     finally:
         _unlink(regions)
 
@@ -966,6 +996,42 @@ def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> N
     assert seen == [["r1"], ["r2", "r3"]]
 
 
+def test_holds_a_closed_connection_left_unread_go_again(tmp_path: Path) -> None:
+    """The daemon closes the connection with two holds unread: the next call
+    sends both again, in order; a ``duplicate`` there (the first copy was
+    placed after all) is dropped, not reported, and the other is placed."""
+    fake = str(tmp_path / "fake.sock")
+    seen: list[str] = []
+
+    def first(conn: socket.socket) -> None:
+        ping = decode_request(conn.recv(MAX_PACKET))
+        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+        time.sleep(0.3)  # the two holds arrive; closed unread
+
+    def second(conn: socket.socket) -> None:
+        while True:
+            req = decode_request(conn.recv(MAX_PACKET))
+            if isinstance(req, Poll):
+                conn.send(encode_reply(Completions([], id=req.id)))
+                return
+            assert isinstance(req, Hold)
+            seen.append(req.request_id)
+            reply = (Error(DUPLICATE, "request 'h1' is already held", id=req.id)
+                     if req.request_id == "h1" else Held(10.0, 120.0, id=req.id))
+            conn.send(encode_reply(reply))
+
+    t = _fake_daemon(fake, first, second)
+    with SidecarClient(fake, timeout_s=5.0) as c:
+        c.ping()
+        c.hold_nowait("p0", "h1", [[0]])
+        c.hold_nowait("p0", "h2", [[1]])
+        time.sleep(0.5)  # the first connection is closed by now
+        assert c.poll("p0") == []
+        assert len(c._core.posted) == 0
+    t.join(5)
+    assert seen == ["h1", "h2"]
+
+
 def test_a_forked_child_neither_takes_nor_sends_again_its_parents_reads(
         client: SidecarClient, handler: HandlerDouble) -> None:
     regions = _registered(client)
@@ -1014,7 +1080,7 @@ def test_close_reports_the_reads_a_closed_connection_never_read(tmp_path: Path) 
         c.close()
         got = c.poll("d0")
         assert [(x.request_id, x.kind) for x in got] == [("r1", "failed"), ("r2", "failed")]
-        assert "closed its connection before reading this read" in got[0].reason
+        assert "closed its connection before reading this request" in got[0].reason
         assert [type(r) for r in polls] == [Poll]  # nothing sent again
     finally:
         c.close()

@@ -1,36 +1,36 @@
-"""Reads sent without waiting for their answer (``read_nowait``): the client's
-bookkeeping of them, without I/O.
+"""Reads and holds sent without waiting for their answer (``read_nowait``,
+``hold_nowait``): the client's bookkeeping of them, without I/O.
 
-A read sent so is the same :class:`~.protocol.Read` message a blocking
-``read`` sends; only its answer is taken later, whenever the client next
-receives (any call, or ``poll``). The book remembers each such read until
-that answer comes:
+A request sent so is the same :class:`~.protocol.Read` or
+:class:`~.protocol.Hold` message the blocking call sends; only its answer is
+taken later, whenever the client next receives (any call, or ``poll``). The
+book remembers each such request until that answer comes:
 
-- ``Ok``: accepted. Forgotten here; its completion comes from the sidecar
-  through ``poll``, as any read's.
+- ``Ok`` (a read) or ``Held`` (a hold): accepted. Forgotten here; its
+  completion comes from the sidecar through ``poll``, as any read's or hold's.
 - an ``Error``: refused, nothing was started. It becomes a ``failed``
   completion of that request id, which the engine's next ``poll`` of its
   engine returns ahead of the sidecar's own (reason: the refusal's code and
-  message; no block was written, so none is listed invalid).
+  message; no block was written or pinned, so none is listed invalid).
 
-The sidecar answers one connection's reads in the order it reads them, at
+The sidecar answers one connection's requests in the order it reads them, at
 once, and a reply it queued stays readable after it closes the connection.
 When a connection is lost, the answers still queued on it are taken first.
 If the sidecar closed it with messages of ours unread (the client sees a
-reset), the reads it left unanswered were never read: they go again on the
-next connection (:meth:`PostedReads.new_connection`), as a blocking call's
+reset), the requests it left unanswered were never read: they go again on the
+next connection (:meth:`PostedRequests.new_connection`), as a blocking call's
 request is, and a ``duplicate`` refusal there means the first copy was
 taken after all, and is dropped. If it ended without a reset, the sidecar
-had read everything (it stopped while handling them): those reads are
-dropped (:meth:`PostedReads.drop_due`), never sent twice; their completions,
-if any, come from the sidecar. A read sent on a connection the client itself
-gave up (it closed, or a forked child) may still be handled from that
-connection's queue, so it is never sent again either: it is reported
-``failed`` (:meth:`PostedReads.fail_behind`) only where the sidecar is known
-not to have read it.
+had read everything (it stopped while handling them): those requests are
+dropped (:meth:`PostedRequests.drop_due`), never sent twice; their
+completions, if any, come from the sidecar. A request sent on a connection
+the client itself gave up (it closed, or a forked child) may still be
+handled from that connection's queue, so it is never sent again either: it
+is reported ``failed`` (:meth:`PostedRequests.fail_behind`) only where the
+sidecar is known not to have read it.
 
-Bounded: at most ``max_unanswered`` reads await their answers (a client takes
-answers, waiting if it must, before it sends more) and at most
+Bounded: at most ``max_unanswered`` requests await their answers (a client
+takes answers, waiting if it must, before it sends more) and at most
 ``max_refused`` refusals of one engine await its poll; past that
 :meth:`check_room` raises :class:`~.errors.Unavailable` for that engine (it
 polls, then sends again).
@@ -42,14 +42,14 @@ from dataclasses import dataclass
 from typing import Final
 
 from .errors import SidecarError, Unavailable
-from .protocol import DUPLICATE, UNAVAILABLE, Completion, Error, Read, Reply
+from .protocol import DUPLICATE, UNAVAILABLE, Completion, Error, Hold, Read, Reply
 
-__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedReads"]
+__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests"]
 
-#: reads sent without waiting whose answers a client has not taken yet (the
+#: requests sent without waiting whose answers a client has not taken yet (the
 #: sidecar reads up to 64 queued messages of a connection in one wake-up)
 MAX_UNANSWERED: Final = 64
-#: refused reads of one engine a client keeps for that engine's next poll
+#: refused requests of one engine a client keeps for that engine's next poll
 MAX_REFUSED: Final = 4096
 
 
@@ -65,8 +65,8 @@ class _Sent:
     resent: bool = False
 
 
-class PostedReads:
-    """The reads a client sent without waiting, by message id, and the
+class PostedRequests:
+    """The reads and holds a client sent without waiting, by message id, and the
     refusals not yet polled, by engine. Pure: the client face does the I/O
     and tells the book each new connection and what went out on it."""
 
@@ -78,11 +78,11 @@ class PostedReads:
         self._refused: dict[str, list[Completion]] = {}
         #: the client's current connection (numbered by :meth:`new_connection`)
         self._conn = 0
-        #: unanswered reads not yet sent on the current connection
+        #: unanswered requests not yet sent on the current connection
         self.behind = 0
 
     def __len__(self) -> int:
-        """Reads sent and not answered yet."""
+        """Requests sent and not answered yet."""
         return len(self._sent)
 
     def __contains__(self, msg_id: int) -> bool:
@@ -90,12 +90,12 @@ class PostedReads:
 
     @property
     def full(self) -> bool:
-        """As many reads await answers as may: take answers before sending more."""
+        """As many requests await answers as may: take answers before sending more."""
         return len(self._sent) >= self.max_unanswered
 
     @property
     def due(self) -> int:
-        """Reads sent on the current connection and not answered yet: the
+        """Requests sent on the current connection and not answered yet: the
         answers that connection still owes."""
         return len(self._sent) - self.behind
 
@@ -105,11 +105,11 @@ class PostedReads:
         waiting = len(self._refused.get(engine_id, ()))
         if waiting >= self.max_refused:
             raise Unavailable(UNAVAILABLE, (
-                f"{waiting} reads of engine {engine_id[:200]!r} sent without waiting were "
-                "refused and wait for poll() to report them, the limit; poll, then send "
-                "again"))
+                f"{waiting} reads or holds of engine {engine_id[:200]!r} sent without waiting "
+                "were refused and wait for poll() to report them, the limit; poll, then "
+                "send again"))
 
-    def add(self, req: Read, data: bytes) -> None:
+    def add(self, req: Read | Hold, data: bytes) -> None:
         """``req`` (encoded as ``data``) goes out now on the current connection;
         its answer comes later."""
         self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
@@ -121,7 +121,7 @@ class PostedReads:
             self.behind -= 1
 
     def answered(self, msg_id: int, outcome: Reply | SidecarError) -> bool:
-        """Take the answer to message ``msg_id`` if it is one of these reads
+        """Take the answer to message ``msg_id`` if it is one of these requests
         (True), else leave it to its caller (False)."""
         sent = self._sent.pop(msg_id, None)
         if sent is None:
@@ -143,20 +143,20 @@ class PostedReads:
         return bool(self._refused.get(engine_id))
 
     def take_refused(self, engine_id: str) -> list[Completion]:
-        """The refusals of ``engine_id``'s reads, each returned once."""
+        """The refusals of ``engine_id``'s requests, each returned once."""
         return self._refused.pop(engine_id, [])
 
     def new_connection(self) -> None:
         """The last connection closed (the sidecar closed it: what it left
-        unanswered it never read); a new one starts. Every unanswered read is
-        now behind: :meth:`unsent` gives them, in the order first sent."""
+        unanswered it never read); a new one starts. Every unanswered request
+        is now behind: :meth:`unsent` gives them, in the order first sent."""
         self._conn += 1
         for sent in self._sent.values():
             sent.resent = True
         self.behind = len(self._sent)
 
     def unsent(self) -> list[tuple[int, bytes]]:
-        """(message id, message) of the unanswered reads not yet sent on the
+        """(message id, message) of the unanswered requests not yet sent on the
         current connection, in the order first sent."""
         return [(i, s.data) for i, s in sorted(self._sent.items()) if s.conn != self._conn]
 
@@ -175,7 +175,7 @@ class PostedReads:
             self.behind += 1
 
     def fail_behind(self, reason: str) -> None:
-        """Report ``failed`` (``reason``) every unanswered read not sent on the
+        """Report ``failed`` (``reason``) every unanswered request not sent on the
         current connection: the sidecar never read them (it closed their
         connection), and they will not be sent again."""
         for msg_id, sent in list(self._sent.items()):
@@ -185,14 +185,14 @@ class PostedReads:
         self.behind = 0
 
     def drop_due(self) -> None:
-        """Forget the unanswered reads sent on the current connection, never to
+        """Forget the unanswered requests sent on the current connection, never to
         send or report them: the sidecar read them (its connection ended
         without a reset) and their completions, if any, come from it."""
         for msg_id in [i for i, sent in self._sent.items() if sent.conn == self._conn]:
             del self._sent[msg_id]
 
     def drop_unanswered(self) -> None:
-        """Forget the reads still unanswered, never to send or report them: the
+        """Forget the requests still unanswered, never to send or report them: the
         sidecar may still handle them (their connection's queue), and their
         completions, if any, come from it."""
         self._sent.clear()
@@ -200,7 +200,7 @@ class PostedReads:
 
     def forget(self) -> None:
         """Drop everything: a forked child's client starts with its own book (the
-        reads are its parent's, and so are their answers and refusals)."""
+        requests are its parent's, and so are their answers and refusals)."""
         self.drop_unanswered()
         self._refused.clear()
 

@@ -1,11 +1,11 @@
-"""The book of reads sent without waiting (ipc/posted_reads.py): pure, no socket."""
+"""The book of reads sent without waiting (ipc/posted_requests.py): pure, no socket."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvsidecar.ipc.errors import BadRequest, Unavailable
-from kvsidecar.ipc.posted_reads import PostedReads
+from kvsidecar.ipc.posted_requests import PostedRequests
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -25,13 +25,13 @@ def _read(msg_id: int, engine: str = "d0", rid: str | None = None) -> Read:
     return Read(engine, rid or f"r{msg_id}", [[0]], REMOTE, [[1]], id=msg_id)
 
 
-def _sent(book: PostedReads, *ids: int, engine: str = "d0") -> None:
+def _sent(book: PostedRequests, *ids: int, engine: str = "d0") -> None:
     for i in ids:
         book.add(_read(i, engine), f"msg{i}".encode())
 
 
 def test_an_accepted_read_is_forgotten_and_reported_by_nobody_here() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1)
     assert len(book) == 1 and 1 in book
     assert book.answered(1, Ok(id=1))
@@ -39,7 +39,7 @@ def test_an_accepted_read_is_forgotten_and_reported_by_nobody_here() -> None:
 
 
 def test_a_refusal_becomes_one_failed_completion_for_its_engines_poll() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1, 2)
     _sent(book, 3, engine="d1")
     assert book.answered(2, Error(BAD_REQUEST, "local block id 9 out of range", id=2))
@@ -54,7 +54,7 @@ def test_a_refusal_becomes_one_failed_completion_for_its_engines_poll() -> None:
 
 
 def test_what_is_not_an_answer_to_a_posted_read_is_left_to_the_caller() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1)
     assert not book.answered(7, Pong(1, id=7))
     assert not book.answered(-1, Error(BAD_REQUEST, "no id"))
@@ -62,7 +62,7 @@ def test_what_is_not_an_answer_to_a_posted_read_is_left_to_the_caller() -> None:
 
 
 def test_sent_again_a_duplicate_means_the_first_copy_was_taken() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1, 2, 3)
     assert book.answered(1, Ok(id=1))
     assert book.due == 2 and book.behind == 0
@@ -85,7 +85,7 @@ def test_sent_again_a_duplicate_means_the_first_copy_was_taken() -> None:
 def test_an_answer_from_a_closed_connection_settles_a_read_behind() -> None:
     """Answers read from a connection's queue after it closed (new_connection
     already counted the read behind) settle it and it is not sent again."""
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1, 2)
     book.new_connection()
     assert book.answered(1, Ok(id=1))
@@ -93,14 +93,14 @@ def test_an_answer_from_a_closed_connection_settles_a_read_behind() -> None:
 
 
 def test_a_duplicate_of_a_read_sent_once_is_the_engines_and_reported() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1)
     assert book.answered(1, Error(DUPLICATE, "read 'r1' is already in progress", id=1))
     assert [c.kind for c in book.take_refused("d0")] == ["failed"]
 
 
 def test_bounds_unanswered_and_refused_per_engine() -> None:
-    book = PostedReads(max_unanswered=2, max_refused=2)
+    book = PostedRequests(max_unanswered=2, max_refused=2)
     _sent(book, 1)
     assert not book.full
     _sent(book, 2)
@@ -109,7 +109,7 @@ def test_bounds_unanswered_and_refused_per_engine() -> None:
     for i in (1, 2):
         book.answered(i, Error(BAD_REQUEST, "no", id=i))
     assert not book.full
-    with pytest.raises(Unavailable, match="2 reads of engine 'd0' sent without waiting"):
+    with pytest.raises(Unavailable, match="2 reads or holds of engine 'd0' sent without waiting"):
         book.check_room("d0")
     book.check_room("d1")  # another engine's reads are not held up
     book.take_refused("d0")
@@ -121,7 +121,7 @@ def test_bounds_unanswered_and_refused_per_engine() -> None:
 
 
 def test_fail_behind_drop_discard_and_forget() -> None:
-    book = PostedReads()
+    book = PostedRequests()
     _sent(book, 1, 2, 3)
     book.answered(3, Error(BAD_REQUEST, "no", id=3))
     book.discard(1)
