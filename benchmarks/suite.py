@@ -810,11 +810,13 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
 #: read; one ``read_nowait`` per read (the blocking client sends each and takes
 #: the answers later); one ``read`` message per read, the round's all sent before any reply is
 #: awaited (the async client, as an asyncio engine issuing a step's reads at once);
-#: ``read_many`` messages of 16 (and P's engine ``hold_many``)
+#: ``read_many`` messages of 16 (and P's engine ``hold_many``). P's engine holds
+#: with ``hold`` each, except where D's reads go without waiting (``hold_nowait``,
+#: its own tokens) or in batches (``hold_many``)
 _SENDING = {
     "one": "one `read` (and P's `hold`) each",
     "nowait": "one `read_nowait` each, the blocking client not waiting for the answers (and "
-              "P's `hold` each)",
+              "P's `hold_nowait` each)",
     "at_once": "one `read` message each, the round's sent at once through the async client "
                "(and P's `hold` each)",
     "many": "16 per `read_many` (and P's `hold_many`) message",
@@ -845,11 +847,15 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 while done < s.sustained_requests:
                     n = min(window, s.sustained_requests - done)
                     # P fills and holds the round first (not timed: that is P's engine);
-                    # batched, P's engine holds them as D's reads them, 16 per message
-                    sents = [pair.prefill(8 * k, hold=not batched) for _ in range(n)]
+                    # batched, P's engine holds them as D's reads them, 16 per message;
+                    # without waiting, with its own tokens
+                    own = batched or sending == "nowait"
+                    sents = [pair.prefill(8 * k, hold=not own) for _ in range(n)]
                     if batched:
                         for i in range(0, n, per_msg):
                             pair.P.hold_many(sents[i:i + per_msg])
+                    elif own:
+                        pair.P.hold_nowait(sents)
                     t0, e0 = time.perf_counter(), time.process_time()
                     if batched:
                         for i in range(0, n, per_msg):
@@ -1166,14 +1172,21 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
             nf_hold, *_ = single_calls(
                 "n", rounds_x, p_hold, d_read, lambda: dc.poll(D.engine_id), fill=False)
 
+            def p_hold_nowait(rid: str, ids: list[int]) -> None:
+                # the engine issues the token (its registration's hold key), then holds
+                tokens[rid] = P.issue_tokens(rid, [ids])[0]
+                pc.hold_nowait(P.engine_id, rid, [ids], readers=1)
+
             def d_read_nowait(rid: str, ids: list[int]) -> None:
                 dc.read_nowait(D.engine_id, rid, [ids], P.remote, [ids], remote_request_id=rid,
                                remote_tokens=[tokens.pop(rid)])
 
-            # the same reads, each sent without waiting for its answer (the poll
-            # after the round takes the answers: its CPU is the poll's)
-            _, nowait_cpu, *_ = single_calls("w", rounds, p_hold, d_read_nowait,
-                                             lambda: dc.poll(D.engine_id))
+            # the same holds and reads, each sent without waiting for its answer (the
+            # polls after the round take the answers: their CPU is the polls')
+            hold_nowait_cpu, nowait_cpu, *_ = single_calls(
+                "w", rounds, p_hold_nowait, d_read_nowait, lambda: dc.poll(D.engine_id))
+            nf_hold_nowait, *_ = single_calls("v", rounds_x, p_hold_nowait, d_read_nowait,
+                                              lambda: dc.poll(D.engine_id), fill=False)
             n_x = rounds_x * slots
             c0 = time.process_time()
             for _ in range(s.cpu_calls):
@@ -1255,6 +1268,15 @@ def bench_engine_cpu(fleet: Fleet, s: Scale) -> list[Figure]:
                 f"the same `hold` without the fill before it (same run): {us(nf_hold / n_x)}: "
                 "the fill, the engine's own work, is what makes a `hold` cost more than a "
                 "`read`"]),
+        Figure("engine CPU per `hold_nowait` call (16 blocks; the engine issues the token; "
+               "the answer taken by a later poll)", us(hold_nowait_cpu / n),
+               f"one `hold` call per hold (above): {us(hold)}",
+               f"{hold_nowait_cpu / n / hold:.2f}x", "≤ 20 µs", hold_nowait_cpu / n <= 20e-6,
+               ["each right after filling its 16 blocks, as each `hold` above; the token "
+                "issued with the registration's hold key is counted here",
+                f"without the fill before each (same run): {us(nf_hold_nowait / n_x)}, "
+                f"`hold` so {us(nf_hold / n_x)}; each call here also issues its token in "
+                "Python (blake2b over the block ids), work `hold` leaves to the sidecar"]),
         Figure(f"engine CPU per read, {batch} reads of 16 blocks per `read_many` message",
                us(read_b / nb), f"one `read` call per read (above): {us(read)}",
                f"{read_b / nb / read:.2f}x", "≤ 20 µs", read_b / nb <= 20e-6),
