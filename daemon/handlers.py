@@ -133,9 +133,13 @@ class Handlers:
             return await handler(req)
         except RequestError as e:
             error = e.code
+            if kind is Hold:
+                self._hold_refused(req, e.code, str(e))
             raise
-        except BaseException:
+        except BaseException as e:
             error = "internal"
+            if kind is Hold and isinstance(e, Exception):
+                self._hold_refused(req, INTERNAL, f"{type(e).__name__}: {e}")
             raise
         finally:
             # op comes from the closed set of request types, error from ERROR_CODES.
@@ -237,29 +241,40 @@ class Handlers:
 
     # ------------------------------------------------------------ P side
 
+    def _hold_refused(self, req: Request, code: str, why: str) -> None:
+        """A hold was refused (at any point, shutdown included): the engine may
+        have issued its token itself and frees the blocks on hearing of it, so
+        its sidecar refuses the claims of that request from now on (see
+        :meth:`HoldBook.refused`). Nothing for a ``duplicate`` (the hold is
+        placed) or for an engine the sender may not see."""
+        if code == DUPLICATE or not isinstance(req, Hold):
+            return
+        eng = self.ctx.table.ranks.get(req.engine_id)
+        if eng is not None and mine(eng):
+            eng.holds.refused(req.engine_id, req.request_id, why, time.monotonic())
+
     async def hold(self, req: Hold) -> Reply:
         ctx = self.ctx
         eng = ctx.table.engine(req.engine_id)
+        now = time.monotonic()
         if (req.engine_id, req.request_id) in eng.holds:
             # Before the limits: a hold sent again (its first copy taken before
             # the connection was lost) meets `duplicate`, not `unavailable`.
             raise RequestError(DUPLICATE, f"request {req.request_id!r} is already held for "
                                           f"engine {req.engine_id!r}")
-        try:
+        if not eng.holds.claimed_early(req.engine_id, req.request_id, now):
+            # A hold readers already claimed (its token came first) is placed past
+            # the limit: they may be copying its blocks now. The claims waiting
+            # for their hold are bounded (--max-early-notifications).
             self._admit(eng, "holds", len(eng.holds), ctx.settings.max_holds_per_engine,
                         "holds open")
-            try:
-                check_block_ids(eng.layout, req.block_ids, "held")
-            except PlanError as e:
-                raise RequestError(BAD_REQUEST, str(e)) from None
-        except RequestError as e:
-            # The engine may have issued this hold's token itself, and frees the
-            # blocks on hearing of the refusal: no reader may claim them now.
-            eng.holds.refused(req.engine_id, req.request_id, str(e))
-            raise
+        try:
+            check_block_ids(eng.layout, req.block_ids, "held")
+        except PlanError as e:
+            raise RequestError(BAD_REQUEST, str(e)) from None
         held = hold_token.blocks_digest(req.block_ids)
         eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                      req.timeout_s, time.monotonic(), digest=held, block_ids=req.block_ids)
+                      req.timeout_s, now, digest=held, block_ids=req.block_ids)
         eng.worker.set_hot(len(eng.holds) > 0)
         ctx.alarm.poke()  # housekeeping now watches this hold's deadline
         ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)

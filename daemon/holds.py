@@ -252,18 +252,33 @@ class HoldBook:
         self._end(h, "aborted", "released by the engine")
         return True
 
-    def refused(self, engine_id: str, request_id: str, why: str) -> None:
+    def claimed_early(self, engine_id: str, request_id: str, now: float) -> bool:
+        """Whether a reader's lease on ``request_id``, granted before its hold,
+        still runs (it may be copying the blocks now)."""
+        early = self._early.get((engine_id, request_id))
+        return early is not None and early.lease_until > now
+
+    def refused(self, engine_id: str, request_id: str, why: str, now: float) -> None:
         """The engine's hold of ``request_id`` was refused (``why``): nothing is
         pinned, and the engine, told so, may reuse the blocks. Claims from now
         on are refused as for an ended hold (the engine may have issued the
-        token itself before it held); claims granted early are dropped, so
-        their renewals are refused too. A hold of it placed later is a new
-        hold. A refusal for a hold already placed (a copy sent again) changes
-        nothing."""
+        token itself before it held); the entry of claims that came before the
+        hold is dropped with it (so are their renewals; its notifications are
+        counted unclaimed). A lease granted before the refusal runs on at the
+        reader until it expires, which is why a hold readers claimed early is
+        refused only for its blocks, never for a limit (see
+        :meth:`claimed_early`). A hold of it placed later is a new hold. A
+        refusal for a hold placed already (a copy sent again) changes nothing."""
         key = (engine_id, request_id)
         if key in self._holds:
             return
-        self._pop_early(key)
+        early = self._pop_early(key)
+        if early is not None:
+            self.unclaimed += len(early.reports)
+            if early.lease_until > now:
+                log.warning("the hold of request %r of engine %r was refused (%s) while a "
+                            "reader's early lease on it runs for %.1f s more",
+                            request_id, engine_id, why, early.lease_until - now)
         self._remember_end(key, f"the hold was refused: {why}")
 
     def drop_engine(self, engine_id: str) -> int:

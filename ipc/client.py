@@ -74,12 +74,14 @@ from .protocol import (
     MemoryKind,
     Ok,
     Pong,
+    ProtocolError,
     Read,
     RemoteEngine,
     Reply,
     Request,
     StatusReport,
     decode_reply_unchecked,
+    decode_request,
     encode_request,
 )
 from .regions import Region
@@ -265,6 +267,14 @@ class SidecarClient:
         message of several packets waits for its answer (``kind``) instead."""
         posted = self._core.posted
         data = encode_request(req)
+        if isinstance(req, Hold):
+            # Checked here as the sidecar decodes it: a hold it refuses before it
+            # knows the engine (a field out of range) is refused at once, since
+            # only a refusal the sidecar records keeps readers off the blocks.
+            try:
+                decode_request(data)
+            except ProtocolError as e:
+                raise error_from_reply(Error(e.code, e.message)) from None
         if len(data) > MAX_PACKET:  # a long message (several packets) waits, as read() does
             expect(self._exchange(req), kind)
             return
@@ -309,11 +319,14 @@ class SidecarClient:
         What :meth:`hold` would raise arrives instead as a ``failed``
         completion of ``request_id`` from the next :meth:`poll` of
         ``engine_id`` (reason: the refusal's code and message): no block was
-        pinned, and a reader presenting the token is refused by the sidecar
-        (no such hold). An accepted hold completes as any hold (``sent``,
-        ``expired`` or ``aborted``). Answers, lost connections, bounds and
-        what is raised at once are as for :meth:`read_nowait` (the two share
-        one book of requests awaiting answers)."""
+        pinned, and from then on a reader presenting the token is refused by
+        the sidecar (it records the refusal). An accepted hold completes as any
+        hold (``sent``, ``expired`` or ``aborted``). A field the sidecar would
+        refuse on sight (``readers`` < 1, ``timeout_s`` out of range, an id too
+        long) raises :class:`BadMessage` at once, nothing sent. Answers, lost
+        connections, bounds and what else is raised at once are as for
+        :meth:`read_nowait` (the two share one book of requests awaiting
+        answers)."""
         self._book().check_room(engine_id)
         self._post(self._core.hold_request(engine_id, request_id, block_ids, readers,
                                            timeout_s), Held)

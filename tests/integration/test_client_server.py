@@ -19,6 +19,7 @@ from kvsidecar.daemon.engine_access import SocketInUse
 from kvsidecar.daemon.engine_server import EngineServer, RequestError
 from kvsidecar.ipc.client import (
     AsyncSidecarClient,
+    BadMessage,
     BadRequest,
     Duplicate,
     Forbidden,
@@ -994,6 +995,25 @@ def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> N
         assert "no such block" in got[0].reason
     t.join(5)
     assert seen == [["r1"], ["r2", "r3"]]
+
+
+def test_hold_nowait_raises_at_once_what_the_sidecar_refuses_on_sight(
+        client: SidecarClient, handler: HandlerDouble) -> None:
+    """A hold the sidecar would refuse while decoding it (before it knows the
+    engine, so it could record nothing) is refused by the call, nothing sent."""
+    regions = _registered(client)
+    try:
+        sent = len(handler.requests)
+        for bad in ({"readers": 0}, {"timeout_s": 0.0}, {"timeout_s": 1e9}):
+            with pytest.raises(BadMessage):
+                client.hold_nowait("d0", "h", [[0]], **bad)  # type: ignore[arg-type]
+        with pytest.raises(BadMessage):
+            client.hold_nowait("d0", "x" * 5000, [[0]])
+        assert len(handler.requests) == sent and len(client._core.posted) == 0
+        client.hold_nowait("d0", "h", [[0]], timeout_s=30.0)
+        assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("h", "sent")]
+    finally:
+        _unlink(regions)
 
 
 def test_holds_a_closed_connection_left_unread_go_again(tmp_path: Path) -> None:

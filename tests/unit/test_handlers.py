@@ -4,16 +4,22 @@ stopping sidecar refuses the requests that would start new work (counted)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from kvsidecar.daemon.handlers import Handlers
+from kvsidecar.daemon.holds import HoldBook
 from kvsidecar.daemon.state import DaemonState
+from kvsidecar.ipc import hold_token
+from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.protocol import (
+    DUPLICATE,
     REQUEST_TYPES,
     UNAVAILABLE,
+    Held,
     Hold,
     Ping,
     Pong,
@@ -67,3 +73,54 @@ def test_a_stopping_sidecar_still_answers_pings() -> None:
 def _count(m: Metrics, op: str, error: str) -> float:
     v = m.registry.get_sample_value("kvsidecar_engine_requests_total", {"op": op, "error": error})
     return 0.0 if v is None else v
+
+
+def _p_side(stopping: bool = False) -> tuple[Handlers, HoldBook]:
+    """Handlers over one P engine rank with a real hold book, one hold allowed."""
+    book = HoldBook(default_timeout_s=10, grace_s=5, on_done=lambda _o: None, max_life_s=600)
+    layout = attention_layout(model="m", num_layers=1, total_kv_heads=1, head_dim=8,
+                              block_tokens=16, tp_size=1, num_blocks=8)
+    eng = SimpleNamespace(engine_id="P", tp_rank=0, uid=None, holds=book, completions=[],
+                          layout=layout, hold_key=hold_token.new_key(),
+                          worker=SimpleNamespace(set_hot=lambda _hot: None))
+    ctx = SimpleNamespace(
+        table=SimpleNamespace(ranks={"P": eng}, engine=lambda _e: eng),
+        state=DaemonState(stopping=stopping), metrics=Metrics(),
+        settings=SimpleNamespace(max_holds_per_engine=1, max_completions_per_engine=100,
+                                 engine_lease_s=5.0),
+        reads=SimpleNamespace(count=lambda _e: 0), alarm=SimpleNamespace(poke=lambda: None),
+        spans=SimpleNamespace(start=lambda *_a: None),
+        registry=SimpleNamespace(register=None, reserve=None))
+    return Handlers(cast(Any, ctx)), book
+
+
+def _hold(rid: str, blocks: list[int]) -> Hold:
+    return Hold(id=1, engine_id="P", request_id=rid, block_ids=[blocks])
+
+
+def test_a_refused_hold_refuses_its_claims_and_an_early_claimed_one_passes_the_limit(
+        ) -> None:
+    """A hold refused for the limit or its blocks leaves its request unclaimable
+    (the engine, told so, may reuse the blocks); a hold a reader already
+    claimed early is placed past the limit (the reader may be copying)."""
+    handlers, book = _p_side()
+    asyncio.run(handlers.handle(_hold("h0", [0])))  # the one hold allowed
+    for rid, blocks in (("h1", [1]), ("bad", [99])):
+        with pytest.raises(RequestError):
+            asyncio.run(handlers.handle(_hold(rid, blocks)))
+        lease = book.claim("P", rid, now=time.monotonic())
+        assert not lease.granted and "the hold was refused" in lease.reason, rid
+    assert book.claim("P", "h2", now=time.monotonic()).granted  # early
+    assert isinstance(asyncio.run(handlers.handle(_hold("h2", [2]))), Held)
+    assert len(book) == 2
+    with pytest.raises(RequestError) as e:  # a copy of a placed hold: nothing recorded
+        asyncio.run(handlers.handle(_hold("h0", [0])))
+    assert e.value.code == DUPLICATE and book.claim("P", "h0", now=time.monotonic()).granted
+
+
+def test_a_hold_refused_while_stopping_refuses_its_claims() -> None:
+    handlers, book = _p_side(stopping=True)
+    with pytest.raises(RequestError, match="shutting down"):
+        asyncio.run(handlers.handle(_hold("h", [0])))
+    lease = book.claim("P", "h", now=time.monotonic())
+    assert not lease.granted and "shutting down" in lease.reason

@@ -311,17 +311,20 @@ def test_early_claims_for_other_blocks_than_the_hold_lose_their_lease() -> None:
 
 def test_a_refused_hold_refuses_claims_until_it_is_held() -> None:
     """The engine, told its hold was refused, may reuse the blocks: claims from
-    then on are refused (a claim granted early loses its lease too); a later
-    hold of the same id is a new hold; a refusal of a copy of a placed hold
-    changes nothing."""
+    then on are refused (the entry of a claim granted early goes too, its
+    notifications counted unclaimed); a later hold of the same id is a new
+    hold; a refusal of a copy of a placed hold changes nothing."""
     b, done = book()
     assert b.claim("P", "r", now=0).granted  # early: before the hold
-    b.refused("P", "r", "bad_request: held block id out of range")
-    lease = b.claim("P", "r", now=1)
+    assert b.claimed_early("P", "r", now=1) and not b.claimed_early("P", "x", now=1)
+    assert not b.claimed_early("P", "r", now=100)  # its lease ran out
+    b.report("P", "r", Report("D", 0, 1), now=1)  # a notification waits too
+    b.refused("P", "r", "bad_request: held block id out of range", now=2)
+    lease = b.claim("P", "r", now=3)
     assert not lease.granted and "the hold was refused: bad_request" in lease.reason
-    assert b.early == 0
-    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=2)  # held again later
-    assert b.claim("P", "r", now=2).granted
-    b.refused("P", "r", "duplicate")  # a copy sent again: the hold stands
-    assert b.claim("P", "r", now=3).granted and ("P", "r") in b
+    assert b.early == 0 and b.unclaimed == 1
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=4)  # held again later
+    assert b.claim("P", "r", now=4).granted
+    b.refused("P", "r", "duplicate", now=5)  # a copy sent again: the hold stands
+    assert b.claim("P", "r", now=5).granted and ("P", "r") in b
     assert done == []
