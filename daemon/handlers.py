@@ -262,29 +262,35 @@ class Handlers:
             # the connection was lost) meets `duplicate`, not `unavailable`.
             raise RequestError(DUPLICATE, f"request {req.request_id!r} is already held for "
                                           f"engine {req.engine_id!r}")
-        if not eng.holds.claimed_early(req.engine_id, req.request_id, now):
-            # A hold readers already claimed (its token came first) is placed past
-            # the limit: they may be copying its blocks now. The claims waiting
-            # for their hold are bounded (--max-early-notifications).
-            self._admit(eng, "holds", len(eng.holds), ctx.settings.max_holds_per_engine,
-                        "holds open")
+        open_holds = len(eng.holds)
+        if eng.holds.claimed_early(req.engine_id, req.request_id, now):
+            # A hold a reader already claimed (its token came first) is placed past
+            # the holds limit: the reader may be copying its blocks now. The bound
+            # on reads + holds + unpolled completions still applies.
+            open_holds = 0
+        self._admit(eng, "holds", open_holds, ctx.settings.max_holds_per_engine,
+                    "holds open")
         try:
             check_block_ids(eng.layout, req.block_ids, "held")
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
         held = hold_token.blocks_digest(req.block_ids)
-        eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
-                      req.timeout_s, now, digest=held, block_ids=req.block_ids)
-        eng.worker.set_hot(len(eng.holds) > 0)
-        ctx.alarm.poke()  # housekeeping now watches this hold's deadline
-        ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)
         timeout = req.timeout_s or eng.holds.default_timeout_s
         # Valid as long as a lease on the hold can run (see HoldBook.claim).
         life = max(timeout, eng.holds.max_life_s) + eng.holds.lease_s
-        return Held(lease_s=eng.holds.lease_s, timeout_s=timeout,
-                    token=hold_token.issue_digested([eng.hold_key], req.engine_id,
-                                                    req.request_id, held,
-                                                    math.ceil(time.time() + life))[0])
+        token = hold_token.issue_digested([eng.hold_key], req.engine_id, req.request_id,
+                                          held, math.ceil(time.time() + life))[0]
+        eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
+                      req.timeout_s, now, digest=held, block_ids=req.block_ids)
+        try:
+            eng.worker.set_hot(True)
+            ctx.alarm.poke()  # housekeeping now watches this hold's deadline
+            ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)
+        except Exception:
+            # The engine is told this hold failed: it must not stand (a bug here).
+            eng.holds.withdraw(req.engine_id, req.request_id)
+            raise
+        return Held(lease_s=eng.holds.lease_s, timeout_s=timeout, token=token)
 
     async def release(self, req: Release) -> Reply:
         eng = self.ctx.table.engine(req.engine_id)

@@ -281,6 +281,11 @@ class HoldBook:
                             request_id, engine_id, why, early.lease_until - now)
         self._remember_end(key, f"the hold was refused: {why}")
 
+    def withdraw(self, engine_id: str, request_id: str) -> None:
+        """Take back a hold just placed whose placing failed (the engine is told
+        so): gone without a completion, as if never placed."""
+        self._holds.pop((engine_id, request_id), None)
+
     def drop_engine(self, engine_id: str) -> int:
         """Forget every hold of an engine that went away (no completions: nobody polls)."""
         keys = [k for k in self._holds if k[0] == engine_id]

@@ -74,14 +74,12 @@ from .protocol import (
     MemoryKind,
     Ok,
     Pong,
-    ProtocolError,
     Read,
     RemoteEngine,
     Reply,
     Request,
     StatusReport,
     decode_reply_unchecked,
-    decode_request,
     encode_request,
 )
 from .regions import Region
@@ -267,14 +265,6 @@ class SidecarClient:
         message of several packets waits for its answer (``kind``) instead."""
         posted = self._core.posted
         data = encode_request(req)
-        if isinstance(req, Hold):
-            # Checked here as the sidecar decodes it: a hold it refuses before it
-            # knows the engine (a field out of range) is refused at once, since
-            # only a refusal the sidecar records keeps readers off the blocks.
-            try:
-                decode_request(data)
-            except ProtocolError as e:
-                raise error_from_reply(Error(e.code, e.message)) from None
         if len(data) > MAX_PACKET:  # a long message (several packets) waits, as read() does
             expect(self._exchange(req), kind)
             return

@@ -58,6 +58,8 @@ from .protocol import (
     Status,
     StatusReport,
     decode_reply,
+    decode_request,
+    encode_request,
 )
 from .regions import Region
 from .seqpacket import RECV_BYTES, Assembler, Buffer, FramingError, MessageTooLong
@@ -212,6 +214,20 @@ and send the same asks, so request building, reply checking, error mapping and
 acknowledgement bookkeeping exist once; the clients only move bytes."""
 
 
+def checked_hold(req: Hold) -> Hold:
+    """``req``, or :class:`BadMessage` for what the sidecar would refuse while
+    decoding it (``readers`` < 1, ``timeout_s`` out of range, an id too long),
+    raised before anything is sent. A refusal made there, before the sidecar
+    knows the engine, is one it cannot record, and an engine that issued the
+    hold's token itself relies on the refusal being recorded (a reader's claim
+    of the blocks is refused from then on)."""
+    try:
+        decode_request(encode_request(req))
+    except ProtocolError as e:
+        raise BadMessage(e.code, f"hold {req.request_id[:200]!r}: {e.message}") from None
+    return req
+
+
 class ClientCore:
     """What both clients share: ids, calls (asks and generators), decoding and
     correlation of replies, error mapping and the per-engine poll
@@ -287,9 +303,10 @@ class ClientCore:
 
     def hold_request(self, engine_id: str, request_id: str, block_ids: BlockIdsLike,
                      readers: int, timeout_s: float | None) -> Hold:
-        """The :class:`Hold` of :meth:`hold` (``hold_nowait`` sends it unanswered)."""
-        return Hold(engine_id, request_id, block_id_lists(block_ids), readers, timeout_s,
-                    id=next(self._ids))
+        """The :class:`Hold` of :meth:`hold` (``hold_nowait`` sends it unanswered),
+        checked (:func:`checked_hold`)."""
+        return checked_hold(Hold(engine_id, request_id, block_id_lists(block_ids), readers,
+                                 timeout_s, id=next(self._ids)))
 
     def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
         return Release(engine_id, request_id, id=next(self._ids)), Ok
@@ -307,8 +324,8 @@ class ClientCore:
     def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
                   ) -> Call[list[Held | SidecarError]]:
         reqs: list[Read | Hold | Release] = [
-            Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers, s.timeout_s,
-                 id=self._next_id())
+            checked_hold(Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers,
+                              s.timeout_s, id=self._next_id()))
             for s in specs]
         out = yield from self._batch(reqs)
         for o in out:

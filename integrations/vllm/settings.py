@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...ipc.protocol import MemoryKind
+from ...ipc.protocol import MAX_HOLD_S, MemoryKind
 from ...ipc.socket_path import default_socket
 from .layout import UnsupportedConfig
 
@@ -86,6 +86,11 @@ class Settings:
             )
         socks = extra.get("sidecar_sockets") or ()
         hold = extra.get("hold_timeout_s")
+        if hold is not None and not 0 < float(hold) <= MAX_HOLD_S:
+            # Refused here, not by P's sidecar on every hold: the scheduler hands
+            # out each hold's token before its worker holds.
+            raise UnsupportedConfig(f"hold_timeout_s {hold} is out of range: more than 0, "
+                                    f"at most {MAX_HOLD_S:g} s")
         kbs = extra.get("kernel_block_size")
         memory = extra.get("memory")
         return cls(extra.get("sidecar_socket"), tuple(str(s) for s in socks),

@@ -23,6 +23,7 @@ from kvsidecar.ipc.client import (
     BadRequest,
     Duplicate,
     Forbidden,
+    HoldSpec,
     InternalError,
     SidecarClient,
     SidecarError,
@@ -997,10 +998,11 @@ def test_reads_a_closed_connection_left_unanswered_go_again(tmp_path: Path) -> N
     assert seen == [["r1"], ["r2", "r3"]]
 
 
-def test_hold_nowait_raises_at_once_what_the_sidecar_refuses_on_sight(
+def test_holds_raise_at_once_what_the_sidecar_refuses_on_sight(
         client: SidecarClient, handler: HandlerDouble) -> None:
     """A hold the sidecar would refuse while decoding it (before it knows the
-    engine, so it could record nothing) is refused by the call, nothing sent."""
+    engine, so it could record nothing) is refused by the call, nothing sent;
+    so are the blocking calls' (a batch's whole)."""
     regions = _registered(client)
     try:
         sent = len(handler.requests)
@@ -1010,6 +1012,11 @@ def test_hold_nowait_raises_at_once_what_the_sidecar_refuses_on_sight(
         with pytest.raises(BadMessage):
             client.hold_nowait("d0", "x" * 5000, [[0]])
         assert len(handler.requests) == sent and len(client._core.posted) == 0
+        with pytest.raises(BadMessage):  # the blocking calls check it as well
+            client.hold("d0", "h", [[0]], timeout_s=7200.0)
+        with pytest.raises(BadMessage, match="'h2'"):
+            client.hold_many("d0", [HoldSpec("h1", [[0]]), HoldSpec("h2", [[1]], readers=0)])
+        assert len(handler.requests) == sent
         client.hold_nowait("d0", "h", [[0]], timeout_s=30.0)
         assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("h", "sent")]
     finally:

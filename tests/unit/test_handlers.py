@@ -75,7 +75,8 @@ def _count(m: Metrics, op: str, error: str) -> float:
     return 0.0 if v is None else v
 
 
-def _p_side(stopping: bool = False) -> tuple[Handlers, HoldBook]:
+def _p_side(stopping: bool = False, spans: Any = None, max_completions: int = 100
+            ) -> tuple[Handlers, HoldBook]:
     """Handlers over one P engine rank with a real hold book, one hold allowed."""
     book = HoldBook(default_timeout_s=10, grace_s=5, on_done=lambda _o: None, max_life_s=600)
     layout = attention_layout(model="m", num_layers=1, total_kv_heads=1, head_dim=8,
@@ -86,10 +87,11 @@ def _p_side(stopping: bool = False) -> tuple[Handlers, HoldBook]:
     ctx = SimpleNamespace(
         table=SimpleNamespace(ranks={"P": eng}, engine=lambda _e: eng),
         state=DaemonState(stopping=stopping), metrics=Metrics(),
-        settings=SimpleNamespace(max_holds_per_engine=1, max_completions_per_engine=100,
+        settings=SimpleNamespace(max_holds_per_engine=1,
+                                 max_completions_per_engine=max_completions,
                                  engine_lease_s=5.0),
         reads=SimpleNamespace(count=lambda _e: 0), alarm=SimpleNamespace(poke=lambda: None),
-        spans=SimpleNamespace(start=lambda *_a: None),
+        spans=spans or SimpleNamespace(start=lambda *_a: None),
         registry=SimpleNamespace(register=None, reserve=None))
     return Handlers(cast(Any, ctx)), book
 
@@ -124,3 +126,27 @@ def test_a_hold_refused_while_stopping_refuses_its_claims() -> None:
         asyncio.run(handlers.handle(_hold("h", [0])))
     lease = book.claim("P", "h", now=time.monotonic())
     assert not lease.granted and "shutting down" in lease.reason
+
+
+def test_an_early_claimed_hold_still_meets_the_completions_bound() -> None:
+    """Past the holds limit, not past reads + holds + unpolled completions."""
+    handlers, book = _p_side(max_completions=1)
+    asyncio.run(handlers.handle(_hold("h0", [0])))
+    assert book.claim("P", "h1", now=time.monotonic()).granted  # early
+    with pytest.raises(RequestError, match="--max-completions-per-engine"):
+        asyncio.run(handlers.handle(_hold("h1", [1])))
+    assert not book.claim("P", "h1", now=time.monotonic()).granted
+
+
+def test_a_hold_whose_placing_fails_does_not_stand() -> None:
+    """An internal error after the hold was placed: the engine is told it
+    failed, so the hold is taken back and its claims refused."""
+    def boom(*_a: Any) -> None:
+        raise RuntimeError("spans broke")
+
+    handlers, book = _p_side(spans=SimpleNamespace(start=boom))
+    with pytest.raises(RuntimeError, match="spans broke"):
+        asyncio.run(handlers.handle(_hold("h", [0])))
+    assert len(book) == 0
+    lease = book.claim("P", "h", now=time.monotonic())
+    assert not lease.granted and "RuntimeError: spans broke" in lease.reason

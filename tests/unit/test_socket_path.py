@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvsidecar.daemon.settings import add_arguments, from_args
+from kvsidecar.integrations.vllm.layout import UnsupportedConfig
 from kvsidecar.integrations.vllm.settings import Settings as ConnectorSettings
 
 
@@ -36,3 +37,12 @@ def test_connector_and_serve_agree_on_the_default_socket(
     assert ConnectorSettings.from_extra({}).socket_for(0, 0, device) == served
     if not env:
         assert served == f"/tmp/kvsidecar-{os.geteuid()}/{device.replace(':', '')}.sock"
+
+
+@pytest.mark.parametrize("hold", [0, -1, 3600.5, 7200])
+def test_a_hold_timeout_the_sidecar_would_refuse_is_refused_at_start_up(hold: float) -> None:
+    """The scheduler hands out each hold's token before its worker holds: a
+    timeout P's sidecar refuses on every hold must stop the connector first."""
+    with pytest.raises(UnsupportedConfig, match="hold_timeout_s"):
+        ConnectorSettings.from_extra({"hold_timeout_s": hold})
+    assert ConnectorSettings.from_extra({"hold_timeout_s": 3600}).hold_timeout_s == 3600
