@@ -946,6 +946,29 @@ def test_close_takes_the_answers_first(path: str, threaded: ServerThread) -> Non
         _unlink(regions)
 
 
+def _until_a_poll(conn: socket.socket, kind: type[Read] | type[Hold], seen: list[str],
+                  reply: Callable[[Read | Hold], Reply] | None = None) -> None:
+    """A fake daemon's connection: record each request (all of ``kind``) and
+    answer it with ``reply`` (or not at all) until a poll, answered empty."""
+    while True:
+        req = decode_request(conn.recv(MAX_PACKET))
+        if isinstance(req, Poll):
+            conn.send(encode_reply(Completions([], id=req.id)))
+            return
+        assert isinstance(req, (Read, Hold)) and isinstance(req, kind)
+        seen.append(req.request_id)
+        if reply is not None:
+            conn.send(encode_reply(reply(req)))
+
+
+def _answers_the_ping_only(conn: socket.socket) -> None:
+    """A fake daemon's first connection: it answers the client's ping, reads
+    nothing more and, after the client has sent more, closes with it unread."""
+    ping = decode_request(conn.recv(MAX_PACKET))
+    conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
+    time.sleep(0.3)
+
+
 def _answers_one_read(seen: list[str], reply: Callable[[int], Reply]
                       ) -> Callable[[socket.socket], None]:
     """A fake daemon's first connection: it answers the client's ping and its
@@ -1030,24 +1053,12 @@ def test_holds_a_closed_connection_left_unread_go_again(tmp_path: Path) -> None:
     fake = str(tmp_path / "fake.sock")
     seen: list[str] = []
 
-    def first(conn: socket.socket) -> None:
-        ping = decode_request(conn.recv(MAX_PACKET))
-        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
-        time.sleep(0.3)  # the two holds arrive; closed unread
-
     def second(conn: socket.socket) -> None:
-        while True:
-            req = decode_request(conn.recv(MAX_PACKET))
-            if isinstance(req, Poll):
-                conn.send(encode_reply(Completions([], id=req.id)))
-                return
-            assert isinstance(req, Hold)
-            seen.append(req.request_id)
-            reply = (Error(DUPLICATE, "request 'h1' is already held", id=req.id)
-                     if req.request_id == "h1" else Held(10.0, 120.0, id=req.id))
-            conn.send(encode_reply(reply))
+        _until_a_poll(conn, Hold, seen, lambda req: (
+            Error(DUPLICATE, "request 'h1' is already held", id=req.id)
+            if req.request_id == "h1" else Held(10.0, 120.0, id=req.id)))
 
-    t = _fake_daemon(fake, first, second)
+    t = _fake_daemon(fake, _answers_the_ping_only, second)
     with SidecarClient(fake, timeout_s=5.0) as c:
         c.ping()
         c.hold_nowait("p0", "h1", [[0]])
@@ -1087,17 +1098,12 @@ def test_close_reports_the_reads_a_closed_connection_never_read(tmp_path: Path) 
     fake = str(tmp_path / "fake.sock")
     polls: list[Request] = []
 
-    def first(conn: socket.socket) -> None:
-        ping = decode_request(conn.recv(MAX_PACKET))
-        conn.send(encode_reply(Pong(PROTOCOL_VERSION, id=ping.id)))
-        time.sleep(0.3)  # the two reads arrive; closed unread
-
     def second(conn: socket.socket) -> None:
         req = decode_request(conn.recv(MAX_PACKET))
         polls.append(req)
         conn.send(encode_reply(Completions([], id=req.id)))
 
-    t = _fake_daemon(fake, first, second)
+    t = _fake_daemon(fake, _answers_the_ping_only, second)
     c = SidecarClient(fake, timeout_s=5.0)
     try:
         c.ping()
@@ -1145,13 +1151,7 @@ def test_reads_a_connection_read_before_it_ended_are_never_sent_again(
             seen[0].append(req.request_id)
 
     def second(conn: socket.socket) -> None:
-        while True:
-            req = decode_request(conn.recv(MAX_PACKET))
-            if isinstance(req, Poll):
-                conn.send(encode_reply(Completions([], id=req.id)))
-                return
-            assert isinstance(req, Read)
-            seen[1].append(req.request_id)
+        _until_a_poll(conn, Read, seen[1])
 
     t = _fake_daemon(fake, first, second)
     with SidecarClient(fake, timeout_s=5.0) as c:
