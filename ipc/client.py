@@ -63,8 +63,9 @@ from .errors import (
     expect,
 )
 from .layout import Layout
-from .posted_requests import PostedRequests
+from .posted_requests import PostedRequests, refusal_reason
 from .protocol import (
+    Batch,
     Completion,
     DrainMode,
     Error,
@@ -255,19 +256,21 @@ class SidecarClient:
         if verify:
             can_verify(self.ping().minor)
         self._book().check_room(engine_id)
-        self._post(self._core.read_request(engine_id, request_id, local_block_ids, remote,
-                                           remote_block_ids, remote_request_id, skip_tokens,
-                                           num_tokens, verify, remote_tokens), Ok)
+        req = self._core.read_request(engine_id, request_id, local_block_ids, remote,
+                                      remote_block_ids, remote_request_id, skip_tokens,
+                                      num_tokens, verify, remote_tokens)
+        if not self._post(req):  # a long message (several packets) waits, as read() does
+            expect(self._exchange(req), Ok)
 
-    def _post(self, req: Read | Hold, kind: type[Reply]) -> None:
+    def _post(self, req: Read | Hold | Batch) -> bool:
         """Send ``req`` without waiting for its answer (:meth:`read_nowait`,
-        :meth:`hold_nowait`): the book takes the answer when it comes. A
-        message of several packets waits for its answer (``kind``) instead."""
+        :meth:`hold_nowait`, :meth:`read_many_nowait`, :meth:`hold_many_nowait`):
+        the book takes the answer when it comes. False, nothing sent, for a
+        message of several packets: the caller waits for its answer instead."""
         posted = self._core.posted
         data = encode_request(req)
-        if len(data) > MAX_PACKET:  # a long message (several packets) waits, as read() does
-            expect(self._exchange(req), kind)
-            return
+        if len(data) > MAX_PACKET:
+            return False
         timeout_s = self._core.timeout_s
         deadline = time.monotonic() + timeout_s
         if posted.full:
@@ -289,7 +292,23 @@ class SidecarClient:
                     raise self._core.timeout_error(req, timeout_s) from None
                 resends += 1
                 continue
+            return True
+
+    def _post_many(self, engine_id: str, reqs: Sequence[Read | Hold]) -> None:
+        """:meth:`_post` of one batch of ``engine_id``'s ``reqs``; a batch too
+        long for one packet waits for its answer, its refusals still reported
+        by the next poll, item by item."""
+        if not reqs:
             return
+        core = self._core
+        batch = core.batch_request(reqs)
+        if self._post(batch):
+            return
+        outcomes = self._run(core.batch_answers(batch))
+        posted = self._book()
+        for req, outcome in zip(reqs, outcomes):
+            if isinstance(outcome, SidecarError):
+                posted.refuse(engine_id, req.request_id, refusal_reason(outcome))
 
     def hold(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
              readers: int = 1, timeout_s: float | None = None) -> Held:
@@ -318,8 +337,9 @@ class SidecarClient:
         :meth:`read_nowait` (the two share one book of requests awaiting
         answers)."""
         self._book().check_room(engine_id)
-        self._post(self._core.hold_request(engine_id, request_id, block_ids, readers,
-                                           timeout_s), Held)
+        req = self._core.hold_request(engine_id, request_id, block_ids, readers, timeout_s)
+        if not self._post(req):  # a long message (several packets) waits, as hold() does
+            expect(self._exchange(req), Held)
 
     def release(self, engine_id: str, request_id: str) -> None:
         req, kind = self._core.release(engine_id, request_id)
@@ -342,6 +362,26 @@ class SidecarClient:
         """Place several holds in one message (protocol minor 5); per hold, its
         :class:`~kvsidecar.ipc.protocol.Held` or the error it was refused with."""
         return self._run(self._core.hold_many(engine_id, specs))
+
+    def read_many_nowait(self, engine_id: str, specs: Sequence[ReadSpec]) -> None:
+        """:meth:`read_many` without waiting for the answer (protocol minor 5, as
+        ``read_many``): one message, sent, and the call returns. Each read the
+        sidecar refuses becomes a ``failed`` completion of its request id from
+        the next :meth:`poll` of ``engine_id``, as with :meth:`read_nowait`,
+        whose book, rules and bounds this shares (a batch that meets the
+        refusal bound may pass it by its own size, at most 256). A batch too
+        long for one packet waits for its answer (its refusals still come
+        from poll)."""
+        self._book().check_room(engine_id)
+        self._post_many(engine_id, self._core.read_items(engine_id, specs))
+
+    def hold_many_nowait(self, engine_id: str, specs: Sequence[HoldSpec]) -> None:
+        """:meth:`hold_many` without waiting, as :meth:`read_many_nowait` is
+        :meth:`read_many`'s; the engine issues the tokens (see
+        :meth:`hold_nowait`). A hold the sidecar would refuse on sight raises
+        :class:`BadMessage` at once, nothing of the batch sent."""
+        self._book().check_room(engine_id)
+        self._post_many(engine_id, self._core.hold_items(engine_id, specs))
 
     def release_many(self, engine_id: str, request_ids: Sequence[str]
                      ) -> list[SidecarError | None]:

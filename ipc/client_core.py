@@ -311,23 +311,27 @@ class ClientCore:
     def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
         return Release(engine_id, request_id, id=next(self._ids)), Ok
 
+    def read_items(self, engine_id: str, specs: Sequence[ReadSpec]) -> list[Read]:
+        """The :class:`Read` of each spec, for one batch."""
+        return [Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
+                     block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
+                     s.num_tokens, s.verify, list(s.remote_tokens), id=self._next_id())
+                for s in specs]
+
+    def hold_items(self, engine_id: str, specs: Sequence[HoldSpec]) -> list[Hold]:
+        """The :class:`Hold` of each spec, for one batch (each checked)."""
+        return [checked_hold(Hold(engine_id, s.request_id, block_id_lists(s.block_ids),
+                                  s.readers, s.timeout_s, id=self._next_id()))
+                for s in specs]
+
     def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
                   ) -> Call[list[SidecarError | None]]:
-        reqs: list[Read | Hold | Release] = [
-            Read(engine_id, s.request_id, block_id_lists(s.local_block_ids), s.remote,
-                 block_id_lists(s.remote_block_ids), s.remote_request_id, s.skip_tokens,
-                 s.num_tokens, s.verify, list(s.remote_tokens), id=self._next_id())
-            for s in specs]
-        out = yield from self._batch(reqs)
+        out = yield from self._batch(self.read_items(engine_id, specs))
         return [o if isinstance(o, SidecarError) else None for o in out]
 
     def hold_many(self, engine_id: str, specs: Sequence[HoldSpec]
                   ) -> Call[list[Held | SidecarError]]:
-        reqs: list[Read | Hold | Release] = [
-            checked_hold(Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers,
-                              s.timeout_s, id=self._next_id()))
-            for s in specs]
-        out = yield from self._batch(reqs)
+        out = yield from self._batch(self.hold_items(engine_id, specs))
         for o in out:
             if o is None:
                 raise BadMessage(BAD_MESSAGE, "a hold in a batch was answered without Held")
@@ -340,15 +344,25 @@ class ClientCore:
         out = yield from self._batch(reqs)
         return [o if isinstance(o, SidecarError) else None for o in out]
 
-    def _batch(self, reqs: list[Read | Hold | Release]
+    def _batch(self, reqs: Sequence[Read | Hold | Release]
                ) -> Call[list[Held | SidecarError | None]]:
         """One :class:`Batch` (protocol minor 5; an older sidecar refuses the op
         as a ``bad_message``), answered item by item."""
         if not reqs:
             return []
+        out = yield from self.batch_answers(self.batch_request(reqs))
+        return out
+
+    def batch_request(self, reqs: Sequence[Read | Hold | Release]) -> Batch:
+        """One :class:`Batch` of ``reqs`` (at most MAX_BATCH: ValueError)."""
         if len(reqs) > MAX_BATCH:
             raise ValueError(f"{len(reqs)} requests in one batch; at most {MAX_BATCH}")
-        reply = expect((yield Batch(reqs, id=self._next_id())), Replies)
+        return Batch(list(reqs), id=self._next_id())
+
+    def batch_answers(self, batch: Batch) -> Call[list[Held | SidecarError | None]]:
+        """Send ``batch``; each item's outcome, in order."""
+        reqs = batch.requests
+        reply = expect((yield batch), Replies)
         if len(reply.items) != len(reqs):
             raise BadMessage(BAD_MESSAGE, f"a batch of {len(reqs)} was answered with "
                                           f"{len(reply.items)} replies")

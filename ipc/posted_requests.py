@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from .errors import SidecarError, Unavailable
-from .protocol import DUPLICATE, UNAVAILABLE, Completion, Error, Hold, Read, Reply
+from .protocol import DUPLICATE, UNAVAILABLE, Batch, Completion, Error, Hold, Read, Replies, Reply
 
-__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests"]
+__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests", "refusal_reason"]
 
 #: requests sent without waiting whose answers a client has not taken yet (the
 #: sidecar reads up to 64 queued messages of a connection in one wake-up)
@@ -63,6 +63,8 @@ class _Sent:
     conn: int
     #: went out on an earlier connection, which closed without answering it
     resent: bool = False
+    #: a batch's items' request ids, in order (empty: one request, ``request_id``)
+    items: tuple[str, ...] = ()
 
 
 class PostedRequests:
@@ -109,10 +111,16 @@ class PostedRequests:
                 "were refused and wait for poll() to report them, the limit; poll, then "
                 "send again"))
 
-    def add(self, req: Read | Hold, data: bytes) -> None:
+    def add(self, req: Read | Hold | Batch, data: bytes) -> None:
         """``req`` (encoded as ``data``) goes out now on the current connection;
-        its answer comes later."""
-        self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
+        its answer comes later. A :class:`Batch` is of one engine's reads or
+        holds; each item refused becomes a refusal of its own."""
+        if isinstance(req, Batch):
+            items = tuple(r.request_id for r in req.requests)
+            engine_id = req.requests[0].engine_id if req.requests else ""
+            self._sent[req.id] = _Sent(engine_id, "", data, self._conn, items=items)
+        else:
+            self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
 
     def discard(self, msg_id: int) -> None:
         """Message ``msg_id`` did not go out after all: forget it."""
@@ -128,16 +136,31 @@ class PostedRequests:
             return False
         if sent.conn != self._conn:
             self.behind -= 1  # answered on a connection closed since: counted, not owed
+        if isinstance(outcome, Replies) and sent.items:
+            for i, rid in enumerate(sent.items):  # a batch: item by item, in order
+                item = outcome.items[i] if i < len(outcome.items) else None
+                if item is None:
+                    self.refuse(sent.engine_id, rid, "the sidecar's answer to its batch "
+                                                     "left it out")
+                elif isinstance(item, Error) and not (sent.resent and item.code == DUPLICATE):
+                    self.refuse(sent.engine_id, rid, refusal_reason(item))
+            return True
         if not isinstance(outcome, (Error, SidecarError)):
             return True  # accepted: its completion comes from the sidecar
         if sent.resent and outcome.code == DUPLICATE:
             return True  # its first copy was taken before the connection closed
-        self._refuse(sent, f"refused by the sidecar ({outcome.code}): {outcome.message}")
+        self._refuse(sent, refusal_reason(outcome))
         return True
 
     def _refuse(self, sent: _Sent, reason: str) -> None:
-        self._refused.setdefault(sent.engine_id, []).append(
-            Completion(sent.request_id, "failed", reason=reason))
+        for rid in sent.items or (sent.request_id,):
+            self.refuse(sent.engine_id, rid, reason)
+
+    def refuse(self, engine_id: str, request_id: str, reason: str) -> None:
+        """Report ``request_id`` of ``engine_id`` ``failed`` (``reason``) at its
+        next poll: a request the sidecar refused (or never read)."""
+        self._refused.setdefault(engine_id, []).append(
+            Completion(request_id, "failed", reason=reason))
 
     def has_refused(self, engine_id: str) -> bool:
         return bool(self._refused.get(engine_id))
@@ -207,3 +230,8 @@ class PostedRequests:
     def forget_engine(self, engine_id: str) -> None:
         """``engine_id`` deregistered: nobody polls its refusals any more."""
         self._refused.pop(engine_id, None)
+
+
+def refusal_reason(err: Error | SidecarError) -> str:
+    """How a refusal reads in the ``failed`` completion it becomes."""
+    return f"refused by the sidecar ({err.code}): {err.message}"

@@ -409,10 +409,16 @@ class SimEngine:
         return hold_token.issue_all([reg.hold_key for reg in self.registrations],
                                     self.engine_id, request_id, block_ids, expires)
 
-    def hold_many(self, sents: Sequence[Sent], *, readers: int = 1) -> None:
+    def hold_many(self, sents: Sequence[Sent], *, readers: int = 1, wait: bool = True) -> None:
         """Hold several prefilled requests (``prefill(..., hold=False)``) in one
-        message per rank (``hold_many``), as a scheduler step would."""
+        message per rank (``hold_many``), as a scheduler step would.
+        ``wait=False``: ``hold_many_nowait``, the tokens the engine's own (as
+        ``prefill`` issued them); a refusal comes from :meth:`poll`."""
         specs = [HoldSpec(x.request_id, x.block_ids, readers=readers) for x in sents]
+        if not wait:
+            for rank in range(self.tp):
+                self.clients[rank].hold_many_nowait(self.engine_id, specs)
+            return
         for x in sents:
             x.tokens.clear()
         for rank in range(self.tp):
@@ -448,10 +454,15 @@ class SimEngine:
                                     verify=verify, remote_tokens=sent.tokens)
         return rec
 
-    def start_reads(self, sents: Sequence[Sent]) -> list[Receiving]:
-        """Start several reads in one message per rank (``read_many``)."""
+    def start_reads(self, sents: Sequence[Sent], *, wait: bool = True) -> list[Receiving]:
+        """Start several reads in one message per rank (``read_many``;
+        ``wait=False``: ``read_many_nowait``, a refusal from :meth:`poll`)."""
         recs = [self._receive(sent, None, 0, False) for sent in sents]
         specs = [_spec(rec) for rec in recs]
+        if not wait:
+            for rank in range(self.tp):
+                self.clients[rank].read_many_nowait(self.engine_id, specs)
+            return recs
         for rank in range(self.tp):
             refused = [e for e in self.clients[rank].read_many(self.engine_id, specs) if e]
             if refused:

@@ -119,3 +119,20 @@ def test_reads_planned_and_posted_as_a_group_fail_alone(pool) -> None:
         sent_back = {rid: per[0].kind
                      for rid, per in P.wait_for([r for r in rids if r != "g5"]).items()}
         assert {k for rid, k in sent_back.items() if rid != "g9"} == {"sent"}
+
+
+def test_a_batch_too_long_for_one_packet_waits_and_still_reports_through_poll(pool) -> None:
+    """``hold_many_nowait`` of a batch over one packet (40,000 block ids) waits
+    for its answer; the refused item still comes as a ``failed`` completion
+    from the next poll, the other is placed."""
+    with pool.engines(attn(8), 1, 1) as (P, _):
+        c = P.clients[0]
+        ids = P.blocks_for(16)
+        c.hold_many_nowait(P.engine_id, [HoldSpec("long", [list(range(40_000))]),
+                                         HoldSpec("fine", ids, timeout_s=60)])
+        assert len(c._core.posted) == 0  # answered before the call returned
+        got = c.poll(P.engine_id)
+        assert [(x.request_id, x.kind) for x in got] == [("long", "failed")]
+        assert "(bad_request)" in got[0].reason and "out of range" in got[0].reason
+        c.release(P.engine_id, "fine")
+        assert P.wait_for(["fine"])["fine"][0].kind == "aborted"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.ipc.client import AsyncSidecarClient, BadRequest, SidecarClient
+from kvsidecar.ipc.client import AsyncSidecarClient, BadRequest, ReadSpec, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_mid_read
 from kvsidecar.sim.models import attn
@@ -327,3 +327,35 @@ def test_holds_sent_without_waiting_pin_what_reads_take(engines) -> None:
     assert got["hn5"].invalid_block_ids == recs[5].block_ids
     held = {rid: per[0] for rid, per in P.wait_for(rids[:5]).items()}
     assert {held[rid].kind for rid in rids[:5]} == {"sent"}
+
+
+def test_batches_sent_without_waiting_report_refused_items_through_poll(engines) -> None:
+    """P's engine holds a step's requests with one ``hold_many_nowait`` (its own
+    tokens), one hold refused (a block out of range); D's engine reads them
+    with one ``read_many_nowait``, one read refused (a local block out of
+    range). Neither call waits; each refused item is a ``failed`` completion
+    of its own request from its engine's poll, the others land oracle-exact,
+    and the read of the refused hold's blocks fails."""
+    P, D, _ = engines
+    sents = [P.prefill(f"bn{i}", Request(seed=190 + i, prompt_tokens=8 + 5 * i), hold=False)
+             for i in range(5)]
+    bad_hold = Sent("bn-bad-hold", sents[4].remote, [[P.layout.num_blocks + 3]],
+                    sents[4].req)
+    P.hold_many([*sents[:3], bad_hold, *sents[3:]], wait=False)
+    assert len(P.clients[0]._core.posted) == 1  # one message, not answered yet
+    refused = P.wait_for(["bn-bad-hold"])["bn-bad-hold"][0]
+    assert refused.kind == "failed" and "(bad_request)" in refused.reason
+    recs = D.start_reads(sents[:4], wait=False)
+    D.clients[0].read_many_nowait(D.engine_id, [ReadSpec(
+        "bn-bad-read", [[D.layout.num_blocks + 3]], sents[4].remote, sents[4].block_ids,
+        remote_request_id=sents[4].request_id, remote_tokens=sents[4].tokens)])
+    rids = [s.request_id for s in sents[:4]]
+    got = {rid: per[0] for rid, per in D.wait_for([*rids, "bn-bad-read"]).items()}
+    assert got["bn-bad-read"].kind == "failed", got["bn-bad-read"]
+    assert got["bn-bad-read"].reason.startswith("refused by the sidecar (bad_request)")
+    for rid, rec in zip(rids, recs):
+        assert got[rid].kind == "received", (rid, got[rid])
+        assert not D.verify(rec.request_id), rid
+    held = {rid: per[0] for rid, per in P.wait_for(rids).items()}
+    assert {held[rid].kind for rid in rids} == {"sent"}
+    P.clients[0].release(P.engine_id, sents[4].request_id)

@@ -1,4 +1,5 @@
-"""The book of reads sent without waiting (ipc/posted_requests.py): pure, no socket."""
+"""The book of reads and holds sent without waiting (ipc/posted_requests.py): pure,
+no socket."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
     UNKNOWN_ENGINE,
+    Batch,
     Completion,
     Error,
+    Held,
     Ok,
     Pong,
     Read,
     RemoteEngine,
+    Replies,
 )
 
 REMOTE = RemoteEngine("p0", 1, ["127.0.0.1:7000"])
@@ -143,3 +147,48 @@ def test_fail_behind_drop_discard_and_forget() -> None:
     book.answered(5, Error(BAD_REQUEST, "no", id=5))
     book.forget()  # a forked child's
     assert len(book) == 0 and not book.has_refused("d0")
+
+
+def _batch(msg_id: int, *rids: str) -> Batch:
+    return Batch([_read(100 * msg_id + i, rid=rid) for i, rid in enumerate(rids)], id=msg_id)
+
+
+def test_a_batch_is_answered_item_by_item() -> None:
+    """Each refused item of a batch is a refusal of its own request id, in
+    order; accepted items are nobody's business here."""
+    book = PostedRequests()
+    book.add(_batch(1, "a", "b", "c"), b"batch")
+    assert len(book) == 1
+    assert book.answered(1, Replies([Ok(id=100), Error(BAD_REQUEST, "no such block", id=101),
+                                     Held(10.0, 60.0, id=102)], id=1))
+    got = book.take_refused("d0")
+    assert [(c.request_id, c.kind) for c in got] == [("b", "failed")]
+    assert got[0].reason == "refused by the sidecar (bad_request): no such block"
+    assert len(book) == 0
+
+
+def test_a_whole_batch_refused_or_answered_short_refuses_its_items() -> None:
+    book = PostedRequests()
+    book.add(_batch(1, "a", "b"), b"one")
+    book.add(_batch(2, "c", "d"), b"two")
+    book.answered(1, Error(UNKNOWN_ENGINE, "not registered", id=1))
+    book.answered(2, Replies([Ok(id=200)], id=2))  # a reply for "d" missing
+    assert [(c.request_id, "unknown_engine" in c.reason or "left it out" in c.reason)
+            for c in book.take_refused("d0")] == [("a", True), ("b", True), ("d", True)]
+
+
+def test_a_batch_sent_again_drops_the_duplicates_of_what_was_taken() -> None:
+    book = PostedRequests()
+    book.add(_batch(1, "a", "b"), b"batch")
+    book.new_connection()
+    assert book.unsent() == [(1, b"batch")]
+    book.sent_again(1)
+    book.answered(1, Replies([Error(DUPLICATE, "in progress", id=100),
+                              Error(BAD_REQUEST, "no such block", id=101)], id=1))
+    assert [c.request_id for c in book.take_refused("d0")] == ["b"]
+
+
+def test_refusals_made_by_the_client_itself_come_the_same_way() -> None:
+    book = PostedRequests()
+    book.refuse("d0", "x", "refused by the sidecar (bad_request): too long")
+    assert book.has_refused("d0") and book.take_refused("d0")[0].request_id == "x"
