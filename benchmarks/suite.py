@@ -810,9 +810,10 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
 #: read; one ``read_nowait`` per read (the blocking client sends each and takes
 #: the answers later); one ``read`` message per read, the round's all sent before any reply is
 #: awaited (the async client, as an asyncio engine issuing a step's reads at once);
-#: ``read_many`` messages of 16 (and P's engine ``hold_many``). P's engine holds
-#: with ``hold`` each, except where D's reads go without waiting (``hold_nowait``,
-#: its own tokens) or in batches (``hold_many``)
+#: ``read_many`` messages of 16 (and P's engine ``hold_many``), waiting for each
+#: answer or not. P's engine holds with ``hold`` each, except where D's reads go
+#: without waiting (``hold_nowait``, its own tokens) or in batches (``hold_many``,
+#: without waiting where D's are)
 _SENDING = {
     "one": "one `read` (and P's `hold`) each",
     "nowait": "one `read_nowait` each, the blocking client not waiting for the answers (and "
@@ -820,6 +821,8 @@ _SENDING = {
     "at_once": "one `read` message each, the round's sent at once through the async client "
                "(and P's `hold` each)",
     "many": "16 per `read_many` (and P's `hold_many`) message",
+    "many_nowait": "16 per `read_many_nowait` (and P's `hold_many_nowait`) message, the "
+                   "blocking client not waiting for the answers",
 }
 
 
@@ -838,7 +841,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
             pair.D.start_read(warm)
             pair.finish([warm], wait_all(pair.D, [warm.request_id]))
             for sending, how in _SENDING.items():
-                batched = sending == "many"
+                batched = sending.startswith("many")
+                wait = sending != "many_nowait"
                 done, elapsed, issuing = 0, 0.0, 0.0
                 c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
@@ -853,13 +857,13 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     sents = [pair.prefill(8 * k, hold=not own) for _ in range(n)]
                     if batched:
                         for i in range(0, n, per_msg):
-                            pair.P.hold_many(sents[i:i + per_msg])
+                            pair.P.hold_many(sents[i:i + per_msg], wait=wait)
                     elif own:
                         pair.P.hold_nowait(sents)
                     t0, e0 = time.perf_counter(), time.process_time()
                     if batched:
                         for i in range(0, n, per_msg):
-                            pair.D.start_reads(sents[i:i + per_msg])
+                            pair.D.start_reads(sents[i:i + per_msg], wait=wait)
                     elif sending == "at_once":
                         loop.run_until_complete(pair.D.start_reads_at_once(at_once, sents))
                     elif sending == "nowait":
