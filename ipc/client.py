@@ -304,8 +304,13 @@ class SidecarClient:
         batch = core.batch_request(reqs)
         if self._post(batch):
             return
-        outcomes = self._run(core.batch_answers(batch))
         posted = self._book()
+        try:
+            outcomes = self._run(core.batch_answers(batch))
+        except SidecarTimeout:
+            raise  # no answer: what became of it is unknown, as for read_many
+        except SidecarError as e:  # refused whole (or answered short), as the book does
+            outcomes = [e] * len(reqs)
         for req, outcome in zip(reqs, outcomes):
             if isinstance(outcome, SidecarError):
                 posted.refuse(engine_id, req.request_id, refusal_reason(outcome))
@@ -369,9 +374,12 @@ class SidecarClient:
         sidecar refuses becomes a ``failed`` completion of its request id from
         the next :meth:`poll` of ``engine_id``, as with :meth:`read_nowait`,
         whose book, rules and bounds this shares (a batch that meets the
-        refusal bound may pass it by its own size, at most 256). A batch too
-        long for one packet waits for its answer (its refusals still come
-        from poll)."""
+        refusal bound may pass it by its items). A batch too long for one
+        packet waits for its answer (its refusals still come from poll;
+        ``verify`` against a sidecar that would ignore it raises, as
+        :meth:`read_many` does)."""
+        if any(s.verify for s in specs):
+            can_verify(self.ping().minor)
         self._book().check_room(engine_id)
         self._post_many(engine_id, self._core.read_items(engine_id, specs))
 

@@ -25,6 +25,7 @@ from kvsidecar.ipc.client import (
     Forbidden,
     HoldSpec,
     InternalError,
+    ReadSpec,
     SidecarClient,
     SidecarError,
     SidecarTimeout,
@@ -42,6 +43,7 @@ from kvsidecar.ipc.protocol import (
     PROTOCOL_VERSION,
     UNKNOWN_ENGINE,
     VERSION,
+    Batch,
     Completion,
     Completions,
     Deregister,
@@ -89,6 +91,8 @@ class HandlerDouble:
             return Pong(PROTOCOL_VERSION, sorted(self.engines))
         if isinstance(req, Register):
             return self._register(req)
+        if isinstance(req, Batch):  # as a sidecar older than minor 5
+            raise RequestError(BAD_MESSAGE, "unknown op 'batch'")
         if req.engine_id not in self.engines:
             raise RequestError(UNKNOWN_ENGINE, f"engine {req.engine_id!r} is not registered")
         if isinstance(req, Deregister):
@@ -1042,6 +1046,30 @@ def test_holds_raise_at_once_what_the_sidecar_refuses_on_sight(
         assert len(handler.requests) == sent
         client.hold_nowait("d0", "h", [[0]], timeout_s=30.0)
         assert [(c.request_id, c.kind) for c in client.poll("d0")] == [("h", "sent")]
+    finally:
+        _unlink(regions)
+
+
+def test_a_batch_refused_whole_reports_each_item_short_or_long(
+        client: SidecarClient, handler: HandlerDouble) -> None:
+    """This stand-in daemon answers every Batch with one error (as a sidecar
+    older than minor 5 does): each item is a ``failed`` completion from the next
+    poll, whether the batch went without waiting or, too long for one packet,
+    waited for its answer."""
+    regions = _registered(client)
+    try:
+        client.read_many_nowait("d0", [ReadSpec("s1", [[0]], REMOTE, [[0]]),
+                                       ReadSpec("s2", [[1]], REMOTE, [[1]])])
+        long_ids = [list(range(40_000))]
+        client.read_many_nowait("d0", [ReadSpec("l1", long_ids, REMOTE, long_ids)])
+        got = client.poll("d0")
+        assert [(c.request_id, c.kind) for c in got] == [
+            ("s1", "failed"), ("s2", "failed"), ("l1", "failed")]
+        assert all(c.reason.startswith("refused by the sidecar (") for c in got)
+        sent = len(handler.requests)
+        with pytest.raises(Unavailable, match="verif"):  # a sidecar that would not verify
+            client.read_many_nowait("d0", [ReadSpec("v", [[0]], REMOTE, [[0]], verify=True)])
+        assert [type(r) for r in handler.requests[sent:]] == [Ping]
     finally:
         _unlink(regions)
 
