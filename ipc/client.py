@@ -231,28 +231,22 @@ class SidecarClient:
                     remote_tokens: Sequence[str] = ()) -> None:
         """:meth:`read` without waiting for the sidecar's answer: the message is
         sent and the call returns (the engine's cost is one send). Reads sent
-        so, one after another, queue on the connection, and the sidecar starts
-        those a wake-up finds together as one group (as ``read_many``'s).
+        so queue on the connection, and the sidecar starts those a wake-up
+        finds together as one group (as ``read_many``'s).
 
         What :meth:`read` would raise arrives instead as a ``failed`` completion
         of ``request_id`` from the next :meth:`poll` of ``engine_id`` (reason:
-        the refusal's code and message; nothing was started, no block written);
-        an accepted read completes as any read. Answers are taken by whatever
-        call this client makes next (:meth:`poll` first takes the answers still
-        due, so a refusal is never held up by a waiting poll). No read is
-        carried out twice: when a connection is lost, the reads the sidecar
-        closed it on unread go again on the next one, and those it had read
-        are its own (see :mod:`~kvsidecar.ipc.posted_requests`, and :meth:`close`).
-
-        Bounded: with 64 reads unanswered this call first takes answers
-        (waiting for them if it must); with 4,096 refusals of ``engine_id`` not
-        yet polled it raises :class:`Unavailable` (poll, then send again). A
-        read whose message needs several packets (tens of thousands of block
-        ids) waits for its answer and raises its refusal, as :meth:`read`
-        does. Otherwise it raises, with this read not sent, only what the
-        client itself can tell: the sidecar reading nothing for ``timeout_s``
-        (:class:`SidecarTimeout`), no sidecar listening, or ``verify`` against
-        a sidecar that would ignore it (as :meth:`read`)."""
+        the refusal's code and message; nothing started, no block written). Any
+        later call takes the answers (:meth:`poll` first, so a waiting poll
+        never holds up a refusal). No read is carried out twice when a
+        connection is lost (:mod:`~kvsidecar.ipc.posted_requests`, :meth:`close`).
+        Bounded: with 64 requests unanswered this call first takes answers;
+        with 4,096 refusals of ``engine_id`` unpolled it raises
+        :class:`Unavailable`. A read of several packets waits for its answer
+        and raises its refusal, as :meth:`read`. Otherwise it raises, nothing
+        sent, only what the client can tell: :class:`SidecarTimeout` (the
+        sidecar reads nothing), no sidecar, or ``verify`` against a sidecar
+        that would ignore it."""
         if verify:
             can_verify(self.ping().minor)
         self._book().check_room(engine_id)
@@ -263,10 +257,8 @@ class SidecarClient:
             expect(self._exchange(req), Ok)
 
     def _post(self, req: Read | Hold | Batch) -> bool:
-        """Send ``req`` without waiting for its answer (:meth:`read_nowait`,
-        :meth:`hold_nowait`, :meth:`read_many_nowait`, :meth:`hold_many_nowait`):
-        the book takes the answer when it comes. False, nothing sent, for a
-        message of several packets: the caller waits for its answer instead."""
+        """Send ``req`` without waiting; the book takes the answer when it comes.
+        False, nothing sent, for a message of several packets (the caller waits)."""
         posted = self._core.posted
         data = encode_request(req)
         if len(data) > MAX_PACKET:
@@ -295,9 +287,8 @@ class SidecarClient:
             return True
 
     def _post_many(self, engine_id: str, reqs: Sequence[Read | Hold]) -> None:
-        """:meth:`_post` of one batch of ``engine_id``'s ``reqs``; a batch too
-        long for one packet waits for its answer, its refusals still reported
-        by the next poll, item by item."""
+        """:meth:`_post` of one batch of ``reqs``; one too long for a packet waits
+        for its answer, its refusals still reported by the next poll."""
         if not reqs:
             return
         core = self._core
@@ -324,23 +315,15 @@ class SidecarClient:
 
     def hold_nowait(self, engine_id: str, request_id: str, block_ids: BlockIdsLike, *,
                     readers: int = 1, timeout_s: float | None = None) -> None:
-        """:meth:`hold` without waiting for the sidecar's answer: the message is
-        sent and the call returns. The engine issues the hold's token itself
+        """:meth:`hold` without waiting, as :meth:`read_nowait` is :meth:`read`'s
+        (one book, rules and bounds). The engine issues the token itself
         (:func:`~kvsidecar.ipc.hold_token.issue` with its registration's
-        ``hold_key``, as a scheduler that answers before its workers hold
-        does), so nothing in the answer is needed.
-
-        What :meth:`hold` would raise arrives instead as a ``failed``
-        completion of ``request_id`` from the next :meth:`poll` of
-        ``engine_id`` (reason: the refusal's code and message): no block was
-        pinned, and from then on a reader presenting the token is refused by
-        the sidecar (it records the refusal). An accepted hold completes as any
-        hold (``sent``, ``expired`` or ``aborted``). A field the sidecar would
-        refuse on sight (``readers`` < 1, ``timeout_s`` out of range, an id too
-        long) raises :class:`BadMessage` at once, nothing sent. Answers, lost
-        connections, bounds and what else is raised at once are as for
-        :meth:`read_nowait` (the two share one book of requests awaiting
-        answers)."""
+        ``hold_key``). A refusal is a ``failed`` completion of ``request_id``
+        from the next :meth:`poll`: nothing pinned, and the sidecar refuses the
+        token's readers from then on; an accepted hold completes as any hold.
+        A field the sidecar would refuse on sight (``readers`` < 1,
+        ``timeout_s`` out of range, an id too long) raises :class:`BadMessage`,
+        nothing sent."""
         self._book().check_room(engine_id)
         req = self._core.hold_request(engine_id, request_id, block_ids, readers, timeout_s)
         if not self._post(req):  # a long message (several packets) waits, as hold() does
@@ -369,15 +352,11 @@ class SidecarClient:
         return self._run(self._core.hold_many(engine_id, specs))
 
     def read_many_nowait(self, engine_id: str, specs: Sequence[ReadSpec]) -> None:
-        """:meth:`read_many` without waiting for the answer (protocol minor 5, as
-        ``read_many``): one message, sent, and the call returns. Each read the
-        sidecar refuses becomes a ``failed`` completion of its request id from
-        the next :meth:`poll` of ``engine_id``, as with :meth:`read_nowait`,
-        whose book, rules and bounds this shares (a batch that meets the
-        refusal bound may pass it by its items). A batch too long for one
-        packet waits for its answer (its refusals still come from poll;
-        ``verify`` against a sidecar that would ignore it raises, as
-        :meth:`read_many` does)."""
+        """:meth:`read_many` (protocol minor 5) without waiting, on
+        :meth:`read_nowait`'s book: each refused read is a ``failed`` completion
+        of its own id from the next :meth:`poll` (the refusal bound may be
+        passed by a batch's items). A batch of several packets waits for its
+        answer, its refusals still reported so."""
         if any(s.verify for s in specs):
             can_verify(self.ping().minor)
         self._book().check_room(engine_id)
