@@ -1,10 +1,12 @@
 """Reads and holds sent without waiting for their answer (``read_nowait``,
-``hold_nowait``): the client's bookkeeping of them, without I/O.
+``hold_nowait``, and in batches ``read_many_nowait``, ``hold_many_nowait``):
+the client's bookkeeping of them, without I/O.
 
-A request sent so is the same :class:`~.protocol.Read` or
-:class:`~.protocol.Hold` message the blocking call sends; only its answer is
-taken later, whenever the client next receives (any call, or ``poll``). The
-book remembers each such request until that answer comes:
+A request sent so is the same :class:`~.protocol.Read`, :class:`~.protocol.Hold`
+or :class:`~.protocol.Batch` message the blocking call sends (a batch's items
+are answered, and refused, one by one); only its answer is taken later,
+whenever the client next receives (any call, or ``poll``). The book
+remembers each such request until that answer comes:
 
 - ``Ok`` (a read) or ``Held`` (a hold): accepted. Forgotten here; its
   completion comes from the sidecar through ``poll``, as any read's or hold's.
