@@ -67,6 +67,7 @@ from .posted_requests import PostedRequests, refusal_reason
 from .protocol import (
     Batch,
     Completion,
+    Completions,
     DrainMode,
     Error,
     Held,
@@ -74,6 +75,7 @@ from .protocol import (
     KeepItem,
     MemoryKind,
     Ok,
+    Poll,
     Pong,
     Read,
     RemoteEngine,
@@ -117,9 +119,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _NOSIGNAL: Final = socket.MSG_NOSIGNAL
-#: at most this many packets are read from a connection the daemon closed (its
-#: queue is finite; the bound only guards against a peer that is not a daemon)
-_MAX_LEFTOVER: Final = 65536
 _TRUNC: Final = socket.MSG_TRUNC
 
 
@@ -256,7 +255,7 @@ class SidecarClient:
         if not self._post(req):  # a long message (several packets) waits, as read() does
             expect(self._exchange(req), Ok)
 
-    def _post(self, req: Read | Hold | Batch) -> bool:
+    def _post(self, req: Read | Hold | Batch | Poll) -> bool:
         """Send ``req`` without waiting; the book takes the answer when it comes.
         False, nothing sent, for a message of several packets (the caller waits)."""
         posted = self._core.posted
@@ -388,13 +387,49 @@ class SidecarClient:
         posted = self._book()
         if len(posted):  # sent without waiting: their answers first
             self._answers(0, None, time.monotonic() + core.timeout_s)
-        if posted.has_refused(engine_id):
-            wait_s = 0.0  # refusals to report: no waiting
+        pushed = self._pushed(engine_id)  # what a parked poll brought (poll_nowait)
+        if posted.has_refused(engine_id) or pushed:
+            wait_s = 0.0  # refusals or completions to report: no waiting
         req, kind = core.poll(engine_id, wait_s)
-        items = core.polled(engine_id, expect(self._exchange(req), kind))
+        items = pushed + core.polled(engine_id, expect(self._exchange(req), kind))
         if posted.has_refused(engine_id):  # answers taken during the exchange too
             return posted.take_refused(engine_id) + items
         return items
+
+    def poll_nowait(self, engine_id: str) -> list[Completion]:
+        """:meth:`poll` without waiting for the sidecar: a poll stays parked there
+        (one per engine, ``Poll.wait_s``) and is answered as soon as it has a
+        completion; this call takes that answer if it is already queued on the
+        connection, parks the next poll and returns, so an empty one costs no
+        round trip. A completion comes with the first call after the sidecar
+        sent it (the first call only parks). Refusals of requests sent without
+        waiting come first, as from :meth:`poll`; a refused poll raises."""
+        posted = self._book()
+        self._take_queued()
+        items = self._pushed(engine_id)
+        if not posted.parked(engine_id):
+            self._post(self._core.park(engine_id))
+        if posted.has_refused(engine_id):
+            return posted.take_refused(engine_id) + items
+        return items
+
+    def _pushed(self, engine_id: str) -> list[Completion]:
+        got = self._core.posted.take_pushed(engine_id)
+        if got is None:
+            return []
+        if isinstance(got, SidecarError):
+            raise got
+        return self._core.polled(engine_id, expect(got, Completions))
+
+    def _take_queued(self) -> None:
+        """Take the answers already queued on the connection, without waiting."""
+        sock = self._sock
+        if sock is None or self._forks != client_socket.forks():
+            return
+        got, reset, ended = client_socket.take_queued(self._core, sock, None)
+        if reset or ended:
+            got = self._lost(sock, reset=reset) or got
+        self._raise_refusal(got)
 
     def keep(self, engine_id: str, items: Sequence[KeepItem]) -> None:
         """Keep P's holds of requests this engine admitted and reads later
@@ -441,6 +476,7 @@ class SidecarClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self._core.posted.unpark()  # never answered now
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -575,7 +611,7 @@ class SidecarClient:
         reports a pending reset itself, and then the queue no longer shows it.)"""
         if err is not None and err.errno == errno.ECONNRESET:
             reset = True
-        got, saw_reset = self._leftover(sock, req_id)
+        got, saw_reset, _ = client_socket.take_queued(self._core, sock, req_id)
         self._drop_socket()
         posted = self._core.posted
         if not (reset or saw_reset) and posted.due:
@@ -761,35 +797,3 @@ class SidecarClient:
             return outcome
         log.debug("dropping a stale reply with id %d", id)
         return None
-
-    def _leftover(self, sock: socket.socket, req_id: int | None
-                  ) -> tuple[tuple[int, Reply | SidecarError] | None, bool]:
-        """What is still queued on a connection that failed, read to its end
-        (a SEQPACKET socket reports a reset once, before what is queued):
-        answers to requests sent without waiting go to the book, stale replies are
-        dropped, and the reply to ``req_id`` (or an error without an id, which
-        with one call in flight is that call's) is returned, with whether a
-        reset was seen (the daemon closed it with messages of ours unread)."""
-        core = self._core
-        found: tuple[int, Reply | SidecarError] | None = None
-        resets = 0
-        for _ in range(_MAX_LEFTOVER):
-            try:
-                n = sock.recv_into(core.buf, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
-            except ConnectionResetError:
-                resets += 1
-                if resets > 1:
-                    break
-                continue
-            except OSError:
-                break
-            if n == 0:
-                break
-            got = core.received(n)
-            if got is None or core.posted.answered(*got):
-                continue
-            if found is None and (got[0] == req_id or got[0] == -1):
-                found = got
-            else:
-                log.debug("dropping a stale reply with id %d", got[0])
-        return found, resets > 0

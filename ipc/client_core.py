@@ -190,6 +190,10 @@ MAX_REPLY_BYTES = 1 << 30
 WAIT_LONGER: Final[frozenset[type]] = frozenset({Register, Poll})
 #: A poll of an engine this client has not polled yet acknowledges nothing.
 _NO_ACK: Final = ("", 0)
+#: How long a parked poll waits at the sidecar. Each one renews the engine's
+#: liveness lease (``--engine-lease``, 30 s by default) when it arrives, so an
+#: engine that only polls without waiting is not taken for dead while idle.
+PARK_S: Final = 1.0
 
 
 # --------------------------------------------------------------------------
@@ -377,9 +381,26 @@ class ClientCore:
         return Poll(engine_id, ack, epoch, wait_s, id=next(self._ids)), Completions
 
     def polled(self, engine_id: str, reply: Completions) -> list[Completion]:
-        """A poll's answer: its items, acknowledged by the engine's next poll."""
-        self.acks[engine_id] = (reply.epoch, reply.last)
-        return reply.items
+        """A poll's answer: its items not returned before, acknowledged by the
+        engine's next poll. (A parked poll's answer and another poll's may
+        cover the same completions: a reply holds the sidecar's unacknowledged
+        completions, numbered up to its ``last``, so those numbered up to the
+        last one returned are dropped here.)"""
+        epoch, seen = self.acks.get(engine_id, _NO_ACK)
+        if reply.epoch != epoch or not epoch:  # the first, a new registration's, unnumbered
+            self.acks[engine_id] = (reply.epoch, reply.last)
+            return reply.items
+        self.acks[engine_id] = (epoch, max(seen, reply.last))
+        new = reply.last - seen
+        if new <= 0:
+            return []
+        return reply.items[-new:] if new < len(reply.items) else reply.items
+
+    def park(self, engine_id: str) -> Poll:
+        """A poll to park at the sidecar (``poll_nowait``): answered as soon as
+        it has a completion for ``engine_id``, or empty after :data:`PARK_S`."""
+        epoch, ack = self.acks.get(engine_id, _NO_ACK)
+        return Poll(engine_id, ack, epoch, PARK_S, id=next(self._ids))
 
     def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
         return Ping(engines=list(engines), id=next(self._ids)), Pong

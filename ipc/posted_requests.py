@@ -31,6 +31,15 @@ handled from that connection's queue, so it is never sent again either: it
 is reported ``failed`` (:meth:`PostedRequests.fail_behind`) only where the
 sidecar is known not to have read it.
 
+Polls parked at the sidecar (``poll_nowait``) are booked apart: a
+:class:`~.protocol.Poll` with ``wait_s`` sent without waiting, at most one
+per engine, which the sidecar answers when a completion arrives (or the
+wait ends). The answer is kept (:meth:`PostedRequests.take_pushed`) until
+the engine polls; a parked poll lives as long as its connection
+(:meth:`PostedRequests.unpark` when it goes: never sent again, its
+completions, unacknowledged, come with the next poll) and none is counted
+among the requests awaiting answers (a client never waits for one).
+
 Bounded: at most ``max_unanswered`` requests await their answers (a client
 takes answers, waiting if it must, before it sends more) and at most
 ``max_refused`` refusals of one engine await its poll; past that
@@ -43,8 +52,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from .errors import SidecarError, Unavailable
-from .protocol import DUPLICATE, UNAVAILABLE, Batch, Completion, Error, Hold, Read, Replies, Reply
+from .errors import BadMessage, SidecarError, Unavailable
+from .protocol import (
+    BAD_MESSAGE,
+    DUPLICATE,
+    UNAVAILABLE,
+    Batch,
+    Completion,
+    Completions,
+    Error,
+    Hold,
+    Poll,
+    Read,
+    Replies,
+    Reply,
+)
 
 __all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests", "refusal_reason"]
 
@@ -84,6 +106,11 @@ class PostedRequests:
         self._conn = 0
         #: unanswered requests not yet sent on the current connection
         self.behind = 0
+        #: parked polls: message id -> engine, and engine -> message id
+        self._parked: dict[int, str] = {}
+        self._parked_of: dict[str, int] = {}
+        #: the answers of parked polls, by engine, until its next poll
+        self._pushed: dict[str, Completions | Error | SidecarError] = {}
 
     def __len__(self) -> int:
         """Requests sent and not answered yet."""
@@ -113,19 +140,46 @@ class PostedRequests:
                 "were refused and wait for poll() to report them, the limit; poll, then "
                 "send again"))
 
-    def add(self, req: Read | Hold | Batch, data: bytes) -> None:
+    def add(self, req: Read | Hold | Batch | Poll, data: bytes) -> None:
         """``req`` (encoded as ``data``) goes out now on the current connection;
         its answer comes later. A :class:`Batch` is of one engine's reads or
-        holds; each item refused becomes a refusal of its own."""
-        if isinstance(req, Batch):
+        holds; each item refused becomes a refusal of its own. A :class:`Poll`
+        is parked (:meth:`park`)."""
+        if isinstance(req, Poll):
+            self.park(req)
+        elif isinstance(req, Batch):
             items = tuple(r.request_id for r in req.requests)
             engine_id = req.requests[0].engine_id if req.requests else ""
             self._sent[req.id] = _Sent(engine_id, "", data, self._conn, items=items)
         else:
             self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
 
+    def park(self, req: Poll) -> None:
+        """``req`` goes out now, parked: its answer comes when the sidecar has
+        something for its engine (or its wait ends)."""
+        self._parked[req.id] = req.engine_id
+        self._parked_of[req.engine_id] = req.id
+
+    def parked(self, engine_id: str) -> bool:
+        """A poll of ``engine_id`` is parked at the sidecar, its answer not in yet."""
+        return engine_id in self._parked_of
+
+    def unpark(self) -> None:
+        """The connection went: its parked polls are never answered (what they
+        would have brought, unacknowledged, comes with the next poll)."""
+        self._parked.clear()
+        self._parked_of.clear()
+
+    def take_pushed(self, engine_id: str) -> Completions | Error | SidecarError | None:
+        """The answer a parked poll of ``engine_id`` brought, once."""
+        return self._pushed.pop(engine_id, None)
+
     def discard(self, msg_id: int) -> None:
         """Message ``msg_id`` did not go out after all: forget it."""
+        engine_id = self._parked.pop(msg_id, None)
+        if engine_id is not None:
+            del self._parked_of[engine_id]
+            return
         sent = self._sent.pop(msg_id, None)
         if sent is not None and sent.conn != self._conn:
             self.behind -= 1
@@ -133,6 +187,15 @@ class PostedRequests:
     def answered(self, msg_id: int, outcome: Reply | SidecarError) -> bool:
         """Take the answer to message ``msg_id`` if it is one of these requests
         (True), else leave it to its caller (False)."""
+        engine_id = self._parked.pop(msg_id, None)
+        if engine_id is not None:
+            del self._parked_of[engine_id]
+            if isinstance(outcome, (Completions, Error, SidecarError)):
+                self._pushed[engine_id] = outcome
+            else:
+                self._pushed[engine_id] = BadMessage(
+                    BAD_MESSAGE, f"a poll was answered with a {type(outcome).__name__}")
+            return True
         sent = self._sent.pop(msg_id, None)
         if sent is None:
             return False
@@ -228,10 +291,14 @@ class PostedRequests:
         requests are its parent's, and so are their answers and refusals)."""
         self.drop_unanswered()
         self._refused.clear()
+        self.unpark()
+        self._pushed.clear()
 
     def forget_engine(self, engine_id: str) -> None:
-        """``engine_id`` deregistered: nobody polls its refusals any more."""
+        """``engine_id`` deregistered: nobody polls its refusals (or what a
+        parked poll of it brought) any more."""
         self._refused.pop(engine_id, None)
+        self._pushed.pop(engine_id, None)
 
 
 def refusal_reason(err: Error | SidecarError) -> str:

@@ -208,7 +208,9 @@ class Transfers(SidecarLink):
         items: list[Completion] = []
         if not self._down:
             try:
-                items = self.client.poll(self.engine_id)
+                # Never waits for the sidecar: what it pushed since (a poll stays
+                # parked there), an empty step's poll costing no round trip.
+                items = self.client.poll_nowait(self.engine_id)
             except UnknownEngine as e:
                 self._lose(str(e))
             except SidecarTimeout as e:  # its completions come again with a later poll

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.ipc.errors import BadRequest, Unavailable
+from kvsidecar.ipc.client_core import PARK_S, ClientCore
+from kvsidecar.ipc.errors import BadMessage, BadRequest, Unavailable
 from kvsidecar.ipc.posted_requests import PostedRequests
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
@@ -13,9 +14,11 @@ from kvsidecar.ipc.protocol import (
     UNKNOWN_ENGINE,
     Batch,
     Completion,
+    Completions,
     Error,
     Held,
     Ok,
+    Poll,
     Pong,
     Read,
     RemoteEngine,
@@ -192,3 +195,74 @@ def test_refusals_made_by_the_client_itself_come_the_same_way() -> None:
     book = PostedRequests()
     book.refuse("d0", "x", "refused by the sidecar (bad_request): too long")
     assert book.has_refused("d0") and book.take_refused("d0")[0].request_id == "x"
+
+
+def _parked(book: PostedRequests, msg_id: int, engine: str = "d0") -> None:
+    book.add(Poll(engine, 0, "", PARK_S, id=msg_id), b"poll")
+
+
+def test_a_parked_poll_is_booked_apart_and_its_answer_kept_for_the_engine() -> None:
+    book = PostedRequests()
+    _sent(book, 1)
+    _parked(book, 2)
+    _parked(book, 3, engine="d1")
+    assert len(book) == 1 and book.due == 1  # nobody waits for a parked poll
+    assert book.parked("d0") and book.parked("d1") and not book.parked("d2")
+    done = Completions([Completion("r9", "received")], last=4, epoch="e1", id=2)
+    assert book.answered(2, done)
+    assert not book.parked("d0") and book.parked("d1")
+    assert book.take_pushed("d0") == done and book.take_pushed("d0") is None  # once
+    refused = Error(UNKNOWN_ENGINE, "engine 'd1' is not registered here", id=3)
+    assert book.answered(3, refused)
+    assert book.take_pushed("d1") == refused
+    assert len(book) == 1 and not book.answered(2, done)  # answered once
+
+
+def test_a_parked_poll_answered_with_something_else_is_a_bad_message() -> None:
+    book = PostedRequests()
+    _parked(book, 5)
+    assert book.answered(5, Ok(id=5))
+    got = book.take_pushed("d0")
+    assert isinstance(got, BadMessage) and "answered with a Ok" in got.message
+
+
+def test_parked_polls_go_with_their_connection_and_never_again() -> None:
+    book = PostedRequests()
+    _parked(book, 1)
+    _parked(book, 2, engine="d1")
+    book.discard(1)  # its send failed
+    assert not book.parked("d0") and book.parked("d1")
+    book.new_connection()  # read requests go again; a parked poll is not among them
+    assert book.unsent() == [] and book.behind == 0
+    book.unpark()  # the socket went
+    assert not book.parked("d1") and not book.answered(2, Completions(id=2))
+    _parked(book, 3)
+    book.answered(3, Completions(id=3))
+    book.forget_engine("d0")
+    assert book.take_pushed("d0") is None
+    _parked(book, 4)
+    book.answered(4, Completions(id=4))
+    _parked(book, 5)
+    book.forget()  # a forked child: nothing of its parent's
+    assert book.take_pushed("d0") is None and not book.parked("d0")
+
+
+def test_a_completion_two_polls_returned_is_reported_once() -> None:
+    """A parked poll's answer and a blocking poll's can both hold completions
+    not acknowledged yet: each is returned by the first and dropped after."""
+    core = ClientCore("/nowhere", 1.0)
+    a, b, c = (Completion(r, "received") for r in "abc")
+    assert core.polled("d0", Completions([a, b], last=2, epoch="e1")) == [a, b]
+    assert core.polled("d0", Completions([a, b, c], last=3, epoch="e1")) == [c]
+    assert core.polled("d0", Completions([b, c], last=3, epoch="e1")) == []
+    assert core.polled("d0", Completions([], last=3, epoch="e1")) == []
+    assert core.acks["d0"] == ("e1", 3)
+    assert core.polled("d0", Completions([a, b], last=2, epoch="e1")) == []  # a late one
+    assert core.acks["d0"] == ("e1", 3)  # never acknowledged back
+    # another registration (a restarted sidecar): its numbers start again
+    assert core.polled("d0", Completions([a], last=1, epoch="e2")) == [a]
+    # unnumbered (a sidecar that does not acknowledge): every reply is new
+    assert core.polled("d1", Completions([a])) == [a]
+    assert core.polled("d1", Completions([a])) == [a]
+    park = core.park("d0")
+    assert (park.engine_id, park.ack, park.epoch, park.wait_s) == ("d0", 1, "e2", PARK_S)

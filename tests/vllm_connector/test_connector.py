@@ -288,7 +288,7 @@ def record_completions(eng: Engine) -> dict[str, list[Completion]]:
     w = eng.workers[0].worker
     assert w is not None
     seen: dict[str, list[Completion]] = {}
-    poll = w.client.poll
+    poll = w.client.poll_nowait  # what the worker polls with each step
 
     def recording(engine_id: str) -> list[Completion]:
         items = poll(engine_id)
@@ -296,7 +296,7 @@ def record_completions(eng: Engine) -> dict[str, list[Completion]]:
             seen.setdefault(c.request_id, []).append(c)
         return items
 
-    w.client.poll = recording  # type: ignore[method-assign]
+    w.client.poll_nowait = recording  # type: ignore[method-assign]
     return seen
 
 

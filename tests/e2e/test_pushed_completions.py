@@ -1,0 +1,163 @@
+"""End to end (issue #31): completions pushed to an engine that polls without
+waiting (``SidecarClient.poll_nowait``). A poll stays parked at D's sidecar and
+is answered when a completion arrives; the engine's empty polls then send
+nothing. Real sidecars with metrics: the sidecar's own count of the polls it
+answered says how many went out; bytes are checked against the oracle
+(LAYOUT.md section 6)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.ipc.client import SidecarClient, UnknownEngine
+from kvsidecar.ipc.client_core import PARK_S
+from kvsidecar.ipc.protocol import Completion
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.sim.models import attn
+from kvsidecar.sim.oracle import Request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+POLLS = "kvsidecar_engine_requests_total"
+LEASE_S = 3.0
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
+    # A short engine lease: the idle test shows parked polls keep the engine alive.
+    args = ["--metrics-port", "0", "--engine-lease", str(LEASE_S)]
+    p = SidecarProcess(tmp_path, "pc-p", args=args).start()
+    d = None
+    P = D = None
+    try:
+        d = SidecarProcess(tmp_path, "pc-d", args=args).start()
+        P = SimEngine("pc-P", attn(8), 1, 200, [p])
+        D = SimEngine("pc-D", attn(8), 1, 200, [d])
+        yield P, D, d
+    finally:
+        for e in (D, P):
+            if e is not None:
+                e.close()
+        codes = {"p": p.stop(), "d": d.stop() if d is not None else 0}
+        assert codes == {"p": 0, "d": 0}, codes
+
+
+def _polls(d: SidecarProcess) -> float:
+    return d.metric(POLLS, op="poll")
+
+
+def _until(client: SidecarClient, engine_id: str, want: set[str], timeout_s: float = 60.0
+           ) -> tuple[list[Completion], int, int]:
+    """poll_nowait until every request of ``want`` came: everything returned,
+    the calls made and how many of them returned something."""
+    got: list[Completion] = []
+    calls = answered = 0
+    deadline = time.monotonic() + timeout_s
+    while not want <= {c.request_id for c in got}:
+        assert time.monotonic() < deadline, f"no completion for {want}: {got}"
+        items = client.poll_nowait(engine_id)
+        calls += 1
+        answered += bool(items)
+        got += items
+        time.sleep(0.001)
+    return got, calls, answered
+
+
+def test_completions_are_pushed_and_empty_polls_send_nothing(engines) -> None:
+    """16 reads: each completion comes exactly once, bytes oracle-exact; the
+    sidecar answered at most one poll per call that returned something, plus
+    one per PARK_S of waiting, plus the first: the thousands of empty calls
+    between sent nothing."""
+    P, D, d = engines
+    c = D.clients[0]
+    assert c.poll_nowait(D.engine_id) == []  # parks the first
+    before, t0 = _polls(d), time.monotonic()
+    for _ in range(500):  # nothing to report: no message
+        assert c.poll_nowait(D.engine_id) == []
+    sents = [P.prefill(f"r{i}", Request(seed=300 + i, prompt_tokens=9 + 5 * i))
+             for i in range(16)]
+    D.start_reads(sents)
+    rids = {s.request_id for s in sents}
+    got, calls, answered = _until(c, D.engine_id, rids)
+    for _ in range(200):  # nothing comes twice
+        got += c.poll_nowait(D.engine_id)
+    elapsed = time.monotonic() - t0
+    assert sorted(x.request_id for x in got) == sorted(rids), got
+    assert {x.kind for x in got} == {"received"}, got
+    for rid in rids:
+        assert D.verify(rid) == [], rid
+        D.finish(rid)
+    polls = _polls(d) - before
+    assert polls <= answered + elapsed / PARK_S + 1, (polls, answered, calls, elapsed)
+    assert calls + 700 > 10 * polls, (polls, calls)
+    # P's holds ended by D's notifications; P's engine polls the same way.
+    sent, _, _ = _until(P.clients[0], P.engine_id, rids)
+    assert {x.kind for x in sent} == {"sent"}, sent
+
+
+def test_an_engine_that_only_polls_without_waiting_stays_registered(engines) -> None:
+    """Idle for more than two engine leases, polling only with poll_nowait: each
+    parked poll renews the lease as it arrives, so the engine is still
+    registered and its next read lands."""
+    P, D, _ = engines
+    c = D.clients[0]
+    end = time.monotonic() + 2.5 * LEASE_S
+    while time.monotonic() < end:
+        assert c.poll_nowait(D.engine_id) == []
+        P.clients[0].poll_nowait(P.engine_id)
+        time.sleep(0.01)
+    assert D.engine_id in c.ping().engines
+    sent = P.prefill("late", Request(seed=7, prompt_tokens=40))
+    D.start_read(sent)
+    got, _, _ = _until(c, D.engine_id, {"late"})
+    assert [x.kind for x in got] == ["received"] and D.verify("late") == []
+
+
+def test_refusals_and_blocking_polls_mix_with_pushed_ones(engines) -> None:
+    """A read refused on sight (read_nowait) is reported by poll_nowait as a
+    failed completion; a blocking poll taken between pushed ones returns what
+    the parked poll did not, and nothing is reported twice."""
+    P, D, _ = engines
+    c = D.clients[0]
+    c.poll_nowait(D.engine_id)  # parked
+    good = P.prefill("g1", Request(seed=11, prompt_tokens=30))
+    rec = D.start_read(good)
+    far = [[D.layout.num_blocks + 5]]  # outside D's cache: refused on sight
+    c.read_nowait(D.engine_id, "bad", far, good.remote, good.block_ids,
+                  remote_request_id="g1", remote_tokens=good.tokens)
+    seen: list[Completion] = []
+    deadline = time.monotonic() + 60
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, seen
+        seen += c.poll_nowait(D.engine_id)
+        seen += c.poll(D.engine_id)  # the blocking poll between
+        time.sleep(0.001)
+    for _ in range(100):
+        seen += c.poll_nowait(D.engine_id) + c.poll(D.engine_id)
+    kinds = sorted((x.request_id, x.kind) for x in seen)
+    assert kinds == [("bad", "failed"), ("g1", "received")], seen
+    refusal = next(x for x in seen if x.kind == "failed")
+    assert "refused by the sidecar (bad_request)" in refusal.reason, refusal
+    assert D.verify("g1") == [] and rec.request_id == "g1"
+
+
+def test_a_deregistered_engine_is_named_by_the_next_polls(engines) -> None:
+    """An engine deregistered (by its own other client) while a poll of it is
+    parked: the parked poll is answered, and a poll_nowait soon after raises
+    UnknownEngine, as poll does."""
+    _, D, d = engines
+    c = D.clients[0]
+    c.poll_nowait(D.engine_id)
+    with SidecarClient(d.socket) as other:
+        other.deregister(D.engine_id)
+    deadline = time.monotonic() + 10
+    with pytest.raises(UnknownEngine):
+        while time.monotonic() < deadline:
+            c.poll_nowait(D.engine_id)
+            time.sleep(0.01)
+    with pytest.raises(UnknownEngine):
+        c.poll(D.engine_id)
