@@ -67,7 +67,6 @@ from .posted_requests import PostedRequests, refusal_reason
 from .protocol import (
     Batch,
     Completion,
-    Completions,
     DrainMode,
     Error,
     Held,
@@ -269,7 +268,7 @@ class SidecarClient:
         resends = 0
         while True:
             sock = self._ready(req, timeout_s, deadline, resends)
-            posted.add(req, data)
+            posted.add(req, data, time.monotonic())
             try:
                 sock.send(data, _NOSIGNAL)
             except BlockingIOError:  # SO_SNDTIMEO: the daemon reads nothing; not sent
@@ -387,7 +386,7 @@ class SidecarClient:
         posted = self._book()
         if len(posted):  # sent without waiting: their answers first
             self._answers(0, None, time.monotonic() + core.timeout_s)
-        pushed = self._pushed(engine_id)  # what a parked poll brought (poll_nowait)
+        pushed = core.pushed(engine_id, time.monotonic())  # a parked poll's (poll_nowait)
         if posted.has_refused(engine_id) or pushed:
             wait_s = 0.0  # refusals or completions to report: no waiting
         req, kind = core.poll(engine_id, wait_s)
@@ -403,23 +402,16 @@ class SidecarClient:
         connection, parks the next poll and returns, so an empty one costs no
         round trip. A completion comes with the first call after the sidecar
         sent it (the first call only parks). Refusals of requests sent without
-        waiting come first, as from :meth:`poll`; a refused poll raises."""
+        waiting come first, as from :meth:`poll`; a refused poll raises, as does
+        one unanswered for ``PARK_S`` + ``timeout_s`` (:class:`SidecarTimeout`)."""
         posted = self._book()
         self._take_queued()
-        items = self._pushed(engine_id)
+        items = self._core.pushed(engine_id, time.monotonic())
         if not posted.parked(engine_id):
             self._post(self._core.park(engine_id))
         if posted.has_refused(engine_id):
             return posted.take_refused(engine_id) + items
         return items
-
-    def _pushed(self, engine_id: str) -> list[Completion]:
-        got = self._core.posted.take_pushed(engine_id)
-        if got is None:
-            return []
-        if isinstance(got, SidecarError):
-            raise got
-        return self._core.polled(engine_id, expect(got, Completions))
 
     def _take_queued(self) -> None:
         """Take the answers already queued on the connection, without waiting."""

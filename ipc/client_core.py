@@ -396,6 +396,22 @@ class ClientCore:
             return []
         return reply.items[-new:] if new < len(reply.items) else reply.items
 
+    def pushed(self, engine_id: str, now: float) -> list[Completion]:
+        """What a poll of ``engine_id`` parked at the sidecar brought (its error
+        raised), once; :class:`SidecarTimeout` when, at ``now``, it has gone
+        unanswered for :data:`PARK_S` + ``timeout_s`` (the sidecar is stuck: the
+        poll is forgotten, a late answer is stale, and the next call parks again)."""
+        got = self.posted.take_pushed(engine_id)
+        if got is None:
+            wait_s = PARK_S + self.timeout_s
+            if self.posted.overdue(engine_id, now, wait_s):
+                raise SidecarTimeout(f"no answer to a poll parked at {self.endpoint} "
+                                     f"within {wait_s:g} s")
+            return []
+        if isinstance(got, SidecarError):
+            raise got
+        return self.polled(engine_id, expect(got, Completions))
+
     def park(self, engine_id: str) -> Poll:
         """A poll to park at the sidecar (``poll_nowait``): answered as soon as
         it has a completion for ``engine_id``, or empty after :data:`PARK_S`."""

@@ -106,9 +106,9 @@ class PostedRequests:
         self._conn = 0
         #: unanswered requests not yet sent on the current connection
         self.behind = 0
-        #: parked polls: message id -> engine, and engine -> message id
+        #: parked polls: message id -> engine, and engine -> (message id, when parked)
         self._parked: dict[int, str] = {}
-        self._parked_of: dict[str, int] = {}
+        self._parked_of: dict[str, tuple[int, float]] = {}
         #: the answers of parked polls, by engine, until its next poll
         self._pushed: dict[str, Completions | Error | SidecarError] = {}
 
@@ -140,13 +140,13 @@ class PostedRequests:
                 "were refused and wait for poll() to report them, the limit; poll, then "
                 "send again"))
 
-    def add(self, req: Read | Hold | Batch | Poll, data: bytes) -> None:
+    def add(self, req: Read | Hold | Batch | Poll, data: bytes, now: float = 0.0) -> None:
         """``req`` (encoded as ``data``) goes out now on the current connection;
         its answer comes later. A :class:`Batch` is of one engine's reads or
         holds; each item refused becomes a refusal of its own. A :class:`Poll`
         is parked (:meth:`park`)."""
         if isinstance(req, Poll):
-            self.park(req)
+            self.park(req, now)
         elif isinstance(req, Batch):
             items = tuple(r.request_id for r in req.requests)
             engine_id = req.requests[0].engine_id if req.requests else ""
@@ -154,15 +154,26 @@ class PostedRequests:
         else:
             self._sent[req.id] = _Sent(req.engine_id, req.request_id, data, self._conn)
 
-    def park(self, req: Poll) -> None:
-        """``req`` goes out now, parked: its answer comes when the sidecar has
+    def park(self, req: Poll, now: float = 0.0) -> None:
+        """``req`` goes out ``now``, parked: its answer comes when the sidecar has
         something for its engine (or its wait ends)."""
         self._parked[req.id] = req.engine_id
-        self._parked_of[req.engine_id] = req.id
+        self._parked_of[req.engine_id] = (req.id, now)
 
     def parked(self, engine_id: str) -> bool:
         """A poll of ``engine_id`` is parked at the sidecar, its answer not in yet."""
         return engine_id in self._parked_of
+
+    def overdue(self, engine_id: str, now: float, after_s: float) -> bool:
+        """The poll of ``engine_id`` was parked more than ``after_s`` before ``now``
+        and is still unanswered: forgotten here (a late answer is stale), and
+        the caller says the sidecar did not answer."""
+        parked = self._parked_of.get(engine_id)
+        if parked is None or now - parked[1] <= after_s:
+            return False
+        del self._parked_of[engine_id]
+        del self._parked[parked[0]]
+        return True
 
     def unpark(self) -> None:
         """The connection went: its parked polls are never answered (what they

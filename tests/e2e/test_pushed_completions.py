@@ -7,13 +7,16 @@ answered says how many went out; bytes are checked against the oracle
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvsidecar.ipc.client import SidecarClient, UnknownEngine
+from kvsidecar.ipc.client import SidecarClient, SidecarTimeout, UnknownEngine
 from kvsidecar.ipc.client_core import PARK_S
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
@@ -29,7 +32,14 @@ LEASE_S = 3.0
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
     # A short engine lease: the idle test shows parked polls keep the engine alive.
-    args = ["--metrics-port", "0", "--engine-lease", str(LEASE_S)]
+    with _pair(tmp_path, LEASE_S) as pair:
+        yield pair
+
+
+@contextlib.contextmanager
+def _pair(tmp_path: Path, lease_s: float
+          ) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
+    args = ["--metrics-port", "0", "--engine-lease", str(lease_s)]
     p = SidecarProcess(tmp_path, "pc-p", args=args).start()
     d = None
     P = D = None
@@ -161,3 +171,35 @@ def test_a_deregistered_engine_is_named_by_the_next_polls(engines) -> None:
             time.sleep(0.01)
     with pytest.raises(UnknownEngine):
         c.poll(D.engine_id)
+
+
+def test_a_stopped_sidecar_is_noticed_and_its_completions_come_after(tmp_path: Path) -> None:
+    """D's sidecar stopped (SIGSTOP) with a poll parked there: poll_nowait says
+    so (SidecarTimeout) once the poll has gone unanswered for PARK_S + the
+    client's timeout, not before; once the sidecar runs again the next calls
+    park again and a read's completion comes, once."""
+    with _pair(tmp_path, 30.0) as (P, D, d):
+        timeout_s = 0.5
+        c = SidecarClient(d.socket, timeout_s=timeout_s)
+        try:
+            t0 = time.monotonic()  # before the park: the wait runs from it
+            assert c.poll_nowait(D.engine_id) == []  # parked
+            assert d.proc is not None
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(SidecarTimeout, match="no answer to a poll parked"):
+                    while time.monotonic() - t0 < 30:
+                        assert c.poll_nowait(D.engine_id) == []
+                        time.sleep(0.01)
+                waited = time.monotonic() - t0
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            assert PARK_S + timeout_s <= waited < 10, waited
+            sent = P.prefill("s1", Request(seed=5, prompt_tokens=24))
+            D.start_read(sent)
+            got, _, _ = _until(c, D.engine_id, {"s1"})
+            for _ in range(100):
+                got += c.poll_nowait(D.engine_id)
+            assert [x.kind for x in got] == ["received"] and D.verify("s1") == []
+        finally:
+            c.close()

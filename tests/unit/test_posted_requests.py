@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvsidecar.ipc.client_core import PARK_S, ClientCore
-from kvsidecar.ipc.errors import BadMessage, BadRequest, Unavailable
+from kvsidecar.ipc.errors import BadMessage, BadRequest, SidecarTimeout, Unavailable
 from kvsidecar.ipc.posted_requests import PostedRequests
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
@@ -245,6 +245,22 @@ def test_parked_polls_go_with_their_connection_and_never_again() -> None:
     _parked(book, 5)
     book.forget()  # a forked child: nothing of its parent's
     assert book.take_pushed("d0") is None and not book.parked("d0")
+
+
+def test_a_parked_poll_unanswered_too_long_is_overdue_once_and_its_answer_stale() -> None:
+    book = PostedRequests()
+    book.add(Poll("d0", 0, "", PARK_S, id=1), b"poll", 100.0)
+    assert not book.overdue("d0", 102.0, 2.0) and book.parked("d0")  # not yet
+    assert not book.overdue("d1", 200.0, 2.0)  # nothing parked
+    assert book.overdue("d0", 102.5, 2.0)
+    assert not book.parked("d0") and not book.overdue("d0", 300.0, 2.0)  # said once
+    assert not book.answered(1, Completions(id=1))  # late: stale
+    core = ClientCore("/nowhere", 1.0)
+    core.posted.add(core.park("d0"), b"poll", 10.0)
+    assert core.pushed("d0", 10.0 + PARK_S + 1.0) == []  # its time, not past it
+    with pytest.raises(SidecarTimeout, match="no answer to a poll parked"):
+        core.pushed("d0", 10.1 + PARK_S + 1.0)
+    assert core.pushed("d0", 99.0) == []  # forgotten: the next call parks again
 
 
 def test_a_completion_two_polls_returned_is_reported_once() -> None:
