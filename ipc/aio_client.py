@@ -47,7 +47,6 @@ from .protocol import (
     Reply,
     Request,
     StatusReport,
-    encode_request,
 )
 from .regions import Region
 from .seqpacket import MAX_PACKET, Buffer, packets, peer_closed
@@ -193,7 +192,7 @@ class AsyncSidecarClient:
     async def _exchange(self, req: Request) -> Reply:
         loop = asyncio.get_running_loop()
         core = self._core
-        data = encode_request(req)
+        data = core.encode(req)
         timeout_s = core.timeout_for(req)
         fut: asyncio.Future[Reply] = loop.create_future()
         timer = loop.call_later(timeout_s, _expire, fut, core, req, timeout_s)

@@ -82,7 +82,6 @@ from .protocol import (
     Request,
     StatusReport,
     decode_reply_unchecked,
-    encode_request,
 )
 from .regions import Region
 from .seqpacket import MAX_PACKET, packets, peer_closed
@@ -258,7 +257,7 @@ class SidecarClient:
         """Send ``req`` without waiting; the book takes the answer when it comes.
         False, nothing sent, for a message of several packets (the caller waits)."""
         posted = self._core.posted
-        data = encode_request(req)
+        data = self._core.encode(req)
         if len(data) > MAX_PACKET:
             return False
         timeout_s = self._core.timeout_s
@@ -386,11 +385,15 @@ class SidecarClient:
         posted = self._book()
         if len(posted):  # sent without waiting: their answers first
             self._answers(0, None, time.monotonic() + core.timeout_s)
-        pushed = core.pushed(engine_id, time.monotonic())  # a parked poll's (poll_nowait)
-        if posted.has_refused(engine_id) or pushed:
-            wait_s = 0.0  # refusals or completions to report: no waiting
+        if posted.parked(engine_id):  # poll_nowait's: what it brought first, and only
+            self._take_queued()
+        pushed = core.pushed(engine_id, time.monotonic())
+        if pushed:  # (taken: nothing may raise before they are returned)
+            return posted.take_refused(engine_id) + pushed
+        if posted.has_refused(engine_id):
+            wait_s = 0.0  # refusals to report: no waiting
         req, kind = core.poll(engine_id, wait_s)
-        items = pushed + core.polled(engine_id, expect(self._exchange(req), kind))
+        items = core.polled(engine_id, expect(self._exchange(req), kind))
         if posted.has_refused(engine_id):  # answers taken during the exchange too
             return posted.take_refused(engine_id) + items
         return items
@@ -408,7 +411,12 @@ class SidecarClient:
         self._take_queued()
         items = self._core.pushed(engine_id, time.monotonic())
         if not posted.parked(engine_id):
-            self._post(self._core.park(engine_id))
+            try:
+                self._post(self._core.park(engine_id))
+            except SidecarError:
+                if items or posted.has_refused(engine_id):
+                    return posted.take_refused(engine_id) + items  # the next call parks
+                raise
         if posted.has_refused(engine_id):
             return posted.take_refused(engine_id) + items
         return items
@@ -688,7 +696,7 @@ class SidecarClient:
         core = self._core
         if len(core.posted):
             self._book()  # a forked child's starts empty
-        data = encode_request(req)
+        data = self._core.encode(req)
         timeout_s = core.timeout_for(req) if type(req) in WAIT_LONGER else core.timeout_s
         deadline = time.monotonic() + timeout_s
         if len(data) > MAX_PACKET and len(core.posted):

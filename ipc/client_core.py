@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import secrets
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Reply)
 T = TypeVar("T")
+H = TypeVar("H", Hold, Batch)
 
 
 #: The protocol minor from which a sidecar honours ``Read.verify``: an older one
@@ -218,18 +220,30 @@ and send the same asks, so request building, reply checking, error mapping and
 acknowledgement bookkeeping exist once; the clients only move bytes."""
 
 
-def checked_hold(req: Hold) -> Hold:
-    """``req``, or :class:`BadMessage` for what the sidecar would refuse while
-    decoding it (``readers`` < 1, ``timeout_s`` out of range, an id too long),
-    raised before anything is sent. A refusal made there, before the sidecar
-    knows the engine, is one it cannot record, and an engine that issued the
-    hold's token itself relies on the refusal being recorded (a reader's claim
-    of the blocks is refused from then on)."""
+def checked(req: Hold | Batch) -> bytes:
+    """``req`` encoded, or :class:`BadMessage` for what the sidecar would refuse
+    while decoding it (``readers`` < 1, ``timeout_s`` out of range, an id too
+    long), raised before anything is sent. A hold refused there, before the
+    sidecar knows the engine, is one it cannot record, and an engine that
+    issued the hold's token itself relies on the refusal being recorded (a
+    reader's claim of the blocks is refused from then on). A batch is checked
+    whole, as the sidecar decodes it; the error names the item."""
+    data = encode_request(req)
     try:
-        decode_request(encode_request(req))
+        decode_request(data)
     except ProtocolError as e:
-        raise BadMessage(e.code, f"hold {req.request_id[:200]!r}: {e.message}") from None
-    return req
+        if isinstance(req, Hold):
+            what = f"hold {req.request_id[:200]!r}"
+        else:
+            at = _ITEM.search(e.message)
+            item = req.requests[int(at.group(1))] if at else None
+            what = (f"the batch's hold {item.request_id[:200]!r}"
+                    if isinstance(item, Hold) else "a batch")
+        raise BadMessage(e.code, f"{what}: {e.message}") from None
+    return data
+
+
+_ITEM: Final = re.compile(r"\$\.requests\[(\d+)\]")
 
 
 class ClientCore:
@@ -242,8 +256,12 @@ class ClientCore:
         self.endpoint = self.path  # what error messages name
         self.timeout_s = timeout_s
         self.acks: dict[str, tuple[str, int]] = {}
+        #: by engine: the id of the newest poll whose answer set :attr:`acks`
+        self._acked_by: dict[str, int] = {}
         #: reads sent without waiting for their answers (``read_nowait``)
         self.posted = PostedRequests()
+        #: the last request checked (:func:`checked`) and its bytes, sent as they are
+        self._checked: tuple[Request, bytes] | None = None
         self._ids = itertools.count(1)
         #: the receive buffer (one connection at a time per client) and its framing state
         self.buf = bytearray(RECV_BYTES)
@@ -261,6 +279,7 @@ class ClientCore:
                        [r.ref() for r in regions or ()], keep_on_exit, os.getpid(),
                        _pid_namespace(), process_instance(), memory, id=self._next_id())
         reply = expect((yield req), Registered)
+        self.posted.forget_polls(engine_id)  # a parked poll's answer is the old one's
         try:
             return _registration(reply, regions)
         except BaseException:
@@ -308,9 +327,20 @@ class ClientCore:
     def hold_request(self, engine_id: str, request_id: str, block_ids: BlockIdsLike,
                      readers: int, timeout_s: float | None) -> Hold:
         """The :class:`Hold` of :meth:`hold` (``hold_nowait`` sends it unanswered),
-        checked (:func:`checked_hold`)."""
-        return checked_hold(Hold(engine_id, request_id, block_id_lists(block_ids), readers,
-                                 timeout_s, id=next(self._ids)))
+        checked (:func:`checked`)."""
+        return self._check(Hold(engine_id, request_id, block_id_lists(block_ids), readers,
+                                timeout_s, id=next(self._ids)))
+
+    def _check(self, req: H) -> H:
+        self._checked = (req, checked(req))
+        return req
+
+    def encode(self, req: Request) -> bytes:
+        """``req`` on the wire: the bytes its check made (once), else encoded now."""
+        done, self._checked = self._checked, None
+        if done is not None and done[0] is req:
+            return done[1]
+        return encode_request(req)
 
     def release(self, engine_id: str, request_id: str) -> Ask[Ok]:
         return Release(engine_id, request_id, id=next(self._ids)), Ok
@@ -323,9 +353,10 @@ class ClientCore:
                 for s in specs]
 
     def hold_items(self, engine_id: str, specs: Sequence[HoldSpec]) -> list[Hold]:
-        """The :class:`Hold` of each spec, for one batch (each checked)."""
-        return [checked_hold(Hold(engine_id, s.request_id, block_id_lists(s.block_ids),
-                                  s.readers, s.timeout_s, id=self._next_id()))
+        """The :class:`Hold` of each spec, for one batch (checked with it:
+        :meth:`batch_request`)."""
+        return [Hold(engine_id, s.request_id, block_id_lists(s.block_ids), s.readers,
+                     s.timeout_s, id=self._next_id())
                 for s in specs]
 
     def read_many(self, engine_id: str, specs: Sequence[ReadSpec]
@@ -358,10 +389,12 @@ class ClientCore:
         return out
 
     def batch_request(self, reqs: Sequence[Read | Hold | Release]) -> Batch:
-        """One :class:`Batch` of ``reqs`` (at most MAX_BATCH: ValueError)."""
+        """One :class:`Batch` of ``reqs`` (at most MAX_BATCH: ValueError); one of
+        holds is checked (:func:`checked`)."""
         if len(reqs) > MAX_BATCH:
             raise ValueError(f"{len(reqs)} requests in one batch; at most {MAX_BATCH}")
-        return Batch(list(reqs), id=self._next_id())
+        batch = Batch(list(reqs), id=self._next_id())
+        return self._check(batch) if reqs and type(reqs[0]) is Hold else batch
 
     def batch_answers(self, batch: Batch) -> Call[list[Held | SidecarError | None]]:
         """Send ``batch``; each item's outcome, in order."""
@@ -385,12 +418,18 @@ class ClientCore:
         engine's next poll. (A parked poll's answer and another poll's may
         cover the same completions: a reply holds the sidecar's unacknowledged
         completions, numbered up to its ``last``, so those numbered up to the
-        last one returned are dropped here.)"""
+        last one returned are dropped here; and an answer to an older poll,
+        of another registration than a newer one's, is stale.)"""
         epoch, seen = self.acks.get(engine_id, _NO_ACK)
+        newest = self._acked_by.get(engine_id, 0)
         if reply.epoch != epoch or not epoch:  # the first, a new registration's, unnumbered
+            if epoch and reply.id < newest:
+                return []
             self.acks[engine_id] = (reply.epoch, reply.last)
+            self._acked_by[engine_id] = reply.id
             return reply.items
         self.acks[engine_id] = (epoch, max(seen, reply.last))
+        self._acked_by[engine_id] = max(newest, reply.id)
         new = reply.last - seen
         if new <= 0:
             return []

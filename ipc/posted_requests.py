@@ -181,6 +181,14 @@ class PostedRequests:
         self._parked.clear()
         self._parked_of.clear()
 
+    def forget_polls(self, engine_id: str) -> None:
+        """``engine_id`` registered anew: what a poll parked before brought, or
+        will bring, is the old registration's (stale)."""
+        self._pushed.pop(engine_id, None)
+        parked = self._parked_of.pop(engine_id, None)
+        if parked is not None:
+            del self._parked[parked[0]]
+
     def take_pushed(self, engine_id: str) -> Completions | Error | SidecarError | None:
         """The answer a parked poll of ``engine_id`` brought, once."""
         return self._pushed.pop(engine_id, None)

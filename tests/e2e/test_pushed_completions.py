@@ -203,3 +203,66 @@ def test_a_stopped_sidecar_is_noticed_and_its_completions_come_after(tmp_path: P
             assert [x.kind for x in got] == ["received"] and D.verify("s1") == []
         finally:
             c.close()
+
+
+def test_what_a_parked_poll_brought_is_returned_even_if_the_sidecar_then_stalls(
+        tmp_path: Path) -> None:
+    """The parked poll's answer (a read's completion) is taken from the socket by
+    another call (a ping that then times out: the sidecar is stopped); the next
+    poll() returns it at once, without the round trip that would time out: a
+    completion the client took is never lost to a later failure."""
+    with _pair(tmp_path, 30.0) as (P, D, d):
+        c = SidecarClient(d.socket, timeout_s=0.5)
+        try:
+            D.start_read(P.prefill("x", Request(seed=3, prompt_tokens=24)))
+            deadline = time.monotonic() + 30
+            while d.metric("kvsidecar_completions_total", outcome="received") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert c.poll_nowait(D.engine_id) == []  # parks: answered at once with x
+            while d.metric(POLLS, op="poll") < 1:  # answered, so queued on c's socket
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert d.proc is not None
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(SidecarTimeout):
+                    c.ping()  # takes the queued answer on its way, then times out
+                got = c.poll(D.engine_id)
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            assert [(x.request_id, x.kind) for x in got] == [("x", "received")]
+            assert D.verify("x") == []
+            for _ in range(50):  # and only once
+                assert c.poll_nowait(D.engine_id) == [] and c.poll(D.engine_id) == []
+        finally:
+            c.close()
+
+
+def test_a_registration_anew_makes_what_its_predecessors_parked_poll_brought_stale(
+        engines) -> None:
+    """The engine deregistered and registered again (a new epoch) while a poll of
+    the old registration was parked, its answer read on the way: neither a
+    stale unknown_engine nor the new registration's completions twice."""
+    _, D, d = engines
+    c = D.clients[0]
+    c.poll_nowait(D.engine_id)  # parked, for the first registration
+    with SidecarClient(d.socket) as other:
+        other.deregister(D.engine_id)  # the parked poll is answered (old epoch)
+    time.sleep(0.2)
+    c.poll_nowait(D.engine_id)  # takes that, parks again: refused unknown_engine
+    time.sleep(0.2)
+    reg = c.register(D.engine_id, 0, D.layout, allocate=True)  # reads the refusal on its way
+    try:
+        c.hold(D.engine_id, "h", [[1, 2]], timeout_s=0.2)  # a completion of the new one
+        time.sleep(1.0)
+        got = c.poll_nowait(D.engine_id) + c.poll(D.engine_id)
+        for _ in range(50):
+            got += c.poll_nowait(D.engine_id)
+            time.sleep(0.01)
+        got += c.poll(D.engine_id)
+        assert [(x.request_id, x.kind) for x in got] == [("h", "expired")], got
+    finally:
+        c.deregister(D.engine_id)
+        for r in reg.regions:
+            r.close()

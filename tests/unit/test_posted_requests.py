@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.ipc.client_core import PARK_S, ClientCore
-from kvsidecar.ipc.errors import BadMessage, BadRequest, SidecarTimeout, Unavailable
+from kvsidecar.ipc.client_core import PARK_S
+from kvsidecar.ipc.errors import BadMessage, BadRequest, Unavailable
 from kvsidecar.ipc.posted_requests import PostedRequests
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
@@ -240,6 +240,13 @@ def test_parked_polls_go_with_their_connection_and_never_again() -> None:
     book.answered(3, Completions(id=3))
     book.forget_engine("d0")
     assert book.take_pushed("d0") is None
+    _parked(book, 6)
+    book.answered(6, Completions(id=6))
+    _parked(book, 7, engine="d1")
+    book.forget_polls("d0")  # registered anew: what the old one's poll brought is stale
+    book.forget_polls("d1")
+    assert book.take_pushed("d0") is None and not book.parked("d1")
+    assert not book.answered(7, Completions(id=7))
     _parked(book, 4)
     book.answered(4, Completions(id=4))
     _parked(book, 5)
@@ -255,30 +262,3 @@ def test_a_parked_poll_unanswered_too_long_is_overdue_once_and_its_answer_stale(
     assert book.overdue("d0", 102.5, 2.0)
     assert not book.parked("d0") and not book.overdue("d0", 300.0, 2.0)  # said once
     assert not book.answered(1, Completions(id=1))  # late: stale
-    core = ClientCore("/nowhere", 1.0)
-    core.posted.add(core.park("d0"), b"poll", 10.0)
-    assert core.pushed("d0", 10.0 + PARK_S + 1.0) == []  # its time, not past it
-    with pytest.raises(SidecarTimeout, match="no answer to a poll parked"):
-        core.pushed("d0", 10.1 + PARK_S + 1.0)
-    assert core.pushed("d0", 99.0) == []  # forgotten: the next call parks again
-
-
-def test_a_completion_two_polls_returned_is_reported_once() -> None:
-    """A parked poll's answer and a blocking poll's can both hold completions
-    not acknowledged yet: each is returned by the first and dropped after."""
-    core = ClientCore("/nowhere", 1.0)
-    a, b, c = (Completion(r, "received") for r in "abc")
-    assert core.polled("d0", Completions([a, b], last=2, epoch="e1")) == [a, b]
-    assert core.polled("d0", Completions([a, b, c], last=3, epoch="e1")) == [c]
-    assert core.polled("d0", Completions([b, c], last=3, epoch="e1")) == []
-    assert core.polled("d0", Completions([], last=3, epoch="e1")) == []
-    assert core.acks["d0"] == ("e1", 3)
-    assert core.polled("d0", Completions([a, b], last=2, epoch="e1")) == []  # a late one
-    assert core.acks["d0"] == ("e1", 3)  # never acknowledged back
-    # another registration (a restarted sidecar): its numbers start again
-    assert core.polled("d0", Completions([a], last=1, epoch="e2")) == [a]
-    # unnumbered (a sidecar that does not acknowledge): every reply is new
-    assert core.polled("d1", Completions([a])) == [a]
-    assert core.polled("d1", Completions([a])) == [a]
-    park = core.park("d0")
-    assert (park.engine_id, park.ack, park.epoch, park.wait_s) == ("d0", 1, "e2", PARK_S)
