@@ -91,6 +91,7 @@ from ..ipc.protocol import (
     REPLY_TYPES,
     UNAVAILABLE,
     Error,
+    Poll,
     ProtocolError,
     Registered,
     Reply,
@@ -457,6 +458,9 @@ class EngineServer:
         task = asyncio.ensure_future(_carry_on(answer, waiting))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
+        if type(req) is Poll:  # a waiting poll: nobody to answer once its connection goes
+            conn.waiting.add(task)
+            task.add_done_callback(conn.waiting.discard)
 
     async def _answer(self, conn: _Connection, req: Request) -> None:
         # The handler sees its sender. Set in the connection's own context (its
@@ -516,6 +520,9 @@ class _Connection:
         self.fd = sock.fileno()
         self.cred = cred
         self.in_flight = 0
+        #: this connection's waiting polls (cancelled when it closes: else each
+        #: would keep one of its engine's few waiting-poll places until it ends)
+        self.waiting: set[asyncio.Task[None]] = set()
         self._loop = loop
         #: loop time of the last whole message (or of the accept)
         self.last_seen = loop.time()
@@ -568,6 +575,8 @@ class _Connection:
         self._unsent.clear()
         self._end_long()
         self.sock.close()
+        for task in list(self.waiting):
+            task.cancel()
         self.server._closed(self)
 
     def _on_readable(self) -> None:

@@ -14,11 +14,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvsidecar.ipc.client import SidecarClient, SidecarTimeout, UnknownEngine
 from kvsidecar.ipc.client_core import PARK_S
 from kvsidecar.ipc.protocol import Completion
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
@@ -266,3 +268,26 @@ def test_a_registration_anew_makes_what_its_predecessors_parked_poll_brought_sta
         c.deregister(D.engine_id)
         for r in reg.regions:
             r.close()
+
+
+def test_a_closed_connections_waiting_poll_gives_its_place_back(engines) -> None:
+    """Six connections each leave a poll waiting 30 s at D's sidecar and close:
+    their polls end with them, so an engine rank's 4 places for waiting polls
+    are free again and the next parked poll waits (is not answered at once
+    and counted at the limit)."""
+    _, D, d = engines
+    limit = "kvsidecar_limit_refusals_total"
+    before = d.metric(limit, limit="waiting_polls")
+    poll = msgspec.msgpack.encode({"op": "poll", "id": 1, "v": 1, "engine_id": D.engine_id,
+                                   "wait_s": 30.0})
+    for _ in range(6):
+        with BlockingChannel(d.socket, timeout_s=30) as chan:
+            chan.send(poll)
+            assert not chan.readable(0.05)  # waiting, as asked
+    time.sleep(0.3)  # the sidecar sees the closes
+    answered = d.metric(POLLS, op="poll")
+    c = D.clients[0]
+    assert c.poll_nowait(D.engine_id) == []  # parks
+    time.sleep(0.3)
+    assert d.metric(limit, limit="waiting_polls") == before
+    assert d.metric(POLLS, op="poll") == answered  # still waiting
