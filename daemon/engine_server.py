@@ -23,8 +23,8 @@ arrival order, right in the reader callback: handlers that never await
 a task or a turn of the loop; one that awaits (registering gigabytes of
 memory, deregistering while reads drain, a waiting poll) goes on in its own
 task from where it stopped (:func:`_carry_on`) and delays only its own
-caller. Replies carry
-the request's id, so a connection may pipeline requests (the async client's
+caller (a waiting poll ends with its connection). Replies carry the
+request's id, so a connection may pipeline requests (the async client's
 concurrent calls). The messages one wake-up reads from a connection (up to
 64 queued) are handled inside one entry of ``burst`` (the sidecar's read
 table gathers their reads there and starts them together at its end).
@@ -458,7 +458,7 @@ class EngineServer:
         task = asyncio.ensure_future(_carry_on(answer, waiting))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
-        if type(req) is Poll:  # a waiting poll: nobody to answer once its connection goes
+        if type(req) is Poll:  # nobody to answer once its connection goes
             conn.waiting.add(task)
             task.add_done_callback(conn.waiting.discard)
 
@@ -520,9 +520,7 @@ class _Connection:
         self.fd = sock.fileno()
         self.cred = cred
         self.in_flight = 0
-        #: this connection's waiting polls (cancelled when it closes: else each
-        #: would keep one of its engine's few waiting-poll places until it ends)
-        self.waiting: set[asyncio.Task[None]] = set()
+        self.waiting: set[asyncio.Task[None]] = set()  # its waiting polls
         self._loop = loop
         #: loop time of the last whole message (or of the accept)
         self.last_seen = loop.time()
