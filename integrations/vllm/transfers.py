@@ -150,41 +150,34 @@ class Transfers(SidecarLink):
                 return
 
     def _start_reads(self, jobs: Sequence[ReadJob]) -> None:
+        """Send the step's reads without waiting for the sidecar's answer (in
+        batches of at most MAX_BATCH where it takes batches): the step goes on
+        at once, and a read the sidecar refuses comes from a later poll as a
+        ``failed`` completion, a failed read like any other. A call that
+        raises (not sent, or no answer to a batch too long for one packet)
+        is this step's, as for a blocking read (:meth:`_started`)."""
         if not jobs:
             return
         if self._down:
             for job in jobs:
                 self._started(job, self._down, time.perf_counter(), 0.0)
             return
-        if not (self._batches and len(jobs) > 1):
-            for job in jobs:
-                self._start_read(job)
-            return
-        for i in range(0, len(jobs), MAX_BATCH):
-            part = jobs[i:i + MAX_BATCH]
+        step = MAX_BATCH if self._batches else 1
+        for i in range(0, len(jobs), step):
+            part = jobs[i:i + step]
             t0 = time.perf_counter()
-            out: list[SidecarError | None]
+            refused: SidecarError | None = None
             try:
-                out = self.client.read_many(self.engine_id, [read_spec(job) for job in part])
+                if len(part) > 1:
+                    self.client.read_many_nowait(self.engine_id,
+                                                 [read_spec(job) for job in part])
+                else:  # a ReadSpec's fields are read_nowait()'s arguments, by name
+                    self.client.read_nowait(self.engine_id, **vars(read_spec(part[0])))
             except SidecarError as e:
-                out = [e] * len(part)
+                refused = e
             each = (time.perf_counter() - t0) / len(part)
-            for job, refused in zip(part, out):
+            for job in part:
                 self._started(job, refused, t0, each)
-
-    def _start_read(self, job: ReadJob) -> None:
-        t0 = time.perf_counter()
-        spec = read_spec(job)
-        refused: SidecarError | None = None
-        try:
-            self.client.read(self.engine_id, spec.request_id, spec.local_block_ids,
-                             spec.remote, spec.remote_block_ids,
-                             remote_request_id=spec.remote_request_id,
-                             skip_tokens=spec.skip_tokens, num_tokens=spec.num_tokens,
-                             remote_tokens=spec.remote_tokens)
-        except SidecarError as e:
-            refused = e
-        self._started(job, refused, t0, time.perf_counter() - t0)
 
     def _started(self, job: ReadJob, refused: SidecarError | str | None, t0: float,
                  post_s: float) -> None:

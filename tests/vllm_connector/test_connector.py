@@ -632,11 +632,12 @@ def test_a_steps_holds_and_reads_go_in_one_message_each(sidecars: Sidecars,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests that finish prefill in the same P step are held with one
     ``hold_many``; scheduled in the same D step, they are read with one
-    ``read_many``; both arrive oracle-exact."""
+    ``read_many_nowait`` (the step does not wait for the sidecar's answer);
+    both arrive oracle-exact."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     seeds = {"m1": 21, "m2": 22}
     P, D = pair(sidecars, models, 1, 2 if hybrid else 1, hybrid, seeds)
-    holds, reads = count_batches(P, "hold_many"), count_batches(D, "read_many")
+    holds, reads = count_batches(P, "hold_many"), count_batches(D, "read_many_nowait")
     try:
         tokens = {"m1": 40, "m2": 57}
         for rid, n in tokens.items():

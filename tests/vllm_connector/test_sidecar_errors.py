@@ -25,6 +25,7 @@ if os.environ.get("KVSIDECAR_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm==0.33.0)")
 
+from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvsidecar.integrations.vllm import KvSidecarConnector
@@ -146,6 +147,50 @@ def test_a_refused_hold_ends_its_send_single_and_batched(
         run_until(D, lambda: D.sched.requests["h1"].status == RequestStatus.RUNNING)
         verify(D, "h1", blocks, 40, seeds["h1"])
         run_until(P, lambda: "h1" not in P.sched.requests)
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+@pytest.mark.parametrize("pair_sidecars", [([], ["--max-reads-per-engine", "1"])],
+                         indirect=True)
+def test_a_read_the_sidecar_refuses_fails_alone_and_is_recomputed(
+        model: str, pair_sidecars: tuple[SidecarProcess, SidecarProcess],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """D's sidecar takes one read of an engine at a time
+    (``--max-reads-per-engine 1``). Two requests scheduled in one D step go in
+    one batch, sent without waiting for the answer (``read_many_nowait``): the
+    first is read, oracle-exact; the second is refused, and the refusal comes
+    with a later poll as a failed read: finished with its blocks invalid (vLLM
+    recomputes it), logged at ERROR with its id and the limit, counted as a
+    failed transfer; no step raised."""
+    caplog.set_level(logging.ERROR, logger="kvsidecar.integrations.vllm")
+    seeds = {"r1": 61, "r2": 62}
+    P, D = engines(model, *pair_sidecars, seeds)
+    try:
+        params = {rid: prefill(P, rid, 40, seed) for rid, seed in seeds.items()}
+        for rid, seed in seeds.items():
+            D.sched.add_request(request(D, rid, 40, params[rid], seed=seed))
+        blocks = schedule_reads(D, "r1", "r2")  # one step: one batch
+
+        def refused() -> list[str]:
+            return [rid for rid in seeds if any("--max-reads-per-engine" in m
+                                                for m in errors_naming(caplog, rid))]
+
+        def read_one_runs() -> bool:
+            if len(refused()) != 1:
+                return False
+            (other,) = set(seeds) - set(refused())
+            return D.sched.requests[other].status == RequestStatus.RUNNING
+
+        run_until(D, read_one_runs)
+        (gone,) = refused()
+        (read,) = set(seeds) - {gone}
+        verify(D, read, blocks[read], 40, seeds[read])
+        run_until(D, lambda: gone in D.outputs and D.outputs[gone][-1].finished)
+        assert D.outputs[gone][-1].finish_reason != FinishReason.ERROR  # recomputed
+        assert stats_of(D)["num_failed_transfers"] == 1 and not errors_naming(caplog, read)
+        run_until(P, lambda: read not in P.sched.requests)
     finally:
         P.shutdown()
         D.shutdown()
