@@ -303,11 +303,12 @@ def bulk_attention(mib: int) -> Callable[[int, int], Layout]:
 
 
 def wait_all(engine: SimEngine, rids: Sequence[str], timeout_s: float = 120.0, *,
-             spin: bool = False) -> dict[str, dict[int, Completion]]:
+             spin: bool = False, pushed: bool = False) -> dict[str, dict[int, Completion]]:
     """Poll until every rank reported every request: with waiting polls (the
     sidecar answers when a completion arrives), or ``spin``ning on empty polls
     (what an engine without protocol minor 4 does; on 2 cores the spinning
-    engine takes a core from the sidecars)."""
+    engine takes a core from the sidecars), or on ``poll_nowait`` (``pushed``:
+    a poll parked at the sidecar; an empty call sends nothing)."""
     want = set(rids)
     got: dict[str, dict[int, Completion]] = {r: {} for r in want}
     deadline = time.monotonic() + timeout_s
@@ -316,7 +317,9 @@ def wait_all(engine: SimEngine, rids: Sequence[str], timeout_s: float = 120.0, *
         for rank, c in enumerate(engine.clients):
             if all(rank in v for v in got.values()):
                 continue  # a waiting poll here would sit out wait_s while others have news
-            for item in c.poll(engine.engine_id, wait_s=wait_s):
+            items = (c.poll_nowait(engine.engine_id) if pushed
+                     else c.poll(engine.engine_id, wait_s=wait_s))
+            for item in items:
                 if item.request_id in want:
                     got[item.request_id][rank] = item
         if all(len(v) == engine.tp for v in got.values()):
@@ -750,8 +753,9 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> 
 
 def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
     """One 16 KiB block, engine ``read`` to ``received``: the engine waits with
-    waiting polls (the headline) and, in the same run, spinning on empty polls."""
-    lat: dict[bool, list[float]] = {False: [], True: []}
+    waiting polls (the headline) and, in the same run, spinning on empty polls,
+    and spinning on ``poll_nowait`` (completions pushed to a parked poll)."""
+    lat: dict[str, list[float]] = {"wait": [], "spin": [], "pushed": []}
     with sidecars_of(fleet, ["p0", "d0"]) as (p0, d0):
         assert p0.proc is not None and d0.proc is not None
         pair = Pair(p0, d0, small_attention, 8, "lat")
@@ -761,12 +765,14 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
         woke = busy = ""
         cycle0 = eng0 = 0.0
         try:
-            for spin in (False, True):
+            for mode in lat:
+                spin = mode != "wait"
                 for i in range(s.latency_reads + 5):
                     sent = pair.prefill(8)
                     t0 = time.perf_counter()
                     pair.D.start_read(sent)
-                    got = wait_all(pair.D, [sent.request_id], spin=spin)
+                    got = wait_all(pair.D, [sent.request_id], spin=spin,
+                                   pushed=mode == "pushed")
                     dt = time.perf_counter() - t0
                     pair.finish([sent], got)
                     if i == 4 and not spin:
@@ -777,7 +783,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                                 "P": proc_threads_by_role(p0.proc.pid)}
                         cycle0, eng0 = time.perf_counter(), time.process_time()
                     if i >= 5:
-                        lat[spin].append(dt)
+                        lat[mode].append(dt)
                 if not spin:
                     where = inside.stop()
                     woke = wakeups_note(wake0, {"D": proc_threads_wakeups(d0.proc.pid),
@@ -790,9 +796,10 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
         finally:
             pair.close()
     raw = raw_latencies(16384, s.latency_reads)
-    p50, p99, r50, r99 = pct(lat[False], 50), pct(lat[False], 99), pct(raw, 50), pct(raw, 99)
-    s50, s99 = pct(lat[True], 50), pct(lat[True], 99)
-    hops = _hop_table(statistics.fmean(lat[False]), inside.means, r50, s.latency_reads)
+    p50, p99, r50, r99 = pct(lat["wait"], 50), pct(lat["wait"], 99), pct(raw, 50), pct(raw, 99)
+    s50, s99 = pct(lat["spin"], 50), pct(lat["spin"], 99)
+    n50, n99 = pct(lat["pushed"], 50), pct(lat["pushed"], 99)
+    hops = _hop_table(statistics.fmean(lat["wait"]), inside.means, r50, s.latency_reads)
     return [Figure(f"1-block (16 KiB) read latency p50 / p99 ({s.latency_reads} reads, "
                    "engine `read` to `received`, waiting poll)",
                    f"{us(p50)} / {us(p99)}",
@@ -803,7 +810,9 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                    [f"inside the D sidecar (means from its /metrics, waiting polls): {where}",
                     woke, busy,
                     f"the same reads with the engine spinning on empty polls instead (same "
-                    f"run): p50 {us(s50)}, p99 {us(s99)}", *hops])]
+                    f"run): p50 {us(s50)}, p99 {us(s99)}; spinning on `poll_nowait` (the "
+                    f"completion pushed to a poll parked at D's sidecar; an empty call sends "
+                    f"nothing): p50 {us(n50)}, p99 {us(n99)}", *hops])]
 
 
 #: how the sustained rows' D engine sends its reads: one blocking ``read`` call per
