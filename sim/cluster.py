@@ -575,6 +575,28 @@ class SimEngine:
             self._free.extend(group)
 
 
+@contextlib.contextmanager
+def engine_pair(tmp_path: Path, name: str, layout: MakeLayout, args: Sequence[str] = (),
+                num_blocks: int = 200) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
+    """A P and a D engine (tp 1, ``{name}-P`` and ``{name}-D``), each on a sidecar
+    of its own started with ``args``; yields P, D and D's sidecar. At the end
+    both engines close and both sidecars must stop cleanly (exit code 0)."""
+    p = SidecarProcess(tmp_path, f"{name}-p", args=list(args)).start()
+    d = None
+    P = D = None
+    try:
+        d = SidecarProcess(tmp_path, f"{name}-d", args=list(args)).start()
+        P = SimEngine(f"{name}-P", layout, 1, num_blocks, [p])
+        D = SimEngine(f"{name}-D", layout, 1, num_blocks, [d])
+        yield P, D, d
+    finally:
+        for e in (D, P):
+            if e is not None:
+                e.close()
+        codes = {"p": p.stop(), "d": d.stop() if d is not None else 0}
+        assert codes == {"p": 0, "d": 0}, codes
+
+
 def stop_once_posted(d: SidecarProcess, p: SidecarProcess, engine_id: str, posted: int,
                      timeout_s: float = 60.0, *, after_s: float = 0.05) -> None:
     """SIGSTOP ``p`` once ``d`` (started with ``--metrics-port``) has posted the

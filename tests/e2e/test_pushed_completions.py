@@ -21,7 +21,7 @@ from kvsidecar.ipc.client import SidecarClient, SidecarTimeout, UnknownEngine
 from kvsidecar.ipc.client_core import PARK_S
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.ipc.seqpacket import BlockingChannel
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine
+from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engine_pair
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 
@@ -38,24 +38,10 @@ def engines(tmp_path: Path) -> Iterator[tuple[SimEngine, SimEngine, SidecarProce
         yield pair
 
 
-@contextlib.contextmanager
 def _pair(tmp_path: Path, lease_s: float
-          ) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
-    args = ["--metrics-port", "0", "--engine-lease", str(lease_s)]
-    p = SidecarProcess(tmp_path, "pc-p", args=args).start()
-    d = None
-    P = D = None
-    try:
-        d = SidecarProcess(tmp_path, "pc-d", args=args).start()
-        P = SimEngine("pc-P", attn(8), 1, 200, [p])
-        D = SimEngine("pc-D", attn(8), 1, 200, [d])
-        yield P, D, d
-    finally:
-        for e in (D, P):
-            if e is not None:
-                e.close()
-        codes = {"p": p.stop(), "d": d.stop() if d is not None else 0}
-        assert codes == {"p": 0, "d": 0}, codes
+          ) -> contextlib.AbstractContextManager[tuple[SimEngine, SimEngine, SidecarProcess]]:
+    return engine_pair(tmp_path, "pc", attn(8),
+                       ["--metrics-port", "0", "--engine-lease", str(lease_s)])
 
 
 def _polls(d: SidecarProcess) -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from kvsidecar.ipc.client import AsyncSidecarClient, BadRequest, ReadSpec, SidecarClient
 from kvsidecar.ipc.layout import Layout, attention_layout
-from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_mid_read
+from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, engine_pair, stop_mid_read
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
 
@@ -28,24 +28,12 @@ BATCHED = "kvsidecar_reads_batched_total"
 
 @pytest.fixture
 def engines(tmp_path: Path) -> Iterator[tuple[SimEngine, SimEngine, SidecarProcess]]:
-    p = SidecarProcess(tmp_path, "rb-p", args=["--metrics-port", "0"]).start()
-    d = None
-    P = D = None
-    try:
-        d = SidecarProcess(tmp_path, "rb-d", args=["--metrics-port", "0"]).start()
-        P = SimEngine("rb-P", attn(8), 1, 200, [p])
-        D = SimEngine("rb-D", attn(8), 1, 200, [d])
+    with engine_pair(tmp_path, "rb", attn(8), ["--metrics-port", "0"]) as (P, D, d):
         warm = P.prefill("w", Request(seed=69, prompt_tokens=8))
         D.start_read(warm)  # links D to P: later reads find the link made
         assert D.wait_for(["w"])["w"][0].kind == "received"
         D.finish("w")
         yield P, D, d
-    finally:
-        for e in (D, P):
-            if e is not None:
-                e.close()
-        codes = {"p": p.stop(), "d": d.stop() if d is not None else 0}
-        assert codes == {"p": 0, "d": 0}, codes
 
 
 def test_reads_of_one_message_share_a_task_and_each_keeps_its_own_fate(engines) -> None:
