@@ -123,7 +123,7 @@ class Handlers:
     async def handle(self, req: Request) -> Reply:
         """Answer one engine request through the handler its type names."""
         kind = type(req)
-        error = ""
+        error: str | None = ""
         try:
             if self.ctx.state.stopping and kind in _REFUSED_WHILE_STOPPING:
                 raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
@@ -136,6 +136,9 @@ class Handlers:
             if kind is Hold:
                 self._hold_refused(req, e.code, str(e))
             raise
+        except asyncio.CancelledError:
+            error = None  # not answered (a waiting poll whose connection closed): no count
+            raise
         except BaseException as e:
             error = "internal"
             if kind is Hold and isinstance(e, Exception):
@@ -143,11 +146,15 @@ class Handlers:
             raise
         finally:
             # op comes from the closed set of request types, error from ERROR_CODES.
-            series = self._request_series.get((kind, error))
-            if series is None:
-                series = self._request_series[(kind, error)] = self.ctx.metrics.requests.labels(
-                    op=kind.__name__.lower(), error=error)
-            series.inc()
+            if error is not None:
+                self._count(kind, error)
+
+    def _count(self, kind: type, error: str) -> None:
+        series = self._request_series.get((kind, error))
+        if series is None:
+            series = self._request_series[(kind, error)] = self.ctx.metrics.requests.labels(
+                op=kind.__name__.lower(), error=error)
+        series.inc()
 
     async def batch(self, req: Batch) -> Reply:
         """Answer each item as if it came alone, in order; a refusal (or a bug)

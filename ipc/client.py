@@ -413,7 +413,7 @@ class SidecarClient:
         if not posted.parked(engine_id):
             try:
                 self._post(self._core.park(engine_id))
-            except SidecarError:
+            except (SidecarError, OSError):
                 if items or posted.has_refused(engine_id):
                     return posted.take_refused(engine_id) + items  # the next call parks
                 raise

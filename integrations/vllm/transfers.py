@@ -156,16 +156,14 @@ class Transfers(SidecarLink):
         ``failed`` completion, a failed read like any other. A call that
         raises (not sent, or no answer to a batch too long for one packet)
         is this step's, as for a blocking read (:meth:`_started`)."""
-        if not jobs:
-            return
-        if self._down:
-            for job in jobs:
-                self._started(job, self._down, time.perf_counter(), 0.0)
-            return
         step = MAX_BATCH if self._batches else 1
         for i in range(0, len(jobs), step):
             part = jobs[i:i + step]
             t0 = time.perf_counter()
+            if self._down:  # lost or silent, maybe since an earlier part: fail at once
+                for job in part:
+                    self._started(job, self._down, t0, 0.0)
+                continue
             refused: SidecarError | None = None
             try:
                 if len(part) > 1:

@@ -22,6 +22,7 @@ from kvsidecar.ipc.protocol import (
     Held,
     Hold,
     Ping,
+    Poll,
     Pong,
     Read,
     Register,
@@ -68,6 +69,34 @@ def test_a_stopping_sidecar_still_answers_pings() -> None:
     handlers, metrics = _handlers(stopping=True)
     assert isinstance(asyncio.run(handlers.handle(Ping(id=1))), Pong)
     assert _count(metrics, "ping", "") == 1
+
+
+def test_a_request_cancelled_unanswered_is_not_counted_as_an_error() -> None:
+    """A waiting poll whose connection closed is cancelled (the engine server
+    does so): it was never answered, so it is neither an ``internal`` error nor
+    an answered poll; a handler's own failure still counts as ``internal``."""
+    handlers, metrics = _handlers(stopping=False)
+
+    async def waits(_req: Any) -> Any:
+        await asyncio.sleep(60)
+
+    async def fails(_req: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async def main() -> None:
+        handlers.table[Poll] = waits
+        task = asyncio.ensure_future(handlers.handle(Poll("e", id=1)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        handlers.table[Poll] = fails
+        with pytest.raises(RuntimeError):
+            await handlers.handle(Poll("e", id=2))
+
+    asyncio.run(main())
+    assert _count(metrics, "poll", "") == 0
+    assert _count(metrics, "poll", "internal") == 1
 
 
 def _count(m: Metrics, op: str, error: str) -> float:
