@@ -410,8 +410,11 @@ class ClientCore:
         again, because each poll acknowledges only what this client received
         (:meth:`polled`). With ``wait_s`` an empty poll waits that long for one
         (protocol minor 4; an older sidecar answers at once)."""
+        return self._poll(engine_id, wait_s), Completions
+
+    def _poll(self, engine_id: str, wait_s: float) -> Poll:
         epoch, ack = self.acks.get(engine_id, _NO_ACK)
-        return Poll(engine_id, ack, epoch, wait_s, id=next(self._ids)), Completions
+        return Poll(engine_id, ack, epoch, wait_s, id=next(self._ids))
 
     def polled(self, engine_id: str, reply: Completions) -> list[Completion]:
         """A poll's answer: its items not returned before, acknowledged by the
@@ -454,8 +457,7 @@ class ClientCore:
     def park(self, engine_id: str) -> Poll:
         """A poll to park at the sidecar (``poll_nowait``): answered as soon as
         it has a completion for ``engine_id``, or empty after :data:`PARK_S`."""
-        epoch, ack = self.acks.get(engine_id, _NO_ACK)
-        return Poll(engine_id, ack, epoch, PARK_S, id=next(self._ids))
+        return self._poll(engine_id, PARK_S)
 
     def ping(self, engines: Sequence[str] = ()) -> Ask[Pong]:
         return Ping(engines=list(engines), id=next(self._ids)), Pong

@@ -171,9 +171,15 @@ class PostedRequests:
         parked = self._parked_of.get(engine_id)
         if parked is None or now - parked[1] <= after_s:
             return False
-        del self._parked_of[engine_id]
-        del self._parked[parked[0]]
+        self._drop_parked(parked[0])
         return True
+
+    def _drop_parked(self, msg_id: int) -> str | None:
+        """Forget the parked poll ``msg_id``: its engine, or None if it is none."""
+        engine_id = self._parked.pop(msg_id, None)
+        if engine_id is not None:
+            del self._parked_of[engine_id]
+        return engine_id
 
     def unpark(self) -> None:
         """The connection went: its parked polls are never answered (what they
@@ -185,9 +191,9 @@ class PostedRequests:
         """``engine_id`` registered anew: what a poll parked before brought, or
         will bring, is the old registration's (stale)."""
         self._pushed.pop(engine_id, None)
-        parked = self._parked_of.pop(engine_id, None)
+        parked = self._parked_of.get(engine_id)
         if parked is not None:
-            del self._parked[parked[0]]
+            self._drop_parked(parked[0])
 
     def take_pushed(self, engine_id: str) -> Completions | Error | SidecarError | None:
         """The answer a parked poll of ``engine_id`` brought, once."""
@@ -195,9 +201,7 @@ class PostedRequests:
 
     def discard(self, msg_id: int) -> None:
         """Message ``msg_id`` did not go out after all: forget it."""
-        engine_id = self._parked.pop(msg_id, None)
-        if engine_id is not None:
-            del self._parked_of[engine_id]
+        if self._drop_parked(msg_id) is not None:
             return
         sent = self._sent.pop(msg_id, None)
         if sent is not None and sent.conn != self._conn:
@@ -206,9 +210,8 @@ class PostedRequests:
     def answered(self, msg_id: int, outcome: Reply | SidecarError) -> bool:
         """Take the answer to message ``msg_id`` if it is one of these requests
         (True), else leave it to its caller (False)."""
-        engine_id = self._parked.pop(msg_id, None)
+        engine_id = self._drop_parked(msg_id)
         if engine_id is not None:
-            del self._parked_of[engine_id]
             if isinstance(outcome, (Completions, Error, SidecarError)):
                 self._pushed[engine_id] = outcome
             else:
