@@ -63,7 +63,7 @@ from .errors import (
     expect,
 )
 from .layout import Layout
-from .posted_requests import PostedRequests, refusal_reason
+from .posted_requests import PostedRequests, refusal_code, refusal_reason
 from .protocol import (
     Batch,
     Completion,
@@ -111,6 +111,7 @@ __all__ = [
     "block_id_lists",
     "error_from_reply",
     "process_instance",
+    "refusal_code",
 ]
 
 log = logging.getLogger(__name__)

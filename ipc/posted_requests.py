@@ -68,7 +68,7 @@ from .protocol import (
     Reply,
 )
 
-__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests", "refusal_reason"]
+__all__ = ["MAX_REFUSED", "MAX_UNANSWERED", "PostedRequests", "refusal_code", "refusal_reason"]
 
 #: requests sent without waiting whose answers a client has not taken yet (the
 #: sidecar reads up to 64 queued messages of a connection in one wake-up)
@@ -323,6 +323,21 @@ class PostedRequests:
         self._pushed.pop(engine_id, None)
 
 
+_REFUSED: Final = "refused by the sidecar ("
+
+
 def refusal_reason(err: Error | SidecarError) -> str:
     """How a refusal reads in the ``failed`` completion it becomes."""
-    return f"refused by the sidecar ({err.code}): {err.message}"
+    return f"{_REFUSED}{err.code}): {err.message}"
+
+
+def refusal_code(c: Completion) -> str:
+    """The error code of the refusal a ``failed`` completion reports (one this
+    book made of an ``Error``: :func:`refusal_reason`), or '' for any other
+    completion. ``unknown_engine``: the sidecar has no registration of the
+    engine (it restarted, or released it), so nothing else of it is in
+    flight there either."""
+    if c.kind != "failed" or not c.reason.startswith(_REFUSED):
+        return ""
+    code, sep, _ = c.reason[len(_REFUSED):].partition("): ")
+    return code if sep else ""

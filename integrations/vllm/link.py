@@ -8,7 +8,8 @@ to our memory:
 * refused (the sidecar answered no): that request only: a hold ends its
   send, a read is a failed read;
 * ``UnknownEngine`` (the sidecar at our socket has no registration of this
-  rank: it restarted, or released it): a sidecar lets an engine's memory go
+  rank: it restarted, or released it), raised by a call or returned by a
+  poll as a read's ``unknown_engine`` refusal: a sidecar lets an engine's memory go
   only after its transfers ended, so everything in flight ends now as failed
   (:meth:`SidecarLink._lose`) and the rank registers again
   (:meth:`SidecarLink._register_again`);

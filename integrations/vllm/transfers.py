@@ -21,8 +21,9 @@ from ...ipc.client import (
     SidecarError,
     SidecarTimeout,
     UnknownEngine,
+    refusal_code,
 )
-from ...ipc.protocol import MAX_BATCH, Completion, Held, KeepItem, MemoryKind
+from ...ipc.protocol import MAX_BATCH, UNKNOWN_ENGINE, Completion, Held, KeepItem, MemoryKind
 from .layout import VllmLayout
 from .link import SidecarLink
 from .messages import HoldJob, KvSidecarMetadata, ReadJob, read_spec
@@ -210,6 +211,12 @@ class Transfers(SidecarLink):
                 log.error("kvsidecar: engine %s rank %d: the sidecar at %s refused a poll "
                           "(%s); trying again next step", self.engine_id, self.tp_rank,
                           self.socket, e)
+        # A read sent without waiting that reached the sidecar only after it lost
+        # the rank (sent again on a new connection to a restarted sidecar) is
+        # refused unknown_engine: the registration is gone, so is all in flight.
+        lost = next((c.reason for c in items if refusal_code(c) == UNKNOWN_ENGINE), "")
+        if lost:
+            self._lose(lost)
         out.finished_sending.update(self._sends_ended)
         self._sends_ended.clear()
         early, self._early = self._early, []

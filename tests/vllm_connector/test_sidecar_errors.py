@@ -249,14 +249,18 @@ def test_a_stopped_sidecar_delays_requests_but_loses_none(
         D.shutdown()
 
 
-@pytest.mark.parametrize("pair_sidecars", [([], ["--handshake-timeout", "10"])],
-                         indirect=True)
+@pytest.mark.parametrize("pair_sidecars", [
+    ([], ["--handshake-timeout", "10", "--metrics-port", "0"])], indirect=True)
+@pytest.mark.parametrize("read", ["taken", "unread"])
 def test_a_sidecar_restarted_under_requests_fails_them_and_serves_again(
         model: str, pair_sidecars: tuple[SidecarProcess, SidecarProcess],
-        caplog: pytest.LogCaptureFixture) -> None:
-    """D's sidecar is killed and restarted while D's read waits on a silent P:
-    the read fails as a failed request (finished + failed, its blocks invalid)
-    in the step that learns the registration is gone, and the rank registers
+        caplog: pytest.LogCaptureFixture, read: str) -> None:
+    """D's sidecar is killed and restarted while D's read waits on a silent P
+    (``taken``), or with the read still unread in its socket (``unread``, D's
+    sidecar stopped: the client sends it again to the restarted sidecar,
+    which refuses it ``unknown_engine``): either way the read fails as a
+    failed request (finished + failed, its blocks invalid) for the lost
+    registration, in the step that learns it is gone, and the rank registers
     again. P's sidecar is killed and restarted with that hold open: the hold
     ends (``finished_sending``, P frees the blocks) and P registers again. A
     failed notification (D aborts a request before its read while P's sidecar
@@ -271,9 +275,17 @@ def test_a_sidecar_restarted_under_requests_fails_them_and_serves_again(
         params = prefill(P, "x", 60, seeds["x"])
         run_until(P, lambda: bool(P.workers[0].worker._holding))  # type: ignore[union-attr]
         p_side.proc.send_signal(signal.SIGSTOP)  # D's read waits in its handshake
+        assert d_side.proc is not None
+        if read == "unread":
+            d_side.proc.send_signal(signal.SIGSTOP)
         D.sched.add_request(request(D, "x", 60, dict(params), seed=seeds["x"]))
         so, _ = D.step()
         (job,) = so.kv_connector_metadata.reads
+        if read == "taken":
+            deadline = time.monotonic() + WAIT_S
+            while d_side.metric("kvsidecar_reads_in_flight") < 1:
+                assert time.monotonic() < deadline, "D's sidecar never took the read"
+                time.sleep(0.01)
         d_side.kill()
         d_side.start(600.0)
         failed = None
