@@ -673,9 +673,13 @@ class _InsideD:
              "done → scattered (staged reads)": "kvsidecar_scatter_seconds",
              "accepted → completion queued": "kvsidecar_read_seconds"}
 
+    #: reads posted during their lease claim (their claim is no part of accepted → posted)
+    DURING = "kvsidecar_reads_posted_during_claim_total"
+
     def __init__(self, port: int) -> None:
         self.port = port
         self._t0: dict[str, tuple[float, float]] = {}
+        self._during0 = 0.0
 
     def _read(self) -> dict[str, tuple[float, float]]:
         return {k: (metric(self.port, f"{m}_sum"), metric(self.port, f"{m}_count"))
@@ -683,9 +687,11 @@ class _InsideD:
 
     def start(self) -> None:
         self._t0 = self._read()
+        self._during0 = metric(self.port, self.DURING)
 
     def stop(self) -> str:
         self.means = {}
+        self.posted_during_claim = metric(self.port, self.DURING) - self._during0
         for k, (s1, c1) in self._read().items():
             s0, c0 = self._t0[k]
             if c1 > c0:
@@ -694,6 +700,7 @@ class _InsideD:
                          if m in self.means)
 
     means: dict[str, float] = {}
+    posted_during_claim = 0.0
 
 
 def _cycle_cpu_note(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
@@ -712,10 +719,15 @@ def _cycle_cpu_note(before: dict[str, dict[str, float]], after: dict[str, dict[s
             f"{total / wall_s / cores:.0%} of this host's {cores} cores")
 
 
-def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> list[str]:
+def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
+               during: bool = False) -> list[str]:
     """One note per hop of a 1-block read: the sidecars' time there (means over
     the run's waiting-poll reads, from D's /metrics) next to that hop's floor,
-    measured bare in this run (p50, :mod:`floors`)."""
+    measured bare in this run (p50, :mod:`floors`). ``during``: the reads
+    posted during their lease claim (issued right after the post), so the
+    claim is no part of accepted → posted and runs beside post → done, which
+    mostly waits for it too: P's worker answers the READ's closing flush once
+    the grant woke it."""
     import floors
 
     def floor(xs: list[float]) -> str:
@@ -724,13 +736,12 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> 
     unix, zblock = floors.unix_rtts(n), floors.zmq_curve_rtts(n)
     zloop, hand = floors.zmq_curve_rtts(n, on_loop=True), floors.loop_thread_rtts(n)
     queued = inside.get("kvsidecar_read_queue_seconds", float("nan"))
-    # Reads posted during their claim (--post-during-claim, the default once
-    # the link is confirmed) observe no claim round trip: it overlaps the transfer.
-    claim = inside.get("kvsidecar_lease_claim_seconds")
+    claim = inside.get("kvsidecar_lease_claim_seconds", float("nan"))
     done = inside.get("kvsidecar_transfer_seconds", float("nan"))
     read = inside.get("kvsidecar_read_seconds", float("nan"))
-    claim_hop = ("posted during the claim: it overlaps the transfer, only the "
-                 "notification waits for the grant" if claim is None else us(claim))
+    claim_hop = (f"{us(claim)}, issued right after the post (the read posts during its "
+                 f"claim) and in parallel with post → done below: the read completes once "
+                 f"both are in" if during else f"{us(claim)}, awaited before the post")
     return [
         "hop table (sidecar: means of this run; floor: the same hop bare, same run): "
         f"engine channel, read in + completion out, and the read task's start (engine "
@@ -740,10 +751,12 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int) -> 
         f"round trip over tcp with CURVE between two event loops {floor(zloop)} "
         f"(both sides blocking: {floor(zblock)})",
         f"hop table: rest of accepted → posted (read task start, link lookup, planning "
-        f"on the loop, post hand-off): {us(queued - (claim or 0.0))} | floor: none measured",
+        f"on the loop, post hand-off): {us(queued - (0.0 if during else claim))} | floor: "
+        f"none measured",
         f"hop table: post → done (post call; P's worker answering the endpoint flush "
-        f"NIXL ends a transfer with; D's worker polling): {us(done)} | floor raw NIXL "
-        f"post + completion + notification with both sides spinning {us(raw50)} p50",
+        f"NIXL ends a transfer with, which it does once the claim's grant woke it; D's "
+        f"worker polling): {us(done)} | floor raw NIXL post + completion + notification "
+        f"with both sides spinning {us(raw50)} p50",
         f"hop table: posted → completion queued less post → done (≈; hand-off to the "
         f"NIXL worker thread, descriptor lists, its hand-off back, lease check, "
         f"completion): {us(read - queued - done)} | floor one loop → thread → loop "
@@ -799,7 +812,8 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
     p50, p99, r50, r99 = pct(lat["wait"], 50), pct(lat["wait"], 99), pct(raw, 50), pct(raw, 99)
     s50, s99 = pct(lat["spin"], 50), pct(lat["spin"], 99)
     n50, n99 = pct(lat["pushed"], 50), pct(lat["pushed"], 99)
-    hops = _hop_table(statistics.fmean(lat["wait"]), inside.means, r50, s.latency_reads)
+    hops = _hop_table(statistics.fmean(lat["wait"]), inside.means, r50, s.latency_reads,
+                      during=inside.posted_during_claim >= s.latency_reads / 2)
     return [Figure(f"1-block (16 KiB) read latency p50 / p99 ({s.latency_reads} reads, "
                    "engine `read` to `received`, waiting poll)",
                    f"{us(p50)} / {us(p99)}",

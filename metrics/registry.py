@@ -102,8 +102,9 @@ class Metrics:
             "its NIXL transfers (handshake, planning, queueing)", ENGINE,
             buckets=LATENCY_BUCKETS)
         self.lease_claim_seconds = lh(
-            "kvsidecar_lease_claim_seconds", "A read that claims first: from issuing its "
-            "lease claims to every P rank's grant (the peer channel's round trip)", ENGINE,
+            "kvsidecar_lease_claim_seconds", "A read's lease claims, from issuing them to "
+            "every P rank's grant (the peer channel's round trip), whether the read "
+            "awaited them before posting or posted during them", ENGINE,
             buckets=LATENCY_BUCKETS)
         self.read_seconds = lh(
             "kvsidecar_read_seconds", "Read request time from acceptance to completion",

@@ -308,7 +308,7 @@ async def _claim_and_plan_alone(a: Attempt, sent: list[Any],
     eng, leases = a.eng, a.job.leases
     assert leases is not None
     if _confirmed(a):
-        return await _plan_during_claim(a, leases, sent, planning)
+        return await _plan_during_claim(a, leases, sent, planning, claimed_at)
     # Claim first (a task and a link confirmation only when the feature is
     # on): a refusal fails the read with nothing posted.
     await (_claim(a, leases, sent) if eng.post_during_claim_s > 0 else leases.claim(sent))
@@ -319,11 +319,12 @@ async def _claim_and_plan_alone(a: Attempt, sent: list[Any],
 
 
 async def _plan_during_claim(a: Attempt, leases: ReaderLeases, sent: list[Any],
-                             planning: asyncio.Future[_Planned]
+                             planning: asyncio.Future[_Planned], claimed_at: float
                              ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None],
                                         asyncio.Future[None] | None]:
     """Await the plan only; the claim goes on (None once it was granted already)."""
-    claiming: asyncio.Future[None] | None = asyncio.ensure_future(_claim(a, leases, sent))
+    claiming: asyncio.Future[None] | None = asyncio.ensure_future(
+        _claim(a, leases, sent, claimed_at))
     assert claiming is not None
     try:
         plan, posts, staged = await planning
@@ -353,18 +354,25 @@ async def _post_first(a: Attempt, handshakes: HandshakeClient,
         plan, posts, staged = plan_and_address(*args)
     # Its first step (issuing the claims) runs next iteration, ahead of the
     # post's hand-off to the worker; the claims' send is queued behind both.
-    claiming = asyncio.ensure_future(_claim(a, leases))
+    claiming = asyncio.ensure_future(_claim(a, leases, claimed_at=time.monotonic()))
     if a.metrics is not None:
         a.metrics.series(a.metrics.posted_during_claim, eng.engine_id).inc()
     return await post_and_wait(a, plan, posts, staged, [None] * len(posts), claiming)
 
 
-async def _claim(a: Attempt, leases: ReaderLeases, sent: list[Any] | None = None) -> None:
+async def _claim(a: Attempt, leases: ReaderLeases, sent: list[Any] | None = None,
+                 claimed_at: float | None = None) -> None:
     """Claim every rank (or await the claims ``sent`` issued); a grant confirms
     the links' agents were current (see
-    :meth:`~kvsidecar.daemon.peers.links.PeerLinks.confirmed_within`)."""
+    :meth:`~kvsidecar.daemon.peers.links.PeerLinks.confirmed_within`).
+    ``claimed_at``: when a read posted during its claim issued it; the round
+    trip to the last grant is observed (``kvsidecar_lease_claim_seconds``)."""
     await leases.claim(sent)
-    a.eng.peers.confirm(a.peers, time.monotonic())
+    now = time.monotonic()
+    a.eng.peers.confirm(a.peers, now)
+    if claimed_at is not None and a.metrics is not None:
+        a.metrics.series(a.metrics.lease_claim_seconds, a.eng.engine_id).observe(
+            now - claimed_at)
 
 
 async def _take_areas(a: Attempt, staged: list[StagedPlan | None]) -> list[Area | None]:

@@ -196,6 +196,10 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
             reader.finish(rid)
         assert d.metric(early, engine="pdc-D") == 1  # D's second read
         assert d0.metric(early, engine="pdc-D0") == 0
+        # every read's claim round trip is observed, posted during it or not
+        claims = "kvsidecar_lease_claim_seconds_count"
+        assert d.metric(claims, engine="pdc-D") == 2
+        assert d0.metric(claims, engine="pdc-D0") == 2
 
         sent = P.prefill("gone", Request(seed=9, prompt_tokens=24), timeout_s=60)
         P.clients[0].release(P.engine_id, "gone")
