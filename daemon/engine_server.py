@@ -22,7 +22,7 @@ arrival order, right in the reader callback: handlers that never await
 (reads, holds, polls with something to return) are answered there, without
 a task or a turn of the loop; one that awaits (registering gigabytes of
 memory, deregistering while reads drain, a waiting poll) goes on in its own
-task from where it stopped (:func:`_carry_on`) and delays only its own
+task from where it stopped (:func:`~kvsidecar.daemon.eager.carry_on`) and delays only its own
 caller (a waiting poll ends with its connection). Replies carry the
 request's id, so a connection may pipeline requests (the async client's
 concurrent calls). The messages one wake-up reads from a connection (up to
@@ -76,9 +76,9 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -111,6 +111,7 @@ from ..ipc.seqpacket import (
     packets,
     peer_closed,
 )
+from .eager import carry_on
 from .engine_access import (
     AccessPolicy,
     PeerCred,
@@ -455,7 +456,7 @@ class EngineServer:
             waiting = answer.send(None)
         except StopIteration:
             return
-        task = asyncio.ensure_future(_carry_on(answer, waiting))
+        task = asyncio.ensure_future(carry_on(answer, waiting))
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
         if type(req) is Poll:  # nobody to answer once its connection goes
@@ -733,47 +734,6 @@ class _Connection:
             self.close()
         elif not self._reading and self.server._listener is not None:
             self.resume()
-
-
-async def _carry_on(coro: Coroutine[Any, Any, None], waiting: object) -> None:
-    """Run ``coro`` on from the point where its first step, run outside any
-    task, stopped: what an asyncio Task that had started it would do, with no
-    more turns of the loop. It stopped on a future (await it here; ``coro``
-    reads its outcome itself when resumed, as ``Future.__await__`` does) or on
-    a bare ``yield`` (one turn of the loop). Cancelling this task cancels that
-    future and so raises CancelledError in ``coro``, as for a Task."""
-    while True:
-        if waiting is not None and not asyncio.isfuture(waiting):
-            error = RuntimeError(f"a request handler yielded {waiting!r}, not a future")
-            try:
-                waiting = coro.throw(error)
-            except StopIteration:
-                return
-            continue
-        fut = waiting  # a future or None here (the check above)
-        try:
-            if fut is None:
-                await asyncio.sleep(0)
-            else:
-                # coro's own await marked it as waited for (a Task resets that mark
-                # when it takes the future over); awaiting it again needs it clear.
-                fut._asyncio_future_blocking = False
-                await fut
-        except asyncio.CancelledError as e:
-            if fut is None or not fut.cancelled():
-                # This task was cancelled (its future had finished meanwhile, or it
-                # was between two steps): the handler must learn of it.
-                try:
-                    waiting = coro.throw(e)
-                except StopIteration:
-                    return
-                continue
-        except BaseException:
-            pass  # the future's own outcome: coro reads it when resumed
-        try:
-            waiting = coro.send(None)
-        except StopIteration:
-            return
 
 
 def _say_and_close(sock: socket.socket, reply: Error) -> None:

@@ -73,11 +73,11 @@ class ReaderLeases:
         """Until when (this clock) every rank's lease is known valid."""
         return min(self.bounds.values(), default=-math.inf)
 
-    def send_claims(self) -> list[_Sent]:
+    def send_claims(self, *, now: bool = False) -> list[_Sent]:
         """Issue every rank's claim now, to be awaited by :meth:`claim`: a read
         issues them before it submits its planning, so they leave first."""
         self._stale = False
-        return [(a, c, self.client.control_soon(a, c)) for a, c in self.targets]
+        return [(a, c, self.client.control_soon(a, c, now=now)) for a, c in self.targets]
 
     async def claim(self, sent: list[_Sent] | None = None) -> None:
         """Claim every rank at once (or await the claims :meth:`send_claims`

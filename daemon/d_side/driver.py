@@ -339,22 +339,26 @@ async def _plan_during_claim(a: Attempt, leases: ReaderLeases, sent: list[Any],
 
 async def _post_first(a: Attempt, handshakes: HandshakeClient,
                       args: tuple[Any, ...]) -> ReadOutcome:
-    """A small read over links P confirmed recently: planned right here (a few
-    blocks plan in ~40 us), posted, and only then its claim sent, all in the
-    read task's first step. Why this order: posted during its claim, the read
-    completes when both its transfer ended and its claim was granted, and on a
-    loaded host each loop iteration between acceptance and post cost hundreds
-    of microseconds (the claim's ZMQ send wakes ZMQ's I/O thread and P, which
-    compete for the two cores with the loop); the claim leaves one callback
-    after the post's hand-off instead of before the planning job."""
+    """A small read over links P confirmed recently, all in the read task's
+    first step: its claims sent (on the spot where nothing else waits to go
+    to that P sidecar), then planned right here (a few blocks plan in ~40 us)
+    and posted. Why this order: posted during its claim, the read completes
+    once its transfer ended and its claim was granted, and the grant is what
+    it waits for: P's worker answers the READ's closing flush only once the
+    grant woke it. A claim left for the next loop iteration waited there
+    behind the post's hand-off (the NIXL worker thread then holding the GIL)."""
     eng, job = a.eng, a.job
     tr = job.tracing
     leases = job.leases = claims_of(handshakes, eng, job.req, agents_of(a.cands, a.peers))
-    with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
-        plan, posts, staged = plan_and_address(*args)
-    # Its first step (issuing the claims) runs next iteration, ahead of the
-    # post's hand-off to the worker; the claims' send is queued behind both.
-    claiming = asyncio.ensure_future(_claim(a, leases, claimed_at=time.monotonic()))
+    claimed_at = time.monotonic()
+    claiming = asyncio.ensure_future(_claim(a, leases, leases.send_claims(now=True),
+                                            claimed_at))
+    try:
+        with tr.child("kvsidecar.planning", job.trace_id, job.span) if tr else _NOTHING:
+            plan, posts, staged = plan_and_address(*args)
+    except BaseException:
+        claiming.add_done_callback(retrieve)  # its outcome is news to no one now
+        raise
     if a.metrics is not None:
         a.metrics.series(a.metrics.posted_during_claim, eng.engine_id).inc()
     return await post_and_wait(a, plan, posts, staged, [None] * len(posts), claiming)

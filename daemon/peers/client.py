@@ -23,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvsidecar.daemon.eager import start_now
 from kvsidecar.daemon.peer_auth import PeerKeys
 from kvsidecar.daemon.peers import control
 from kvsidecar.daemon.peers.addresses import ipv6, normalise, split_address, split_key
@@ -294,20 +295,30 @@ class HandshakeClient:
             return await self._control_one(addr, what, req_id, frame, msg.reader_engine)
         return await self._enqueue(addr, what, req_id, frame, msg.reader_engine)
 
-    def control_soon(self, address: str, msg: ControlRequest) -> asyncio.Future[ControlAnswer]:
+    def control_soon(self, address: str, msg: ControlRequest, *,
+                     now: bool = False) -> asyncio.Future[ControlAnswer]:
         """:meth:`control` started now: queued (or, to a peer that takes no
         batches, under way) when this returns; the future resolves as
         :meth:`control` would return or raise. Why: a read issues its claim
         before it hands its planning to the planning thread, so the claim's
         message is the first thing of the next loop iteration, ahead of the
-        planning job and its thread's wake-up."""
+        planning job and its thread's wake-up.
+
+        ``now``: sent before this returns (its first step run on the spot,
+        :func:`~kvsidecar.daemon.eager.start_now`) unless other control
+        messages wait to go to that peer (they are then joined as without
+        it). For one read's claims only: several sent so go one message each,
+        not as a batch."""
         try:
             addr, what, req_id, frame = self._encode_control(address, msg)
         except HandshakeFailed as e:
             failed: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
             failed.set_exception(e)
             return failed
-        if self._batching.get(addr, 0) < 2:
+        alone = self._batching.get(addr, 0) < 2
+        if now and (alone or addr not in self._outboxes):
+            return start_now(self._control_one(addr, what, req_id, frame, msg.reader_engine))
+        if alone:
             return asyncio.ensure_future(self._control_one(addr, what, req_id, frame,
                                                            msg.reader_engine))
         return self._enqueue(addr, what, req_id, frame, msg.reader_engine)

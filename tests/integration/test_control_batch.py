@@ -260,6 +260,38 @@ async def test_a_lone_claim_goes_alone_as_a_plain_claim(
         peer.close()
 
 
+async def test_a_claim_sent_now_leaves_before_control_soon_returns_unless_others_wait(
+        client: tuple[HandshakeClient, list[int]]) -> None:
+    """``now``: the claim is on the wire when the call returns (the caller's
+    very next step may hand the GIL to the NIXL worker); while another
+    message to that peer is in flight it joins the queue as without ``now``."""
+    cli, sent = client
+    peer = await linked(cli, MAX_BATCH_ITEMS)
+    try:
+        first = cli.control_soon(peer.address, claim("now"), now=True)
+        assert sent == [1]  # sent on the spot, not at the next loop iteration
+        ident, msg = await peer.receive()
+        assert isinstance(msg, Claim) and msg.request_id == "now"
+        queued = [cli.control_soon(peer.address, claim(f"q{i}")) for i in range(2)]
+        await asyncio.sleep(0)  # the queued pair's flush starts and sends them
+        assert sent == [1, 2]
+        late = cli.control_soon(peer.address, claim("late"), now=True)
+        assert sent == [1, 2]  # the pair is in flight: "late" waits behind it
+        await peer.answer(ident, msg)
+        assert (await first).reply.granted
+        ident, pair = await peer.receive()
+        assert isinstance(pair, ControlBatch)
+        assert [i.request_id for i in pair.items] == ["q0", "q1"]
+        await peer.answer(ident, pair)
+        ident, last = await peer.receive()
+        assert isinstance(last, Claim) and last.request_id == "late"
+        await peer.answer(ident, last)
+        assert all(a.reply.granted for a in await asyncio.gather(*queued, late))
+        assert sent == [1, 2, 1]
+    finally:
+        peer.close()
+
+
 async def test_what_is_issued_while_a_batch_is_in_flight_leaves_as_the_next_one(
         client: tuple[HandshakeClient, list[int]]) -> None:
     cli, sent = client

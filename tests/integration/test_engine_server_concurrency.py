@@ -85,7 +85,7 @@ async def test_handlers_that_wait_are_carried_on_like_tasks(tmp_path) -> None:
 
 
 async def test_cancelling_a_carried_on_request_cancels_what_it_waits_for() -> None:
-    from kvsidecar.daemon.engine_server import _carry_on
+    from kvsidecar.daemon.eager import carry_on
 
     seen: list[str] = []
     inner: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -98,7 +98,7 @@ async def test_cancelling_a_carried_on_request_cancels_what_it_waits_for() -> No
             raise
 
     coro = handler()
-    task = asyncio.ensure_future(_carry_on(coro, coro.send(None)))
+    task = asyncio.ensure_future(carry_on(coro, coro.send(None)))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

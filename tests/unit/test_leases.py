@@ -45,7 +45,8 @@ class BookPeer:
         return ControlAnswer(ControlReply(granted=lease.granted, lease_s=lease.lease_s,
                                           reason=lease.reason), sent_at)
 
-    def control_soon(self, address: str, msg: ControlRequest) -> asyncio.Future[ControlAnswer]:
+    def control_soon(self, address: str, msg: ControlRequest, *,
+                     now: bool = False) -> asyncio.Future[ControlAnswer]:
         return asyncio.ensure_future(self.control(address, msg))
 
 

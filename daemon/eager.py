@@ -1,0 +1,92 @@
+"""Coroutines whose first step runs now, in the caller's callback.
+
+``asyncio.ensure_future(coro)`` runs nothing of ``coro`` until the loop's
+next iteration: behind every callback already queued, and (on two cores)
+behind the wake-ups of threads the current callback just caused. Where the
+first step is the point (a request answered without a turn of the loop, a
+lease claim that must leave before the post it races), :func:`start_now`
+runs it at once and hands only the rest to a task (:func:`carry_on`), as
+Python 3.12's eager tasks do.
+
+What the first step sees differs from a task's in one way: it runs in the
+caller's task (``asyncio.current_task()`` is the caller's), so a coroutine
+that looks up its own task must not be started so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["carry_on", "start_now"]
+
+
+def start_now(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """Run ``coro`` up to its first suspension now; the future of its outcome
+    (already done when it finished or raised in that step; otherwise a task
+    that carries it on, and cancelling that task cancels ``coro``)."""
+    try:
+        waiting = coro.send(None)
+    except StopIteration as e:
+        return _done(e.value, None)
+    except asyncio.CancelledError:
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        fut.cancel()
+        return fut
+    except Exception as e:
+        return _done(None, e)
+    return asyncio.ensure_future(carry_on(coro, waiting))
+
+
+def _done(value: Any, exc: BaseException | None) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    if exc is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(exc)
+    return fut
+
+
+async def carry_on(coro: Coroutine[Any, Any, T], waiting: object) -> T:
+    """Run ``coro`` on from the point where its first step, run outside any
+    task, stopped: what an asyncio Task that had started it would do, with no
+    more turns of the loop; returns what ``coro`` returns. It stopped on a
+    future (await it here; ``coro`` reads its outcome itself when resumed, as
+    ``Future.__await__`` does) or on a bare ``yield`` (one turn of the loop).
+    Cancelling this task cancels that future and so raises CancelledError in
+    ``coro``, as for a Task."""
+    while True:
+        if waiting is not None and not asyncio.isfuture(waiting):
+            error = RuntimeError(f"a coroutine yielded {waiting!r}, not a future")
+            try:
+                waiting = coro.throw(error)
+            except StopIteration as e:
+                return e.value  # type: ignore[no-any-return]
+            continue
+        fut = waiting  # a future or None here (the check above)
+        try:
+            if fut is None:
+                await asyncio.sleep(0)
+            else:
+                # coro's own await marked it as waited for (a Task resets that mark
+                # when it takes the future over); awaiting it again needs it clear.
+                fut._asyncio_future_blocking = False
+                await fut
+        except asyncio.CancelledError as e:
+            if fut is None or not fut.cancelled():
+                # This task was cancelled (its future had finished meanwhile, or it
+                # was between two steps): the coroutine must learn of it.
+                try:
+                    waiting = coro.throw(e)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                continue
+        except BaseException:
+            pass  # the future's own outcome: coro reads it when resumed
+        try:
+            waiting = coro.send(None)
+        except StopIteration as e:
+            return e.value  # type: ignore[no-any-return]
