@@ -724,7 +724,7 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
     """One note per hop of a 1-block read: the sidecars' time there (means over
     the run's waiting-poll reads, from D's /metrics) next to that hop's floor,
     measured bare in this run (p50, :mod:`floors`). ``during``: the reads
-    posted during their lease claim (issued right after the post), so the
+    posted during their lease claim (sent just before the post), so the
     claim is no part of accepted → posted and runs beside post → done, which
     mostly waits for it too: P's worker answers the READ's closing flush once
     the grant woke it."""
@@ -739,7 +739,7 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
     claim = inside.get("kvsidecar_lease_claim_seconds", float("nan"))
     done = inside.get("kvsidecar_transfer_seconds", float("nan"))
     read = inside.get("kvsidecar_read_seconds", float("nan"))
-    claim_hop = (f"{us(claim)}, issued right after the post (the read posts during its "
+    claim_hop = (f"{us(claim)}, sent just before the post (the read posts during its "
                  f"claim) and in parallel with post → done below: the read completes once "
                  f"both are in" if during else f"{us(claim)}, awaited before the post")
     return [
@@ -750,9 +750,10 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
         f"hop table: lease claim D → P → D: {claim_hop} | floor one ZMQ DEALER/ROUTER "
         f"round trip over tcp with CURVE between two event loops {floor(zloop)} "
         f"(both sides blocking: {floor(zblock)})",
-        f"hop table: rest of accepted → posted (read task start, link lookup, planning "
-        f"on the loop, post hand-off): {us(queued - (0.0 if during else claim))} | floor: "
-        f"none measured",
+        "hop table: rest of accepted → posted (read task start, link lookup, "
+        + ("the claim's send, " if during else "")
+        + f"planning on the loop, post hand-off): {us(queued - (0.0 if during else claim))}"
+        f" | floor: none measured",
         f"hop table: post → done (post call; P's worker answering the endpoint flush "
         f"NIXL ends a transfer with, which it does once the claim's grant woke it; D's "
         f"worker polling): {us(done)} | floor raw NIXL post + completion + notification "
