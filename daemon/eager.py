@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["carry_on", "start_now"]
+__all__ = ["carried_on", "carry_on", "start_now"]
 
 
 def start_now(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
@@ -38,7 +38,16 @@ def start_now(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         return fut
     except Exception as e:
         return _done(None, e)
-    return asyncio.ensure_future(carry_on(coro, waiting))
+    return carried_on(coro, waiting)
+
+
+def carried_on(coro: Coroutine[Any, Any, T], waiting: object) -> asyncio.Task[T]:
+    """The task of :func:`carry_on`; should it be cancelled before its first
+    step (which never then runs), ``coro`` is closed, so its ``finally``
+    blocks run now rather than whenever the garbage collector finds it."""
+    task = asyncio.ensure_future(carry_on(coro, waiting))
+    task.add_done_callback(lambda _: coro.close())
+    return task
 
 
 def _done(value: Any, exc: BaseException | None) -> asyncio.Future[Any]:

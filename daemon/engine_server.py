@@ -111,7 +111,7 @@ from ..ipc.seqpacket import (
     packets,
     peer_closed,
 )
-from .eager import carry_on
+from .eager import carried_on
 from .engine_access import (
     AccessPolicy,
     PeerCred,
@@ -456,7 +456,7 @@ class EngineServer:
             waiting = answer.send(None)
         except StopIteration:
             return
-        task = asyncio.ensure_future(carry_on(answer, waiting))
+        task = carried_on(answer, waiting)
         self._answering.add(task)
         task.add_done_callback(self._answering.discard)
         if type(req) is Poll:  # nobody to answer once its connection goes

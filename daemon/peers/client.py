@@ -169,7 +169,7 @@ class HandshakeClient:
         #: its last handshake info said (absent or < 2: single messages only)
         self._batching: OrderedDict[str, int] = OrderedDict()
         self._outboxes: dict[str, Outbox[_Item]] = {}
-        self._flushes: set[asyncio.Task[None]] = set()
+        self._flushes: set[asyncio.Future[None]] = set()
 
     async def fetch(self, address: str, engine_id: str, tp_rank: int,
                     reader: Reader | None = None) -> HandshakeInfo:
@@ -304,24 +304,20 @@ class HandshakeClient:
         message is the first thing of the next loop iteration, ahead of the
         planning job and its thread's wake-up.
 
-        ``now``: sent before this returns (its first step run on the spot,
-        :func:`~kvsidecar.daemon.eager.start_now`) unless other control
-        messages wait to go to that peer (they are then joined as without
-        it). For one read's claims only: several sent so go one message each,
-        not as a batch."""
+        ``now``: sent before this returns (the send run on the spot,
+        :func:`~kvsidecar.daemon.eager.start_now`) when nothing to that peer
+        is in flight or queued; otherwise it waits in the outbox and goes
+        with the next batch, exactly as without ``now``."""
         try:
             addr, what, req_id, frame = self._encode_control(address, msg)
         except HandshakeFailed as e:
             failed: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
             failed.set_exception(e)
             return failed
-        alone = self._batching.get(addr, 0) < 2
-        if now and (alone or addr not in self._outboxes):
-            return start_now(self._control_one(addr, what, req_id, frame, msg.reader_engine))
-        if alone:
-            return asyncio.ensure_future(self._control_one(addr, what, req_id, frame,
-                                                           msg.reader_engine))
-        return self._enqueue(addr, what, req_id, frame, msg.reader_engine)
+        if self._batching.get(addr, 0) < 2:
+            one = self._control_one(addr, what, req_id, frame, msg.reader_engine)
+            return start_now(one) if now else asyncio.ensure_future(one)
+        return self._enqueue(addr, what, req_id, frame, msg.reader_engine, now=now)
 
     def _encode_control(self, address: str, msg: ControlRequest | Digest
                         ) -> tuple[str, str, int, bytes]:
@@ -334,8 +330,9 @@ class HandshakeClient:
         return addr, type(msg).__name__.lower(), req_id, frame
 
     def _enqueue(self, addr: str, what: str, req_id: int, frame: bytes,
-                 owner: str = "") -> asyncio.Future[ControlAnswer]:
-        """Put one item in ``addr``'s outbox (starting its flush if none runs)."""
+                 owner: str = "", *, now: bool = False) -> asyncio.Future[ControlAnswer]:
+        """Put one item in ``addr``'s outbox (starting its flush if none runs;
+        ``now``: its first send on the spot)."""
         box = self._outboxes.get(addr)
         if box is None:
             limit = self._batching.get(addr, 0)
@@ -343,7 +340,8 @@ class HandshakeClient:
                                                 BATCH_OVERHEAD_BYTES)
         item = _Item(what, req_id, frame, asyncio.get_running_loop().create_future(), owner)
         if box.add(item, len(frame), time.monotonic()):
-            flush = asyncio.create_task(self._flush(addr, box), name=f"control-flush-{addr}")
+            flush = (start_now(self._flush(addr, box)) if now else
+                     asyncio.create_task(self._flush(addr, box), name=f"control-flush-{addr}"))
             self._flushes.add(flush)
             flush.add_done_callback(self._flushes.discard)
         return item.future

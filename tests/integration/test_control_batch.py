@@ -263,8 +263,9 @@ async def test_a_lone_claim_goes_alone_as_a_plain_claim(
 async def test_a_claim_sent_now_leaves_before_control_soon_returns_unless_others_wait(
         client: tuple[HandshakeClient, list[int]]) -> None:
     """``now``: the claim is on the wire when the call returns (the caller's
-    very next step may hand the GIL to the NIXL worker); while another
-    message to that peer is in flight it joins the queue as without ``now``."""
+    very next step may hand the GIL to the NIXL worker); while it is in
+    flight, what follows to that peer (``now`` or not) waits in the outbox
+    and goes as the next batch, as any control message does."""
     cli, sent = client
     peer = await linked(cli, MAX_BATCH_ITEMS)
     try:
@@ -273,21 +274,17 @@ async def test_a_claim_sent_now_leaves_before_control_soon_returns_unless_others
         ident, msg = await peer.receive()
         assert isinstance(msg, Claim) and msg.request_id == "now"
         queued = [cli.control_soon(peer.address, claim(f"q{i}")) for i in range(2)]
-        await asyncio.sleep(0)  # the queued pair's flush starts and sends them
-        assert sent == [1, 2]
         late = cli.control_soon(peer.address, claim("late"), now=True)
-        assert sent == [1, 2]  # the pair is in flight: "late" waits behind it
+        await asyncio.sleep(0)
+        assert sent == [1]  # all three wait behind the claim in flight
         await peer.answer(ident, msg)
         assert (await first).reply.granted
-        ident, pair = await peer.receive()
-        assert isinstance(pair, ControlBatch)
-        assert [i.request_id for i in pair.items] == ["q0", "q1"]
-        await peer.answer(ident, pair)
-        ident, last = await peer.receive()
-        assert isinstance(last, Claim) and last.request_id == "late"
-        await peer.answer(ident, last)
+        ident, batch = await peer.receive()
+        assert isinstance(batch, ControlBatch)
+        assert [i.request_id for i in batch.items] == ["q0", "q1", "late"]
+        await peer.answer(ident, batch)
         assert all(a.reply.granted for a in await asyncio.gather(*queued, late))
-        assert sent == [1, 2, 1]
+        assert sent == [1, 3]
     finally:
         peer.close()
 

@@ -97,3 +97,25 @@ async def test_a_bare_yield_is_one_turn_of_the_loop() -> None:
     asyncio.get_running_loop().call_soon(order.append, "queued before")
     await start_now(coro())
     assert order == ["first", "queued before", "second"]
+
+
+async def test_a_task_cancelled_before_its_first_step_closes_the_coroutine() -> None:
+    """The first step ran in the caller; the rest's task is cancelled before
+    it ever runs: the coroutine is closed at once (its ``finally`` runs, so
+    e.g. a pending request's bookkeeping and timer go), not left suspended
+    until the garbage collector finds it."""
+    gate = asyncio.get_running_loop().create_future()
+    cleaned: list[str] = []
+
+    async def coro() -> None:
+        try:
+            await gate
+        finally:
+            cleaned.append("finally")
+
+    fut = start_now(coro())
+    fut.cancel()  # before the loop ever ran the task
+    with pytest.raises(asyncio.CancelledError):
+        await fut
+    assert cleaned == ["finally"]
+    assert not gate.cancelled()  # never awaited by the task: left alone
