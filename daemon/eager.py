@@ -16,10 +16,13 @@ that looks up its own task must not be started so.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 __all__ = ["carried_on", "carry_on", "start_now"]
 
@@ -42,12 +45,24 @@ def start_now(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
 
 
 def carried_on(coro: Coroutine[Any, Any, T], waiting: object) -> asyncio.Task[T]:
-    """The task of :func:`carry_on`; should it be cancelled before its first
-    step (which never then runs), ``coro`` is closed, so its ``finally``
+    """The task of :func:`carry_on`. Should it be cancelled before its first
+    step (which then never runs), ``coro`` learns it as from a Task: a
+    CancelledError where it waits, and it is closed, so its ``finally``
     blocks run now rather than whenever the garbage collector finds it."""
     task = asyncio.ensure_future(carry_on(coro, waiting))
-    task.add_done_callback(lambda _: coro.close())
+    task.add_done_callback(functools.partial(_end, coro))
     return task
+
+
+def _end(coro: Coroutine[Any, Any, Any], task: asyncio.Future[Any]) -> None:
+    if task.cancelled() and getattr(coro, "cr_frame", None) is not None:  # not resumed by it
+        try:
+            coro.throw(asyncio.CancelledError())
+        except (asyncio.CancelledError, StopIteration):
+            pass
+        except Exception:  # nobody awaits it any more: say so, do not raise here
+            log.exception("a coroutine cancelled before its task ran failed")
+    coro.close()
 
 
 def _done(value: Any, exc: BaseException | None) -> asyncio.Future[Any]:
