@@ -34,6 +34,8 @@ MAX_SECONDS: Final = 86400.0
 """Upper bound of every duration setting: a typo of extra zeros fails at start-up."""
 MAX_POST_LANES: Final = 8
 """Each lane is a NIXL agent, a thread and a registration of the engine's memory."""
+MAX_PROGRESS_MS: Final = 1000
+"""Longest guard wake-up of NIXL's progress thread (a missed wake-up stalls a read this long)."""
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Same values as kvsidecar.daemon.transport.check.MODES (options import nothing heavy).
 CHECK_MODES: Final = ("require-zero-copy", "allow-tcp", "off")
@@ -302,6 +304,13 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "in parallel; lane 0 notifies every rank once all transfers ended; "
            f"1..{MAX_POST_LANES}", DATA_PATH, kind="int",
            check=within(1, MAX_POST_LANES)),
+    Option("--nixl-progress-thread-ms", "nixl_progress_thread_ms", 0, "run NIXL's UCX "
+           "progress thread in each agent, asleep until a peer's message arrives (and at least "
+           "every this many ms, NIXL's guard against a missed wake-up), so a peer's READ of "
+           "this engine's memory is answered at once instead of at this sidecar's next poll: "
+           "lower latency for a few reads at a time, but a wake-up per message costs CPU under "
+           f"load (docs/performance.md); 0 = off, the worker thread polls; 0..{MAX_PROGRESS_MS}",
+           DATA_PATH, kind="int", check=within(0, MAX_PROGRESS_MS)),
     Option("--notif-batch-reads", "notif_batch_reads", 64, "P side: advertise that a reader may "
            "merge up to this many reads it posts together into one NIXL transfer carrying one "
            "notification naming them all (a failed transfer fails each read in it); 0 asks for "

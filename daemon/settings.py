@@ -71,6 +71,7 @@ class Settings:
     post_during_claim_s: float = 2.0
     notif_batch_reads: int = 64
     post_lanes: int = 1
+    nixl_progress_thread_ms: int = 0
     verify_bytes: bool = False
 
     @property

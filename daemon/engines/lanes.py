@@ -38,11 +38,15 @@ class Lanes:
 def make_lanes(agent: str, backends: Sequence[str], count: int, gpu: CudaDevice | None,
                on_notif: Callable[[str, bytes], None],
                on_reset: Callable[[AgentReset], None],
-               on_lane_reset: Callable[[AgentReset], None]) -> list[NixlWorker]:
-    """Lane 0 (named ``agent``, notifications in) and ``count - 1`` posting lanes."""
+               on_lane_reset: Callable[[AgentReset], None], *,
+               progress_thread_ms: int = 0) -> list[NixlWorker]:
+    """Lane 0 (named ``agent``, notifications in) and ``count - 1`` posting lanes;
+    ``progress_thread_ms``: lane 0's, see ``WorkerOptions.progress_thread_ms``
+    (the posting lanes only read: their own polls progress them)."""
     worker = NixlWorker(agent, WorkerOptions(backends=backends,
                                              join_notifs=notifications.join,
-                                             max_notif_bytes=notifications.MAX_NOTIF_BYTES),
+                                             max_notif_bytes=notifications.MAX_NOTIF_BYTES,
+                                             progress_thread_ms=progress_thread_ms),
                         on_notif=on_notif, on_reset=on_reset,
                         thread_init=partial(worker_thread_init, gpu))
     return [worker] + [

@@ -130,7 +130,8 @@ class Registry:
         e = req.engine_id
         workers = make_lanes(agent, self.settings.backends, self.settings.post_lanes,
                              self.state.gpu, partial(self.on_notif, e),
-                             partial(self._on_agent_reset, e), partial(self._on_lane_reset, e))
+                             partial(self._on_agent_reset, e), partial(self._on_lane_reset, e),
+                             progress_thread_ms=self.settings.nixl_progress_thread_ms)
         mem_type, device = uniform(regions)
         try:
             lanes = await start_lanes(workers, layout, regions, mem_type, device.index)

@@ -68,9 +68,17 @@ class AgentReset:
 
 def nixl_agent_factory(backends: Sequence[str] = ("UCX",),
                        backend_params: Mapping[str, Mapping[str, str]] | None = None,
-                       telemetry: bool = True) -> AgentFactory:
-    """Real NIXL agents with ``backends``, without NIXL's progress and listener
-    threads (the worker thread progresses the agent; see the worker)."""
+                       telemetry: bool = True, progress_thread_ms: int = 0) -> AgentFactory:
+    """Real NIXL agents with ``backends`` and no listener thread.
+
+    ``progress_thread_ms`` 0: no NIXL progress thread (the worker thread
+    progresses the agent; see the worker). Above 0: NIXL's UCX progress
+    thread, which sleeps in ``poll()`` on the UCX workers' event fds and so
+    progresses only when a peer's message arrives, and at least every that
+    many milliseconds (NIXL's guard against a missed wake-up). The Python
+    ``nixl_agent`` always starts it with a zero delay, a thread that spins a
+    core, so the agent is made again through the binding with the delay set;
+    a binding without those fields raises ``NixlError``."""
     params = {k: dict(v) for k, v in (backend_params or {}).items()}
     names = tuple(backends)
 
@@ -83,11 +91,33 @@ def nixl_agent_factory(backends: Sequence[str] = ("UCX",),
             backends=[],
         )
         agent = api.nixl_agent(name, conf)
+        if progress_thread_ms > 0:
+            # Before any backend exists: a backend reads the agent's config when created.
+            agent.agent = _agent_with_progress_thread(api, name, telemetry, progress_thread_ms)
         for backend in names:
             agent.create_backend(backend, dict(params.get(backend, {})))
         return agent
 
     return make
+
+
+def _agent_with_progress_thread(api: Any, name: str, telemetry: bool, delay_ms: int) -> Any:
+    """A bare binding agent whose backends get a progress thread woken by UCX
+    events and at least every ``delay_ms`` (what ``nixl_agent`` would make
+    with ``enable_prog_thread=True``, but with the delay set)."""
+    try:
+        bind = api.nixlBind
+        cfg = bind.nixlAgentConfig()
+        cfg.useProgThread = True
+        cfg.useListenThread = False
+        cfg.syncMode = bind.NIXL_THREAD_SYNC_NONE  # one thread calls the agent: ours
+        cfg.pthrDelay = delay_ms * 1000  # microseconds; NIXL rounds it up to whole ms
+        cfg.lthrDelay = 100000
+        cfg.captureTelemetry = telemetry
+        return bind.nixlAgent(name, cfg)
+    except AttributeError as exc:
+        raise NixlError(f"this NIXL build's binding cannot set the progress thread's delay "
+                        f"({exc}); run without --nixl-progress-thread-ms") from None
 
 
 class AgentHost:

@@ -106,13 +106,20 @@ class WorkerOptions:
     join_notifs: Callable[[list[bytes]], bytes] | None = None
     max_notif_bytes: int = 16384
     merge_max_read_bytes: int = MERGE_MAX_READ_BYTES
-    #: makes the agent; default: real NIXL with backends, backend_params, telemetry
+    #: above 0: the real agent runs NIXL's UCX progress thread, woken by UCX
+    #: events and at least every this many ms (``--nixl-progress-thread-ms``):
+    #: a peer's READ of our memory then needs no poll of ours, so a lease
+    #: granted opens no soon window (see expect_reads)
+    progress_thread_ms: int = 0
+    #: makes the agent; default: real NIXL with backends, backend_params,
+    #: telemetry and progress_thread_ms
     agent_factory: AgentFactory | None = None
 
     def factory(self) -> AgentFactory:
         if self.agent_factory is not None:
             return self.agent_factory
-        return nixl_agent_factory(self.backends, self.backend_params, self.telemetry)
+        return nixl_agent_factory(self.backends, self.backend_params, self.telemetry,
+                                  self.progress_thread_ms)
 
 
 def _tight_timers() -> None:
@@ -360,7 +367,10 @@ class NixlWorker:
         transfer wires up, and over UCX/TCP its bytes flow, only as we progress.
         ``soon``: its read is imminent and worth polling every ``soon_s``
         for until its notification came (the owner says no when many reads are
-        under way: see :meth:`PollPacer.imminent`)."""
+        under way: see :meth:`PollPacer.imminent`). With NIXL's progress thread
+        (``progress_thread_ms``) that thread answers the read as its messages
+        come, so no soon window opens: polling is then only for notifications."""
+        soon = soon and self._opts.progress_thread_ms <= 0
         if self._pacer.expect_reads(for_s, soon=soon):
             self._jobs.put(None)  # wake it from a longer wait
 

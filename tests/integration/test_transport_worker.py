@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import mmap
 import os
 import socket
@@ -39,9 +40,9 @@ from kvsidecar.daemon.transport.worker import (
 MiB = 1 << 20
 
 _PEER_SRC = r"""
-import asyncio, ctypes, mmap, os, sys, time
+import asyncio, ctypes, json, mmap, os, sys, time
 from multiprocessing.connection import Connection
-from kvsidecar.daemon.transport.worker import NixlWorker
+from kvsidecar.daemon.transport.worker import NixlWorker, PollPolicy, WorkerOptions
 
 def mapfile(path):
     fd = os.open(path, os.O_RDWR)
@@ -51,14 +52,16 @@ def mapfile(path):
         os.close(fd)
     return mm, ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
-async def main(fd, name):
+async def main(fd, name, opts):
     conn = Connection(fd)
     loop = asyncio.get_running_loop()
     notifs = []
     got = asyncio.Event()
     def on_notif(agent, msg):
         notifs.append((agent, msg)); got.set()
-    w = NixlWorker(name, on_notif=on_notif)
+    w = NixlWorker(name, WorkerOptions(poll=PollPolicy(**opts.get("poll", {})),
+                                       progress_thread_ms=opts.get("progress_thread_ms", 0)),
+                   on_notif=on_notif)
     await w.start()
     maps = []
     while True:
@@ -96,7 +99,7 @@ async def main(fd, name):
         except Exception as exc:
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
-asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])))
 """
 
 
@@ -133,11 +136,14 @@ class ShmBuf:
 class Peer:
     """A NixlWorker in a child process, driven synchronously over a socketpair."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+        """``options``: the worker's ``progress_thread_ms`` and ``poll``
+        (PollPolicy's fields), JSON-able."""
         self.name = name
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PEER_SRC, str(theirs.fileno()), name],
+            [sys.executable, "-c", _PEER_SRC, str(theirs.fileno()), name,
+             json.dumps(options or {})],
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
@@ -723,3 +729,89 @@ async def test_reads_to_one_agent_that_may_merge_go_as_one_transfer_and_fail_tog
     finally:
         await w.stop()
         mem.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("progress_thread_ms", [0, 10], ids=["worker-polls", "progress-thread"])
+async def test_a_peers_read_needs_the_targets_poll_unless_nixl_progresses_on_its_own(
+        peer_mem: ShmBuf, progress_thread_ms: int) -> None:
+    """A target in another process whose worker sleeps for an hour between jobs:
+    without NIXL's progress thread a READ of its memory (with a notification)
+    ends only once the target's worker goes round again (here: a job); with
+    ``progress_thread_ms`` the thread answers it while the worker sleeps.
+    Either way the bytes are the target's, and its notification arrives."""
+    hour = 3600.0
+    asleep = {"idle_s": hour, "idle_max_s": hour, "hot_s": hour, "hot_max_s": hour,
+              "busy_s": hour}
+    peer = Peer(f"asleep-{uuid.uuid4().hex[:6]}",
+                {"poll": asleep, "progress_thread_ms": progress_thread_ms})
+    mem = ShmBuf(MiB)
+    reader = NixlWorker(f"reader-{uuid.uuid4().hex[:6]}")
+    await reader.start()
+    try:
+        await reader.register([(mem.addr, mem.nbytes)])
+        md, taddr, _ = await peer.call("register", peer_mem.path)
+        tname = await reader.add_remote(md)
+        await peer.call("add_remote", await reader.metadata())
+
+        async def read(offsets: np.ndarray, notif: bytes) -> asyncio.Future[Any]:
+            return asyncio.ensure_future(reader.read(
+                tname, i64(mem.addr + offsets), i64(taddr + offsets),
+                i64([4096] * len(offsets)), notif=notif))
+
+        # The first READ wires the endpoints up: the peer's jobs make it go round.
+        first = await read(np.array([0]), b"wire-up")
+        while not first.done():
+            await peer.call("metadata")
+        await first
+        assert await taken_notifs(peer) == [(reader.agent_name, b"wire-up")]
+
+        offs = np.arange(65536, MiB, 65536)
+        late = await read(offs, b"while-asleep")
+        if progress_thread_ms:
+            await asyncio.wait_for(late, 60)
+        else:
+            done, _ = await asyncio.wait([late], timeout=1.0)
+            assert not done, "the READ ended although its target never progressed"
+            await peer.call("metadata")  # a job: the target's worker goes round once
+            await asyncio.wait_for(late, 60)
+        for o in offs:
+            assert mem.view[o:o + 4096].tobytes() == peer_mem.view[o:o + 4096].tobytes()
+        assert await taken_notifs(peer) == [(reader.agent_name, b"while-asleep")]
+    finally:
+        await reader.stop()
+        peer.close()
+        mem.close()
+
+
+async def taken_notifs(peer: Peer) -> list[tuple[str, bytes]]:
+    """The notifications a sleeping peer's worker takes as jobs make it go round."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline:
+        await peer.call("metadata")
+        got = await peer.call("notifs", 1, 0.2)
+        if got:
+            return [(a, bytes(m)) for a, m in got]
+    raise AssertionError("the peer took no notification in 30 s")
+
+
+@pytest.mark.parametrize(("thread_ms", "want"), [(0, 0.0001), (10, 0.001)],
+                         ids=["worker-polls", "progress-thread"])
+async def test_with_nixls_progress_thread_a_lease_opens_no_soon_window(
+        thread_ms: int, want: float) -> None:
+    """A lease granted opens the soon window only for a worker that progresses
+    NIXL itself: with the progress thread it polls at the hot floor, for
+    notifications."""
+    hour = 3600.0
+    poll = PollPolicy(idle_s=hour, idle_max_s=hour, hot_s=0.001, hot_max_s=hour,
+                      soon_s=0.0001, soon_window_s=hour)
+    w = NixlWorker(f"lease-{uuid.uuid4().hex[:6]}",
+                   WorkerOptions(poll=poll, progress_thread_ms=thread_ms))
+    await w.start()
+    try:
+        await until(lambda: w.poll_wait_s == hour, "idle wait of an hour")
+        w.expect_reads(60.0)
+        await until(lambda: w.poll_wait_s == want, f"polling every {want} s")
+    finally:
+        await w.stop()
