@@ -245,7 +245,8 @@ def plus_us(x: float) -> str:
 _NAMED_ARGS = {"off-": ["--staging", "off"], "stg-": ["--staging", "auto"],
                "off2-": ["--staging", "off", "--post-lanes", "2"],
                "stg2-": ["--staging", "auto", "--post-lanes", "2"],
-               "ln2-": ["--post-lanes", "2"]}
+               "ln2-": ["--post-lanes", "2"],
+               "pt-": ["--nixl-progress-thread-ms", "10"]}
 
 
 class Fleet:
@@ -1529,6 +1530,13 @@ def bench_staging(fleet: Fleet, s: Scale) -> list[Figure]:
     return rows
 
 
+def bench_progress_thread(fleet: Fleet, s: Scale) -> list[Figure]:
+    """benchmarks/progress_thread.py (imported late: it imports this module)."""
+    import progress_thread
+
+    return progress_thread.bench(fleet, s)
+
+
 BENCHES: dict[str, Callable[[Fleet, Scale], list[Figure]]] = {
     "bulk": bench_bulk,
     "verify": bench_verify,
@@ -1540,6 +1548,7 @@ BENCHES: dict[str, Callable[[Fleet, Scale], list[Figure]]] = {
     "idle": bench_idle,
     "descriptors": bench_descriptors,
     "staging": bench_staging,
+    "progress_thread": bench_progress_thread,
 }
 
 
