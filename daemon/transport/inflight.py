@@ -26,7 +26,7 @@ import numpy as np
 from kvsidecar.daemon.transport.agent_host import AgentHost
 from kvsidecar.daemon.transport.errors import NixlError, NixlTimeout, wrap
 from kvsidecar.daemon.transport.jobs import DEFERRED, Fut, Outbox
-from kvsidecar.daemon.transport.ops import ReadOp, TransferStats, as_int64
+from kvsidecar.daemon.transport.ops import ReadOp, TransferStats, as_int64, read_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class InflightReads:
         except Exception as exc:
             raise wrap(f"read of {n} descriptors from remote agent {remote!r}: "
                        "initialize_xfer", exc, remote) from exc
-        r = Inflight(handle, fut, remote, int(lens.sum()), n, t0, t0,
+        r = Inflight(handle, fut, remote, read_bytes(op), n, t0, t0,
                      None if op.timeout_s is None else t0 + op.timeout_s)
         self._by_agent[remote] = self._by_agent.get(remote, 0) + 1
         try:
