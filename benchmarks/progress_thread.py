@@ -33,6 +33,7 @@ FLAG_MS = 10
 #: the fleet's names for the pair with the flag (suite._NAMED_ARGS gives them it)
 THREADED = ["pt-p0", "pt-d0"]
 ROUNDS = 2
+ORDER = ("default", "thread")
 
 
 def _cpu(sidecars: list[SidecarProcess]) -> dict[str, dict[str, float]]:
@@ -90,8 +91,9 @@ def bench(fleet: Fleet, s: Scale) -> list[Figure]:
         try:
             for pair in pairs.values():  # links, wire-up, first plans
                 _latency_block(pair, 5, [])
-            for _ in range(ROUNDS):
-                for name, pair in pairs.items():
+            for r in range(ROUNDS):  # ABBA...: each pair first as often as second
+                for name in (ORDER if r % 2 == 0 else ORDER[::-1]):
+                    pair = pairs[name]
                     c0 = _cpu(procs[name])
                     _latency_block(pair, n_lat, lat[name])
                     cpu_lat[name].append(_cpu_note(c0, _cpu(procs[name]), n_lat))
@@ -106,7 +108,9 @@ def bench(fleet: Fleet, s: Scale) -> list[Figure]:
     t50, t99 = pct(lat["thread"], 50), pct(lat["thread"], 99)
     d50, d99 = pct(lat["default"], 50), pct(lat["default"], 99)
     t_rate, d_rate = statistics.median(rate["thread"]), statistics.median(rate["default"])
-    order = f"{ROUNDS} rounds, each a block of the default pair then one of the flag's pair"
+    order = (f"{ROUNDS} rounds of a block on each pair, alternating which goes first; the flag's "
+             "\"NIXL worker\" is the worker thread and NIXL's progress thread, which inherits "
+             "its name")
     return [
         Figure(f"1-block (16 KiB) read latency p50 / p99 with {flag} on P and D ({n_lat * ROUNDS} "
                "reads, engine `read` to `received`, waiting poll)",
@@ -116,7 +120,9 @@ def bench(fleet: Fleet, s: Scale) -> list[Figure]:
                [f"{order}; CPU per read cycle by thread (schedstat), per block: flag "
                 + " | ".join(cpu_lat["thread"]) + "; default " + " | ".join(cpu_lat["default"]),
                 "with the flag P's worker opens no 50 µs soon poll at a grant: NIXL's progress "
-                "thread answers the READ's closing flush when it arrives"]),
+                "thread answers the READ's closing flush when it arrives (P's worker then takes "
+                "the read's notification at its 1 ms lease poll, not a 50 µs one: P's hold "
+                "ends that much later, which this figure does not time)"]),
         Figure(f"sustained 16-block (256 KiB) reads with {flag} on P and D, {window} in flight, "
                f"one `read_nowait` each ({n_sus * ROUNDS} reads)",
                f"{t_rate:,.0f} reads/s (blocks: "

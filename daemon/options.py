@@ -34,8 +34,10 @@ MAX_SECONDS: Final = 86400.0
 """Upper bound of every duration setting: a typo of extra zeros fails at start-up."""
 MAX_POST_LANES: Final = 8
 """Each lane is a NIXL agent, a thread and a registration of the engine's memory."""
-MAX_PROGRESS_MS: Final = 1000
-"""Longest guard wake-up of NIXL's progress thread (a missed wake-up stalls a read this long)."""
+MAX_PROGRESS_MS: Final = 100
+"""Longest guard wake-up of NIXL's progress thread: a wake-up UCX misses stalls a
+peer's read that long, and the 0.2 s drain before an agent is destroyed must see
+at least one."""
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Same values as kvsidecar.daemon.transport.check.MODES (options import nothing heavy).
 CHECK_MODES: Final = ("require-zero-copy", "allow-tcp", "off")
@@ -304,12 +306,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "in parallel; lane 0 notifies every rank once all transfers ended; "
            f"1..{MAX_POST_LANES}", DATA_PATH, kind="int",
            check=within(1, MAX_POST_LANES)),
-    Option("--nixl-progress-thread-ms", "nixl_progress_thread_ms", 0, "run NIXL's UCX "
-           "progress thread in each agent, asleep until a peer's message arrives (and at least "
-           "every this many ms, NIXL's guard against a missed wake-up), so a peer's READ of "
-           "this engine's memory is answered at once instead of at this sidecar's next poll: "
-           "lower latency for a few reads at a time, but a wake-up per message costs CPU under "
-           f"load (docs/performance.md); 0 = off, the worker thread polls; 0..{MAX_PROGRESS_MS}",
+    Option("--nixl-progress-thread-ms", "nixl_progress_thread_ms", 0, "P side mostly: run "
+           "NIXL's UCX progress thread in each engine rank's first agent (lane 0), asleep in "
+           "poll() until a peer's message arrives, so a peer's READ of this engine's memory "
+           "is answered when it comes instead of at this sidecar's next poll, and a granted "
+           "lease no longer sets the worker polling every 50 us: lower latency and CPU for a "
+           "few reads at a time, more CPU per read under load (a wake-up per message; "
+           "docs/performance.md). The value only sets the thread's guard wake-up against a "
+           "wake-up UCX misses: larger is fewer idle wake-ups, but a missed one stalls a read "
+           f"that long; 10 is a fair choice. 0 = off (the worker thread polls; not NIXL's "
+           f"spinning 0); 0..{MAX_PROGRESS_MS}. Not yet run on a GPU",
            DATA_PATH, kind="int", check=within(0, MAX_PROGRESS_MS)),
     Option("--notif-batch-reads", "notif_batch_reads", 64, "P side: advertise that a reader may "
            "merge up to this many reads it posts together into one NIXL transfer carrying one "

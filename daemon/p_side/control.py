@@ -115,8 +115,10 @@ def _claim(eng: EngineRank, msg: Claim, digest: bytes, member: bytes) -> Control
     if lease.granted and not msg.keep:
         # The reader posts its READ when this reply arrives: progress tightly
         # while its lease runs (wire-up, its READ's closing flush, and over
-        # TCP the bytes, need us). Told once this reply has left: waking the
-        # worker thread now would contend for the GIL with the reply.
+        # TCP the bytes, need us, unless NIXL's progress thread runs: then
+        # only notifications are polled for, see NixlWorker.expect_reads).
+        # Told once this reply has left: waking the worker thread now would
+        # contend for the GIL with the reply.
         # Few holds: this read is worth the worker's 50 us poll; many: the
         # worker is busy anyway (see transport.poll_policy.PollPacer.imminent).
         asyncio.get_running_loop().call_soon(

@@ -84,15 +84,18 @@ def nixl_agent_factory(backends: Sequence[str] = ("UCX",),
 
     def make(name: str) -> Any:
         api = importlib.import_module("nixl._api")
+        threaded = progress_thread_ms > 0
         conf = api.nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
-            capture_telemetry=telemetry,
+            capture_telemetry=telemetry and not threaded,  # else two share a telemetry file
             backends=[],
         )
         agent = api.nixl_agent(name, conf)
-        if progress_thread_ms > 0:
-            # Before any backend exists: a backend reads the agent's config when created.
+        if threaded:
+            # Before any backend exists (a backend reads the agent's config when
+            # created), and the bare agent gone first: two of one name never overlap.
+            agent.agent = None
             agent.agent = _agent_with_progress_thread(api, name, telemetry, progress_thread_ms)
         for backend in names:
             agent.create_backend(backend, dict(params.get(backend, {})))
@@ -249,7 +252,9 @@ class AgentHost:
 
     def take_notifs(self) -> int:
         """Progress the agent once and pass on what notifications it has;
-        returns how many (NIXL's errors propagate)."""
+        returns how many (NIXL's errors propagate). With NIXL's progress
+        thread (``--nixl-progress-thread-ms``) NIXL does not progress here:
+        this takes what that thread received."""
         n = 0
         for agent, msgs in self.agent.get_new_notifs().items():
             for msg in msgs:
@@ -259,7 +264,10 @@ class AgentHost:
 
     def drain(self) -> None:
         """Progress the agent for a short while before it is destroyed (see the
-        module docstring); notifications that arrive meanwhile are kept."""
+        module docstring); notifications that arrive meanwhile are kept. With
+        NIXL's progress thread that thread progresses it meanwhile, woken by
+        UCX's events and at least once (its guard wake-up is at most 0.1 s:
+        ``options.MAX_PROGRESS_MS``)."""
         end = time.monotonic() + DRAIN_BEFORE_DESTROY_S
         while True:
             try:

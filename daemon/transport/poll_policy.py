@@ -1,8 +1,11 @@
 """When the NIXL worker thread polls NIXL next: a pure policy and its state.
 
-The thread progresses NIXL itself (no NIXL progress thread: it would spin a
-core), so how long it blocks on its job queue between rounds is the trade of
-latency against CPU (each timed wake-up costs CPU, not NIXL's idle poll):
+The thread progresses NIXL itself (by default no NIXL progress thread: as
+``nixl_agent`` makes it, it spins a core), so how long it blocks on its job
+queue between rounds is the trade of latency against CPU (each timed wake-up
+costs CPU, not NIXL's idle poll). With NIXL's thread asleep until a message
+(``--nixl-progress-thread-ms``) a peer's READ needs none of our polls, and the
+worker opens no soon window for a lease it granted (``NixlWorker.expect_reads``):
 
 - a completion is imminent (``soon``): ``soon_s`` for at most
   ``soon_window_s`` after this worker posted a read that did not finish inside

@@ -13,16 +13,20 @@ descriptor lists for thousands of blocks take milliseconds. Parallel posting
 means more agents: a D engine rank may have several workers ("lanes"), each
 resetting alone.
 
-*This thread drives progress.* NIXL's own progress thread polls UCX without
-pause and burns a core; it is off. Each round runs the queued jobs, then polls
-every read in flight (``check_xfer_state``) and ``get_new_notifs`` (which
-progresses the UCX worker: peers wiring up to us, notifications arriving, the
-flush a peer's READ from us ends with). Between the jobs of a round it also
-polls after a job that took ``busy_s`` or more, so reads that ended during a
-long ``transfer()`` leave before the round's last post. Then it blocks on the
-queue for a wait :mod:`~kvsidecar.daemon.transport.poll_policy` chooses; a
-job, :meth:`~NixlWorker.set_hot` and :meth:`~NixlWorker.expect_reads` wake it
-at once.
+*This thread drives progress.* NIXL's own progress thread, as ``nixl_agent``
+makes it, polls UCX without pause and burns a core; it is off by default. Each
+round runs the queued jobs, then polls every read in flight
+(``check_xfer_state``) and ``get_new_notifs`` (which progresses the UCX worker:
+peers wiring up to us, notifications arriving, the flush a peer's READ from us
+ends with). With ``WorkerOptions.progress_thread_ms`` NIXL's thread runs with a
+delay instead: asleep in ``poll()`` until a message arrives, it does that
+progress, and ``get_new_notifs`` only takes the notifications it received.
+Between the jobs of a round it also polls after a job that took ``busy_s`` or
+more, so reads that ended during a long ``transfer()`` leave before the
+round's last post. Then it blocks on the queue for a wait
+:mod:`~kvsidecar.daemon.transport.poll_policy` chooses; a job,
+:meth:`~NixlWorker.set_hot` and :meth:`~NixlWorker.expect_reads` wake it at
+once.
 
 *A failed read is reported only once it is dead* (NIXL has no abort): a read
 that passes its deadline, ends in an error or fails while posting resets the
@@ -378,7 +382,9 @@ class NixlWorker:
         """A future that resolves once the worker has gone round its loop after this
         call: notifications NIXL had for us by then are delivered first (they and
         the result leave the thread together, notifications before callbacks of
-        the future run). Fails with NixlError if the worker stopped."""
+        the future run). With NIXL's progress thread, "had" means that thread
+        had taken them off the wire: one that arrived just before may still be
+        unread by it. Fails with NixlError if the worker stopped."""
         return self._submit("progress", _do_nothing, agentless=True)
 
     # -- submission ------------------------------------------------------------------------------

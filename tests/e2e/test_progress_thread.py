@@ -55,6 +55,20 @@ def _nixl_threads(pid: int) -> int:
     return n
 
 
+def _settled_threads(pid: int) -> int:
+    """:func:`_nixl_threads` once it stayed the same for 0.5 s (an earlier test's
+    engine rank may still be stopping its threads)."""
+    deadline = time.monotonic() + 30
+    last, since = _nixl_threads(pid), time.monotonic()
+    while time.monotonic() - since < 0.5:
+        assert time.monotonic() < deadline, "the NIXL thread count never settled"
+        time.sleep(0.05)
+        now = _nixl_threads(pid)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 @pytest.mark.parametrize("family", ["hybrid", "attn-K2"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (1, 1)])
 def test_reads_with_the_progress_thread_are_oracle_exact(
@@ -77,7 +91,7 @@ def test_lane_zero_runs_nixls_progress_thread_and_idles(
     near idle (the thread sleeps in poll(), it does not spin a core)."""
     p, plain = threaded["p"][0], threaded["plain"][0]
     assert p.proc is not None and plain.proc is not None
-    base, plain_base = _nixl_threads(p.proc.pid), _nixl_threads(plain.proc.pid)
+    base, plain_base = _settled_threads(p.proc.pid), _settled_threads(plain.proc.pid)
     with engines([plain], threaded["d"], lambda x: f"ptp{x}{next(_ids)}", attn(2), 1, 1):
         plain_per_rank = _nixl_threads(plain.proc.pid) - plain_base
     with engines([p], threaded["d"], lambda x: f"ptt{x}{next(_ids)}", attn(2), 1, 1) as (P, (D,)):

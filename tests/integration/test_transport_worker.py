@@ -815,3 +815,44 @@ async def test_with_nixls_progress_thread_a_lease_opens_no_soon_window(
         await until(lambda: w.poll_wait_s == want, f"polling every {want} s")
     finally:
         await w.stop()
+
+
+@pytest.mark.timeout(180)
+async def test_with_progress_threads_a_dead_peer_fails_reads_and_a_new_one_is_readable() -> None:
+    """Both sides with NIXL's progress thread: a read from a killed peer fails
+    (the reader's agent is reset: drained and destroyed while its thread runs,
+    without UCX aborting the process), and the same name in a new process is
+    read again, its notification delivered."""
+    mem, region = ShmBuf(65536), ShmBuf(65536)
+    region.view[:] = 5
+    w = NixlWorker(f"reader-{uuid.uuid4().hex[:6]}", WorkerOptions(progress_thread_ms=10))
+    name = f"peer-{uuid.uuid4().hex[:8]}"
+    p = Peer(name, {"progress_thread_ms": 10})
+    await w.start()
+    try:
+        await w.register([(mem.addr, mem.nbytes)])
+        md, addr, _ = await p.call("register", region.path, timeout=60.0)
+        assert await w.add_remote(md) == name
+        await w.read(name, i64([mem.addr]), i64([addr]), i64([4096]), notif=b"hello")
+        assert (mem.view[:4096] == 5).all()
+        p.proc.kill()
+        p.proc.wait()
+        p.conn.close()
+        with pytest.raises(NixlError, match=name):
+            await asyncio.wait_for(
+                w.read(name, i64([mem.addr]), i64([addr]), i64([4096]), notif=b"gone"), 30)
+
+        region.view[:] = 6
+        p = Peer(name, {"progress_thread_ms": 10})
+        md2, addr2, _ = await p.call("register", region.path, timeout=60.0)
+        assert await w.add_remote(md2) == name
+        await p.call("add_remote", await w.metadata())
+        await w.read(name, i64([mem.addr]), i64([addr2]), i64([4096]), notif=b"back")
+        assert (mem.view[:4096] == 6).all()
+        assert await taken_notifs(p) == [(w.agent_name, b"back")]
+    finally:
+        await w.stop()
+        if p.proc.poll() is None:
+            p.close()
+        mem.close()
+        region.close()
