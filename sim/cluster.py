@@ -641,6 +641,21 @@ def stop_mid_read(d: SidecarProcess, p: SidecarProcess, reader: SimEngine, poste
 
 
 @contextlib.contextmanager
+def all_running(groups: dict[str, list[SidecarProcess]]
+                ) -> Iterator[dict[str, list[SidecarProcess]]]:
+    """Start every sidecar of ``groups`` and yield them; stop them all after,
+    and fail (AssertionError naming them) if any did not exit with status 0."""
+    every = [s for group in groups.values() for s in group]
+    try:
+        for s in every:
+            s.start()
+        yield groups
+    finally:
+        codes = {s.name: s.stop() for s in every}
+        assert not {k: v for k, v in codes.items() if v != 0}, codes
+
+
+@contextlib.contextmanager
 def engines(p_sidecars: Sequence[SidecarProcess], d_sidecars: Sequence[SidecarProcess],
             uid: Callable[[str], str], make: MakeLayout, p_tp: int, d_tp: int, *,
             n_d: int = 1, attach: bool = False, blocks: int = 96,

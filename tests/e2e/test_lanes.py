@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsidecar.sim.cluster import SidecarProcess, SimEngine, engines, stop_once_posted
+from kvsidecar.sim.cluster import (
+    SidecarProcess,
+    SimEngine,
+    all_running,
+    engines,
+    stop_once_posted,
+)
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.models import stall as stall_layout
 from kvsidecar.sim.oracle import Request
@@ -41,14 +47,8 @@ def lanes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecars]:
         "always": [SidecarProcess(work, f"lsd{i}", args=[*LANES, "--staging", "always"])
                    for i in range(2)],
     }
-    every = [s for group in out.values() for s in group]
-    try:
-        for s in every:
-            s.start()
+    with all_running(out):
         yield out
-    finally:
-        codes = {s.name: s.stop() for s in every}
-        assert not {k: v for k, v in codes.items() if v != 0}, codes
 
 
 _ids = itertools.count()

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.sim.cluster import SidecarProcess, engines
+from kvsidecar.sim.cluster import SidecarProcess, all_running, engines
 from kvsidecar.sim.models import attn, hybrid
+
+from .test_lanes import _nixl_threads
 
 pytestmark = pytest.mark.e2e
 
@@ -28,31 +30,12 @@ _ids = itertools.count()
 def threaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[SidecarProcess]]]:
     """Two P and two D sidecars with the flag, and one P sidecar without it."""
     work = tmp_path_factory.mktemp("progress-thread")
-    out = {"p": [SidecarProcess(work, f"tp{i}", args=["--hold-timeout", "60", *FLAG])
-                 for i in range(2)],
-           "d": [SidecarProcess(work, f"td{i}", args=FLAG) for i in range(2)],
-           "plain": [SidecarProcess(work, "plain", args=["--hold-timeout", "60"])]}
-    every = [s for group in out.values() for s in group]
-    try:
-        for s in every:
-            s.start()
+    with all_running({
+            "p": [SidecarProcess(work, f"tp{i}", args=["--hold-timeout", "60", *FLAG])
+                  for i in range(2)],
+            "d": [SidecarProcess(work, f"td{i}", args=FLAG) for i in range(2)],
+            "plain": [SidecarProcess(work, "plain", args=["--hold-timeout", "60"])]}) as out:
         yield out
-    finally:
-        codes = {s.name: s.stop() for s in every}
-        assert not {k: v for k, v in codes.items() if v != 0}, codes
-
-
-def _nixl_threads(pid: int) -> int:
-    """Threads of ``pid`` named as NIXL worker threads (NIXL's and UCX's threads
-    started from a worker inherit its name)."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                n += f.read().strip() == "kvs-nixl"
-        except OSError:
-            continue
-    return n
 
 
 def _settled_threads(pid: int) -> int:
