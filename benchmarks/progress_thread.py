@@ -1,13 +1,15 @@
 """``--nixl-progress-thread-ms`` against the default, same run, alternating blocks.
 
-Two P/D sidecar pairs: the fleet's default one and one started with the flag
-(NIXL's UCX progress thread in every agent, woken by UCX events). Blocks of
-1-block reads (engine ``read`` to ``received``, waiting polls) and of sustained
-16-block ``read_nowait`` rounds alternate between the pairs, so both see the
-same minutes of a noisy host. What it shows: the latency and the CPU of a lone
-read (P answers the READ's closing flush from the thread instead of a 50 µs
-soon poll its worker opens at the grant) against the CPU per read under load (a
-wake-up of the thread per message)."""
+Two P sidecars, the fleet's default one and one started with the flag (NIXL's
+UCX progress thread, woken by UCX events), each read by an engine of the same
+D sidecar (default flags): the flag where it is meant to go, on the side whose
+memory is read. Blocks of 1-block reads (engine ``read`` to ``received``,
+waiting polls) and of sustained 16-block ``read_nowait`` rounds alternate
+between the pairs, so both see the same minutes of a noisy host. What it
+shows: the latency and the CPU of a lone read (P answers the READ's closing
+flush from the thread instead of a 50 µs soon poll its worker opens at the
+grant) against the CPU per read under load (a wake-up of P's thread per
+message)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from suite import (
 )
 
 FLAG_MS = 10
-#: the fleet's names for the pair with the flag (suite._NAMED_ARGS gives them it)
-THREADED = ["pt-p0", "pt-d0"]
+#: the fleet's names for the pair with the flag on P (suite._NAMED_ARGS gives
+#: "pt-" sidecars the flag); D is the default pair's
+THREADED = ["pt-p0", "d0"]
 ROUNDS = 2
 ORDER = ("default", "thread")
 
@@ -112,7 +115,7 @@ def bench(fleet: Fleet, s: Scale) -> list[Figure]:
              "\"NIXL worker\" is the worker thread and NIXL's progress thread, which inherits "
              "its name")
     return [
-        Figure(f"1-block (16 KiB) read latency p50 / p99 with {flag} on P and D ({n_lat * ROUNDS} "
+        Figure(f"1-block (16 KiB) read latency p50 / p99 with {flag} on P ({n_lat * ROUNDS} "
                "reads, engine `read` to `received`, waiting poll)",
                f"{us(t50)} / {us(t99)}",
                f"default flags, same run: {us(d50)} / {us(d99)}", f"{t50 / d50:.2f}x p50",
@@ -123,7 +126,7 @@ def bench(fleet: Fleet, s: Scale) -> list[Figure]:
                 "thread answers the READ's closing flush when it arrives (P's worker then takes "
                 "the read's notification at its 1 ms lease poll, not a 50 µs one: P's hold "
                 "ends that much later, which this figure does not time)"]),
-        Figure(f"sustained 16-block (256 KiB) reads with {flag} on P and D, {window} in flight, "
+        Figure(f"sustained 16-block (256 KiB) reads with {flag} on P, {window} in flight, "
                f"one `read_nowait` each ({n_sus * ROUNDS} reads)",
                f"{t_rate:,.0f} reads/s (blocks: "
                + ", ".join(f"{r:,.0f}" for r in rate["thread"]) + ")",
