@@ -1537,11 +1537,19 @@ def bench_progress_thread(fleet: Fleet, s: Scale) -> list[Figure]:
     return progress_thread.bench(fleet, s)
 
 
+def bench_hops(fleet: Fleet, s: Scale) -> list[Figure]:
+    """benchmarks/hop_timeline.py (imported late: it imports this module)."""
+    import hop_timeline
+
+    return hop_timeline.bench(fleet, s)
+
+
 BENCHES: dict[str, Callable[[Fleet, Scale], list[Figure]]] = {
     "bulk": bench_bulk,
     "verify": bench_verify,
     "hetero": bench_hetero,
     "latency": bench_latency,
+    "hops": bench_hops,
     "sustained": bench_sustained,
     "engine_cpu": bench_engine_cpu,
     "startup": bench_startup,

@@ -49,5 +49,7 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path: Path) -> None:
                    "hetero-TP 2→1", "latency", "sustained", "engine CPU per `read`", "`hold`",
                    "`poll`",
                    "start-up", "idle sidecar", "descriptors per request", "descriptor economy",
-                   "GPU figures"):
+                   "GPU figures", "hop by hop on one clock"):
         assert needle in text, needle
+    # every point of the hop timeline still names a daemon function
+    assert "points not found in this daemon" not in text
