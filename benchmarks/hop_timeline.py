@@ -4,13 +4,16 @@ The latency row's hop table adds up D's histogram means, and its hops overlap
 (a read posts during its lease claim). This benchmark instead timestamps each
 read at a dozen points in three processes with ``time.monotonic_ns()`` (one
 system-wide clock on Linux) and prints, point by point, the median offset
-from the engine's ``read`` call: a timeline that accounts for the whole p50.
+from the engine's ``read`` call: a timeline that accounts for its own p50.
+The reads are 1-block reads alone (the read path's small-read branch).
 
 The sidecars are the daemon as shipped: the points are wrappers installed
 around daemon functions at start-up by a ``sitecustomize`` module this
 benchmark writes and puts on the sidecars' ``PYTHONPATH`` (nothing in the
-daemon knows of it). Each wrapper costs about a microsecond. A point a
-refactor renamed is reported missing, not silently dropped. Runs with the
+daemon knows of it), never around a function the daemon compares by
+identity. Each wrapper costs about a microsecond. A point a refactor
+renamed is reported missing, one seen in fewer than half the reads is
+named with its count; neither is dropped silently. Runs with the
 default flags and with ``--nixl-progress-thread-ms`` on P, in alternating
 blocks (see benchmarks/progress_thread.py).
 """
@@ -39,14 +42,16 @@ POINTS: dict[str, tuple[str, str, str]] = {
     "read task's first step (D loop)": ("kvsidecar.daemon.d_side.driver", "_link", "entry"),
     "lease claim sent (D loop)": ("kvsidecar.daemon.peers.client",
                                   "HandshakeClient.control_soon", "exit"),
-    "planned (D loop)": ("kvsidecar.daemon.d_side.driver", "plan_and_address", "exit"),
+    # not plan_and_address itself: the read table's planning job finds its
+    # batched variant by that function's identity
+    "planned (D loop)": ("kvsidecar.daemon.d_side.addresses", "posts_of", "exit"),
     "claim received (P loop)": ("kvsidecar.daemon.peers.server", "HandshakeServer._handle",
                                 "entry"),
     "claim granted (P loop)": ("kvsidecar.daemon.p_side.control", "_claim", "exit"),
     "post taken (D NIXL worker)": ("kvsidecar.daemon.transport.worker", "NixlWorker._do_read",
                                    "entry"),
-    "transfer() returned (D NIXL worker)": ("kvsidecar.daemon.transport.inflight",
-                                            "InflightReads.post", "exit"),
+    "post() returned (D NIXL worker)": ("kvsidecar.daemon.transport.inflight",
+                                        "InflightReads.post", "exit"),
     "transfer DONE (D NIXL worker)": ("kvsidecar.daemon.transport.inflight",
                                       "InflightReads._finish", "entry"),
     "results back on the loop (D loop)": ("kvsidecar.daemon.transport.worker",
@@ -145,11 +150,12 @@ def _events(out: Path, pids: dict[int, str]) -> tuple[list[tuple[int, str]], lis
 
 
 def timeline(events: list[tuple[int, str]], marks: list[tuple[int, int]]
-             ) -> list[tuple[str, list[float]]]:
+             ) -> tuple[list[tuple[str, list[float]]], dict[str, int]]:
     """Each point's offsets (seconds) from the engine's call, per read window
     ``marks`` (engine call, engine received, monotonic ns); a point seen twice
     in a window (the reply to the read, then the poll's) is numbered; a point
-    seen in fewer than half the windows is left out. Ordered by median offset.
+    seen in fewer than half the windows is left out of the rows and returned
+    with the number of windows it was seen in. Rows ordered by median offset.
     Pure: the clock's values in, the table's out."""
     events = sorted(events)
     offsets: dict[str, list[float]] = collections.defaultdict(list)
@@ -167,25 +173,30 @@ def timeline(events: list[tuple[int, str]], marks: list[tuple[int, int]]
             j += 1
         offsets["engine has the completion"].append((end - start) / 1e9)
     rows = [(k, v) for k, v in offsets.items() if len(v) >= len(marks) / 2]
-    return sorted(rows, key=lambda kv: statistics.median(kv[1]))
+    rare = {k: len(v) for k, v in offsets.items() if len(v) < len(marks) / 2}
+    return sorted(rows, key=lambda kv: statistics.median(kv[1])), rare
 
 
 def bench(fleet: object, s: Scale) -> list[Figure]:
     del fleet  # its own sidecars: they carry the timestamps
     root = Path(tempfile.mkdtemp(prefix="kvs-hops-"))
     outs = {mode: root / f"out-{mode}" for mode in ORDER}
-    for o in outs.values():
-        o.mkdir()
-    procs = {
-        "default": [_start(root, "hp0", [], outs["default"]),
-                    _start(root, "hd0", [], outs["default"])],
-        "thread": [_start(root, "hpt0", ["--nixl-progress-thread-ms", "10"], outs["thread"]),
-                   _start(root, "hdt0", [], outs["thread"])],
-    }
-    marks: dict[str, list[tuple[int, int]]] = {m: [] for m in ORDER}
-    lat: dict[str, list[float]] = {m: [] for m in ORDER}
-    pairs = {m: Pair(p, d, small_attention, 8, f"hops-{m}") for m, (p, d) in procs.items()}
+    started: list[SidecarProcess] = []
+    pairs: dict[str, Pair] = {}
     try:
+        procs: dict[str, list[SidecarProcess]] = {}
+        for mode, names, flags in (("default", ("hp0", "hd0"), []),
+                                   ("thread", ("hpt0", "hdt0"),
+                                    ["--nixl-progress-thread-ms", "10"])):
+            outs[mode].mkdir()
+            procs[mode] = []
+            for name, args in zip(names, (flags, [])):  # the flag on P only
+                started.append(_start(root, name, args, outs[mode]))
+                procs[mode].append(started[-1])
+        marks: dict[str, list[tuple[int, int]]] = {m: [] for m in ORDER}
+        lat: dict[str, list[float]] = {m: [] for m in ORDER}
+        for m, (p, d) in procs.items():
+            pairs[m] = Pair(p, d, small_attention, 8, f"hops-{m}")
         n = max(5, s.latency_reads // BLOCKS)
         for block in range(BLOCKS):
             for mode in ORDER if block % 2 == 0 else reversed(ORDER):
@@ -200,20 +211,22 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
                     if i >= 3:  # the first reads link
                         marks[mode].append((t0, t1))
                         lat[mode].append((t1 - t0) / 1e9)
-        for sidecars in procs.values():
-            for sc in sidecars:
-                assert sc.proc is not None
-                os.kill(sc.proc.pid, signal.SIGUSR2)
+        for sc in started:
+            assert sc.proc is not None
+            os.kill(sc.proc.pid, signal.SIGUSR2)
         time.sleep(1.0)
+        for pair in pairs.values():
+            pair.close()
+        pairs.clear()
+        for sc in started:
+            sc.stop()
+        started.clear()
+        return _figures(procs, outs, marks, lat)
     finally:
         for pair in pairs.values():
             pair.close()
-        for sidecars in procs.values():
-            for sc in sidecars:
-                sc.stop()
-    try:
-        return _figures(procs, outs, marks, lat)
-    finally:
+        for sc in started:
+            sc.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -226,10 +239,13 @@ def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
         events, missing = _events(outs[mode], {p.proc.pid: "P", d.proc.pid: "D"})
         if not any("(D loop)" in label for _, label in events):
             raise RuntimeError(f"no timeline came from the {mode} pair's D sidecar")
-        rows = timeline(events, marks[mode])
+        rows, rare = timeline(events, marks[mode])
         steps = [f"{us(statistics.median(v))} {k} (p10 {us(pct(v, 10))}, p90 "
                  f"{us(pct(v, 90))})" for k, v in rows]
         notes = ["timeline, median offset from the engine's `read` call: " + "; ".join(steps)]
+        if rare:
+            notes.append(f"seen in fewer than half of the {len(marks[mode])} reads, so left out "
+                         "above: " + ", ".join(f"{k} ({n})" for k, n in sorted(rare.items())))
         if missing:
             notes.append("points not found in this daemon (renamed?): " + ", ".join(missing))
         flag = " with --nixl-progress-thread-ms 10 on P" if mode == "thread" else ""

@@ -28,7 +28,9 @@ def test_offsets_are_per_window_numbered_and_ordered_by_median() -> None:
         (1350 * us, "claim granted (P loop)"),
         (1550 * us, "reply to the engine sent (D loop)"),
     ]
-    rows = dict(hop_timeline.timeline(events, marks))
+    got, rare = hop_timeline.timeline(events, marks)
+    rows = dict(got)
+    assert rare == {}
     assert list(rows) == ["engine message in (D loop)", "reply to the engine sent (D loop)",
                           "claim granted (P loop)", "reply to the engine sent (D loop) #2",
                           "engine has the completion"]
@@ -38,7 +40,9 @@ def test_offsets_are_per_window_numbered_and_ordered_by_median() -> None:
     assert rows["engine has the completion"] == [500e-6, 600e-6]
 
 
-def test_a_point_seen_in_fewer_than_half_the_reads_is_left_out() -> None:
+def test_a_point_seen_in_fewer_than_half_the_reads_is_left_out_and_named() -> None:
     marks = [(0, 10), (20, 30), (40, 50)]
-    rows = dict(hop_timeline.timeline([(5, "rare (D loop)")], marks))
-    assert "rare (D loop)" not in rows
+    got, rare = hop_timeline.timeline([(5, "rare (D loop)"), (25, "often (D loop)"),
+                                       (45, "often (D loop)")], marks)
+    assert [k for k, _ in got] == ["often (D loop)", "engine has the completion"]
+    assert rare == {"rare (D loop)": 1}
