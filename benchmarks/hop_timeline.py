@@ -37,8 +37,10 @@ from suite import Figure, Pair, Scale, SidecarProcess, pct, small_attention, us,
 POINTS: dict[str, tuple[str, str, str]] = {
     "engine message in (D loop)": ("kvsidecar.daemon.engine_server", "EngineServer._message",
                                    "entry"),
-    "reply to the engine sent (D loop)": ("kvsidecar.daemon.engine_server",
-                                          "_Connection._flush", "exit"),
+    # at entry: the engine a send wakes may run (and stamp its end) before
+    # the send returns to D
+    "reply to the engine leaving (D loop)": ("kvsidecar.daemon.engine_server",
+                                             "_Connection._flush", "entry"),
     "read task's first step (D loop)": ("kvsidecar.daemon.d_side.driver", "_link", "entry"),
     "lease claim sent (D loop)": ("kvsidecar.daemon.peers.client",
                                   "HandshakeClient.control_soon", "exit"),

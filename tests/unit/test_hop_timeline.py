@@ -20,23 +20,23 @@ def test_offsets_are_per_window_numbered_and_ordered_by_median() -> None:
     events = [
         (300 * us, "claim granted (P loop)"),  # out of order on input
         (50 * us, "engine message in (D loop)"),
-        (100 * us, "reply to the engine sent (D loop)"),
-        (400 * us, "reply to the engine sent (D loop)"),
+        (100 * us, "reply to the engine leaving (D loop)"),
+        (400 * us, "reply to the engine leaving (D loop)"),
         (700 * us, "claim granted (P loop)"),  # between windows: no read's
         (1040 * us, "engine message in (D loop)"),
-        (1120 * us, "reply to the engine sent (D loop)"),
+        (1120 * us, "reply to the engine leaving (D loop)"),
         (1350 * us, "claim granted (P loop)"),
-        (1550 * us, "reply to the engine sent (D loop)"),
+        (1550 * us, "reply to the engine leaving (D loop)"),
     ]
     got, rare = hop_timeline.timeline(events, marks)
     rows = dict(got)
     assert rare == {}
-    assert list(rows) == ["engine message in (D loop)", "reply to the engine sent (D loop)",
-                          "claim granted (P loop)", "reply to the engine sent (D loop) #2",
+    assert list(rows) == ["engine message in (D loop)", "reply to the engine leaving (D loop)",
+                          "claim granted (P loop)", "reply to the engine leaving (D loop) #2",
                           "engine has the completion"]
     assert rows["engine message in (D loop)"] == [50e-6, 40e-6]
     assert rows["claim granted (P loop)"] == [300e-6, 350e-6]
-    assert rows["reply to the engine sent (D loop) #2"] == [400e-6, 550e-6]
+    assert rows["reply to the engine leaving (D loop) #2"] == [400e-6, 550e-6]
     assert rows["engine has the completion"] == [500e-6, 600e-6]
 
 
