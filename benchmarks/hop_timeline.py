@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from suite import Figure, Pair, Scale, SidecarProcess, pct, small_attention, us, wait_all
+from suite import Figure, Pair, Scale, SidecarProcess, pct, small_attention, us
 
 #: where each point is, as (module, attribute path, "entry" or "exit"); the
 #: label says which process's point it is in the table (D's loop, D's NIXL
@@ -204,12 +204,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
             for mode in ORDER if block % 2 == 0 else reversed(ORDER):
                 pair = pairs[mode]
                 for i in range(n + 3):
-                    sent = pair.prefill(8)
-                    t0 = time.monotonic_ns()
-                    pair.D.start_read(sent)
-                    got = wait_all(pair.D, [sent.request_id])
-                    t1 = time.monotonic_ns()
-                    pair.finish([sent], got)
+                    t0, t1 = pair.timed_read()
                     if i >= 3:  # the first reads link
                         marks[mode].append((t0, t1))
                         lat[mode].append((t1 - t0) / 1e9)

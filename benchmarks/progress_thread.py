@@ -60,12 +60,8 @@ def _latency_block(pair: Pair, n: int, lat: list[float]) -> None:
     this host's caches: their loops' CPU per read doubled (D 476 -> 937 µs at
     9b67489) and the figure measured the sweep, not the flag."""
     for i in range(n):
-        sent = pair.prefill(8)
-        t0 = time.perf_counter()
-        pair.D.start_read(sent)
-        got = wait_all(pair.D, [sent.request_id])
-        lat.append(time.perf_counter() - t0)
-        pair.finish([sent], got, verify=i == 0)
+        t0, t1 = pair.timed_read(verify=i == 0)
+        lat.append((t1 - t0) / 1e9)
 
 
 def _sustained_block(pair: Pair, reads: int, window: int) -> float:

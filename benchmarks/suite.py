@@ -645,6 +645,21 @@ class Pair:
             self.D.finish(x.request_id)
             self.P.free(x.block_ids)
 
+    def timed_read(self, *, verify: bool = True, spin: bool = False,
+                   pushed: bool = False) -> tuple[int, int]:
+        """One 1-block read (8 tokens), engine ``read`` to ``received`` (waiting
+        polls, or as :func:`wait_all`'s ``spin`` / ``pushed`` say), then both
+        sides' blocks given back (:meth:`finish`, its bytes checked if
+        ``verify``): the read's start and end on ``time.monotonic_ns()``, the
+        system-wide clock the sidecars' own stamps use (hop_timeline.py)."""
+        sent = self.prefill(8)
+        t0 = time.monotonic_ns()
+        self.D.start_read(sent)
+        got = wait_all(self.D, [sent.request_id], spin=spin, pushed=pushed)
+        t1 = time.monotonic_ns()
+        self.finish([sent], got, verify=verify)
+        return t0, t1
+
     def close(self) -> None:
         self.D.close()
         self.P.close()
@@ -783,13 +798,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
             for mode in lat:
                 spin = mode != "wait"
                 for i in range(s.latency_reads + 5):
-                    sent = pair.prefill(8)
-                    t0 = time.perf_counter()
-                    pair.D.start_read(sent)
-                    got = wait_all(pair.D, [sent.request_id], spin=spin,
-                                   pushed=mode == "pushed")
-                    dt = time.perf_counter() - t0
-                    pair.finish([sent], got)
+                    t0, t1 = pair.timed_read(spin=spin, pushed=mode == "pushed")
                     if i == 4 and not spin:
                         inside.start()
                         wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
@@ -798,7 +807,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
                                 "P": proc_threads_by_role(p0.proc.pid)}
                         cycle0, eng0 = time.perf_counter(), time.process_time()
                     if i >= 5:
-                        lat[mode].append(dt)
+                        lat[mode].append((t1 - t0) / 1e9)
                 if not spin:
                     where = inside.stop()
                     woke = wakeups_note(wake0, {"D": proc_threads_wakeups(d0.proc.pid),

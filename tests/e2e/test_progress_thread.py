@@ -38,6 +38,13 @@ def threaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, lis
         yield out
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc, clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _settled_threads(pid: int) -> int:
     """:func:`_nixl_threads` once it stayed the same for 0.5 s (an earlier test's
     engine rank may still be stopping its threads)."""
@@ -81,11 +88,8 @@ def test_lane_zero_runs_nixls_progress_thread_and_idles(
         assert _nixl_threads(p.proc.pid) - base == plain_per_rank + 1
         D.read_exactly(P, "pt-idle", 70, tokens=(33,))
         time.sleep(0.5)
-        with open(f"/proc/{p.proc.pid}/stat") as f:
-            before = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+        before = _cpu_s(p.proc.pid)
         time.sleep(3.0)
-        with open(f"/proc/{p.proc.pid}/stat") as f:
-            after = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
-    ticks = os.sysconf("SC_CLK_TCK")
+        used = _cpu_s(p.proc.pid) - before
     # a spinning progress thread would use about 3 s of CPU here
-    assert (after - before) / ticks < 0.5, f"{(after - before) / ticks:.2f} s of CPU in 3 s"
+    assert used < 0.5, f"{used:.2f} s of CPU in 3 s"
