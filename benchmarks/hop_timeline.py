@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from suite import Figure, Pair, Scale, SidecarProcess, pct, small_attention, us
+from suite import CpuWindow, Figure, Pair, Scale, SidecarProcess, pct, small_attention, us
 
 #: where each point is, as (module, attribute path, "entry" or "exit"); the
 #: label says which process's point it is in the table (D's loop, D's NIXL
@@ -179,6 +179,21 @@ def timeline(events: list[tuple[int, str]], marks: list[tuple[int, int]]
     return sorted(rows, key=lambda kv: statistics.median(kv[1])), rare
 
 
+def window_cpu_note(cpu_s: list[float], wall_s: list[float]) -> str:
+    """How much of the host's cores the engines' process and both sidecars kept
+    busy inside the reads' windows (engine call to completion), from each
+    read's CPU and wall time: well under all of them, the read waits on
+    wake-ups and hand-offs more than on CPU. Pure."""
+    cores = os.cpu_count() or 1
+    share = [c / w / cores for c, w in zip(cpu_s, wall_s) if w > 0]
+    cpu = statistics.median(cpu_s)
+    return (f"CPU inside the reads' windows (the engines' process and both sidecars, "
+            f"schedstat): median {us(cpu)} a read, kept {statistics.median(share):.0%} of "
+            f"the {cores} cores busy (p10 {pct(share, 10):.0%}, p90 {pct(share, 90):.0%}); "
+            f"that CPU spread over every core at once takes {us(cpu / cores)}, a floor "
+            f"under the p50 while a read costs it")
+
+
 def bench(fleet: object, s: Scale) -> list[Figure]:
     del fleet  # its own sidecars: they carry the timestamps
     root = Path(tempfile.mkdtemp(prefix="kvs-hops-"))
@@ -197,17 +212,20 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
                 procs[mode].append(started[-1])
         marks: dict[str, list[tuple[int, int]]] = {m: [] for m in ORDER}
         lat: dict[str, list[float]] = {m: [] for m in ORDER}
+        busy: dict[str, list[float]] = {m: [] for m in ORDER}
         for m, (p, d) in procs.items():
             pairs[m] = Pair(p, d, small_attention, 8, f"hops-{m}")
         n = max(5, s.latency_reads // BLOCKS)
         for block in range(BLOCKS):
             for mode in ORDER if block % 2 == 0 else reversed(ORDER):
                 pair = pairs[mode]
+                window = CpuWindow(*(sc.proc.pid for sc in procs[mode] if sc.proc is not None))
                 for i in range(n + 3):
-                    t0, t1 = pair.timed_read()
+                    t0, t1, cpu_s = pair.timed_read(cpu=window)
                     if i >= 3:  # the first reads link
                         marks[mode].append((t0, t1))
                         lat[mode].append((t1 - t0) / 1e9)
+                        busy[mode].append(cpu_s)
         for sc in started:
             assert sc.proc is not None
             os.kill(sc.proc.pid, signal.SIGUSR2)
@@ -218,7 +236,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
         for sc in started:
             sc.stop()
         started.clear()
-        return _figures(procs, outs, marks, lat)
+        return _figures(procs, outs, marks, lat, busy)
     finally:
         for pair in pairs.values():
             pair.close()
@@ -228,8 +246,8 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
 
 
 def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
-             marks: dict[str, list[tuple[int, int]]], lat: dict[str, list[float]]
-             ) -> list[Figure]:
+             marks: dict[str, list[tuple[int, int]]], lat: dict[str, list[float]],
+             busy: dict[str, list[float]]) -> list[Figure]:
     figures = []
     for mode, (p, d) in procs.items():
         assert p.proc is not None and d.proc is not None
@@ -239,7 +257,8 @@ def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
         rows, rare = timeline(events, marks[mode])
         steps = [f"{us(statistics.median(v))} {k} (p10 {us(pct(v, 10))}, p90 "
                  f"{us(pct(v, 90))})" for k, v in rows]
-        notes = ["timeline, median offset from the engine's `read` call: " + "; ".join(steps)]
+        notes = ["timeline, median offset from the engine's `read` call: " + "; ".join(steps),
+                 window_cpu_note(busy[mode], lat[mode])]
         if rare:
             notes.append(f"seen in fewer than half of the {len(marks[mode])} reads, so left out "
                          "above: " + ", ".join(f"{k} ({n})" for k, n in sorted(rare.items())))

@@ -60,7 +60,7 @@ def _latency_block(pair: Pair, n: int, lat: list[float]) -> None:
     this host's caches: their loops' CPU per read doubled (D 476 -> 937 µs at
     9b67489) and the figure measured the sweep, not the flag."""
     for i in range(n):
-        t0, t1 = pair.timed_read(verify=i == 0)
+        t0, t1, _ = pair.timed_read(verify=i == 0)
         lat.append((t1 - t0) / 1e9)
 
 

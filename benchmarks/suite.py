@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import re
 import resource
@@ -174,6 +175,45 @@ def wakeups_note(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
         parts.append(f"{name}: {per}")
     return ("wake-ups per read by thread (voluntary context switches; the whole window, "
             "untimed engine calls included): " + "; ".join(parts))
+
+
+class CpuWindow:
+    """CPU seconds of this process (every thread: a :class:`Pair`'s engines
+    live here) and of ``pids``' threads (schedstat) inside timed windows,
+    :meth:`start` to :meth:`stop`, summed over them in :attr:`total`. This
+    process's share is read right at the window's edges, so reading the
+    sidecars' counters (a few hundred µs of /proc) stays out of it."""
+
+    def __init__(self, *pids: int) -> None:
+        self.pids = pids
+        self.total = 0.0
+        self._own = self._theirs = 0.0
+
+    def _sidecars(self) -> float:
+        return sum(proc_threads_cpu_s(p) for p in self.pids)
+
+    def start(self) -> None:
+        self._theirs = self._sidecars()
+        self._own = time.process_time()
+
+    def stop(self) -> float:
+        """The window's CPU seconds (also added to :attr:`total`)."""
+        own = time.process_time() - self._own
+        spent = own + self._sidecars() - self._theirs
+        self.total += spent
+        return spent
+
+
+def busy_note(cpu_s: float, wall_s: float, reads: int) -> tuple[str, float]:
+    """How busy the engines' process and the sidecars kept this host's cores in
+    a timed window (:class:`CpuWindow`, summed over its parts),
+    and the rate their CPU per read allows with every core busy: the bound a
+    rate meets when the cores are full, and idle time when they are not."""
+    cores = os.cpu_count() or 1
+    cap = cores * reads / max(1e-9, cpu_s)
+    return (f"in the timed window the engines' process and both sidecars ran "
+            f"{us(cpu_s / reads)} of CPU a read and kept {cpu_s / max(1e-9, wall_s) / cores:.0%} "
+            f"of the {cores} cores busy: with every core busy, {cap:,.0f} reads/s"), cap
 
 
 def host_busy() -> tuple[float, float]:
@@ -645,20 +685,24 @@ class Pair:
             self.D.finish(x.request_id)
             self.P.free(x.block_ids)
 
-    def timed_read(self, *, verify: bool = True, spin: bool = False,
-                   pushed: bool = False) -> tuple[int, int]:
+    def timed_read(self, *, verify: bool = True, spin: bool = False, pushed: bool = False,
+                   cpu: CpuWindow | None = None) -> tuple[int, int, float]:
         """One 1-block read (8 tokens), engine ``read`` to ``received`` (waiting
         polls, or as :func:`wait_all`'s ``spin`` / ``pushed`` say), then both
         sides' blocks given back (:meth:`finish`, its bytes checked if
         ``verify``): the read's start and end on ``time.monotonic_ns()``, the
-        system-wide clock the sidecars' own stamps use (hop_timeline.py)."""
+        system-wide clock the sidecars' own stamps use (hop_timeline.py), and
+        the CPU seconds ``cpu`` counted in between (nan without it)."""
         sent = self.prefill(8)
+        if cpu is not None:
+            cpu.start()
         t0 = time.monotonic_ns()
         self.D.start_read(sent)
         got = wait_all(self.D, [sent.request_id], spin=spin, pushed=pushed)
         t1 = time.monotonic_ns()
+        spent = cpu.stop() if cpu is not None else math.nan
         self.finish([sent], got, verify=verify)
-        return t0, t1
+        return t0, t1, spent
 
     def close(self) -> None:
         self.D.close()
@@ -798,7 +842,7 @@ def bench_latency(fleet: Fleet, s: Scale) -> list[Figure]:
             for mode in lat:
                 spin = mode != "wait"
                 for i in range(s.latency_reads + 5):
-                    t0, t1 = pair.timed_read(spin=spin, pushed=mode == "pushed")
+                    t0, t1, _ = pair.timed_read(spin=spin, pushed=mode == "pushed")
                     if i == 4 and not spin:
                         inside.start()
                         wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
@@ -878,6 +922,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 batched = sending.startswith("many")
                 wait = sending != "many_nowait"
                 done, elapsed, issuing = 0, 0.0, 0.0
+                cpu_win = CpuWindow(d0.proc.pid, p0.proc.pid)
                 c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
                 wake0 = {"D": proc_threads_wakeups(d0.proc.pid),
@@ -894,6 +939,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                             pair.P.hold_many(sents[i:i + per_msg], wait=wait)
                     elif own:
                         pair.P.hold_nowait(sents)
+                    cpu_win.start()
                     t0, e0 = time.perf_counter(), time.process_time()
                     if batched:
                         for i in range(0, n, per_msg):
@@ -908,6 +954,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     issuing += time.process_time() - e0
                     got = wait_all(pair.D, [x.request_id for x in sents])
                     elapsed += time.perf_counter() - t0
+                    cpu_win.stop()
                     pair.finish(sents, got, verify=done == 0)
                     done += n
                 d_cpu = proc_cpu_s(d0.proc.pid) - c_d
@@ -925,6 +972,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 loop_cap = done / max(1e-9, loops[busiest])
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
                 goal = 8000 if batched else 3000
+                busy, cap = busy_note(cpu_win.total, elapsed, done)
                 rows.append(Figure(
                     f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "
                     f"{how} ({done} reads)",
@@ -934,13 +982,14 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                     f"({per_msg if batched else 1} per READ)", "—",
                     f"≥ {goal:,} reads/s (bounds here: the daemons' CPU per read caps "
                     f"{os.cpu_count()} cores at {ceiling:,.0f}/s; {busiest}'s event loop, "
-                    f"one thread, {us(loops[busiest] / done)} a read, at {loop_cap:,.0f}/s)",
+                    f"one thread, {us(loops[busiest] / done)} a read, at {loop_cap:,.0f}/s; "
+                    f"all the CPU of the timed window with every core busy: {cap:,.0f}/s)",
                     rate >= goal,
                     ["rounds of the window: the engine posts a round, then waits (waiting "
                      "polls) until all of it is received; P's fills and holds are not timed; "
                      "daemon CPU covers the whole run (untimed holds included)",
                      f"daemon CPU per read by thread (schedstat): D {by_d}; P {by_p}",
-                     woke,
+                     woke, busy,
                      f"the engine's CPU issuing the reads (D's engine process, the calls "
                      f"alone): {us(issuing / done)} per read",
                      "baseline: one process posts the same reads' descriptors with bare NIXL "
@@ -996,6 +1045,7 @@ def _sustained_sliding(pair: Pair, d0: SidecarProcess, p0: SidecarProcess, s: Sc
     # (the oracle's check is the benchmark's work, not the sidecars').
     timed = False
     c_d = c_p = t0 = 0.0
+    cpu_win = CpuWindow(d0.proc.pid, p0.proc.pid)
     r_d: dict[str, float] = {}
     r_p: dict[str, float] = {}
     while done < s.sustained_requests:
@@ -1023,12 +1073,15 @@ def _sustained_sliding(pair: Pair, d0: SidecarProcess, p0: SidecarProcess, s: Sc
                     c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                     r_d = proc_threads_by_role(d0.proc.pid)
                     r_p = proc_threads_by_role(p0.proc.pid)
+                    cpu_win.start()
                     t0 = time.perf_counter()
                     for every in range(slots):
                         issue(every)
         if time.monotonic() > deadline:
             raise TimeoutError(f"sliding window: {done} of {s.sustained_requests} received")
     elapsed = time.perf_counter() - t0
+    cpu_win.stop()
+    busy, cap = busy_note(cpu_win.total, elapsed, done)
     for rid in list(slot_of):  # reads past the count: let them land, untimed
         D.wait_for([rid], timeout_s=60)
         D.release_blocks(D.receiving.pop(rid).block_ids)
@@ -1047,12 +1100,13 @@ def _sustained_sliding(pair: Pair, d0: SidecarProcess, p0: SidecarProcess, s: Sc
         f"{rate:,.0f} reads/s; daemon CPU per read: D {us(d_cpu / done)}, P {us(p_cpu / done)}",
         "— (the rounds above, same run)", "—",
         f"≥ 8,000 reads/s (bound here: the daemons' CPU per read caps "
-        f"{os.cpu_count()} cores at {ceiling:,.0f}/s)", rate >= 8000,
+        f"{os.cpu_count()} cores at {ceiling:,.0f}/s; all the CPU of the timed window with "
+        f"every core busy: {cap:,.0f}/s)", rate >= 8000,
         ["a new message of reads leaves as soon as the previous one in its slot was "
          "received (no rounds); P's holds and D's reads are both in the timed window; "
          "P's blocks were filled once, D's are handed back without poisoning once "
          "the first message of every slot was checked against the oracle",
-         f"daemon CPU per read by thread (schedstat): D {by_d}; P {by_p}"])
+         f"daemon CPU per read by thread (schedstat): D {by_d}; P {by_p}", busy])
 
 
 def _per_read(before: dict[str, float], after: dict[str, float], reads: int) -> str:

@@ -49,7 +49,9 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path: Path) -> None:
                    "hetero-TP 2→1", "latency", "sustained", "engine CPU per `read`", "`hold`",
                    "`poll`",
                    "start-up", "idle sidecar", "descriptors per request", "descriptor economy",
-                   "GPU figures", "hop by hop on one clock"):
+                   "GPU figures", "hop by hop on one clock",
+                   # the CPU bounds quoted where a target is not met
+                   "CPU inside the reads' windows", "with every core busy"):
         assert needle in text, needle
     # every point of the hop timeline still names a daemon function
     assert "points not found in this daemon" not in text
