@@ -179,19 +179,19 @@ def timeline(events: list[tuple[int, str]], marks: list[tuple[int, int]]
     return sorted(rows, key=lambda kv: statistics.median(kv[1])), rare
 
 
-def window_cpu_note(cpu_s: list[float], wall_s: list[float]) -> str:
-    """How much of the host's cores the engines' process and both sidecars kept
-    busy inside the reads' windows (engine call to completion), from each
-    read's CPU and wall time: well under all of them, the read waits on
-    wake-ups and hand-offs more than on CPU. Pure."""
-    cores = os.cpu_count() or 1
+def window_cpu_note(cpu_s: list[float], wall_s: list[float], cores: int) -> str:
+    """The CPU the engines' process and both sidecars ran inside the reads'
+    windows (engine call to completion; per read, as :class:`CpuWindow`
+    counts it), the share of ``cores`` cores that kept busy, and the median
+    CPU spread over every core at once: no read costing that much CPU ends
+    sooner on these cores, a lower bound on the p50 as long as it does. Pure."""
     share = [c / w / cores for c, w in zip(cpu_s, wall_s) if w > 0]
     cpu = statistics.median(cpu_s)
-    return (f"CPU inside the reads' windows (the engines' process and both sidecars, "
-            f"schedstat): median {us(cpu)} a read, kept {statistics.median(share):.0%} of "
-            f"the {cores} cores busy (p10 {pct(share, 10):.0%}, p90 {pct(share, 90):.0%}); "
-            f"that CPU spread over every core at once takes {us(cpu / cores)}, a floor "
-            f"under the p50 while a read costs it")
+    return (f"CPU inside the reads' windows (the engines' process and both sidecars): "
+            f"median {us(cpu)} a read, keeping {statistics.median(share):.0%} of the "
+            f"{cores} cores busy (p10 {pct(share, 10):.0%}, p90 {pct(share, 90):.0%}); "
+            f"that CPU spread over every core at once takes {us(cpu / cores)}, a lower "
+            f"bound on the p50 as long as a read costs this much CPU")
 
 
 def bench(fleet: object, s: Scale) -> list[Figure]:
@@ -219,9 +219,9 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
         for block in range(BLOCKS):
             for mode in ORDER if block % 2 == 0 else reversed(ORDER):
                 pair = pairs[mode]
-                window = CpuWindow(*(sc.proc.pid for sc in procs[mode] if sc.proc is not None))
+                cpu_win = CpuWindow(*(sc.proc.pid for sc in procs[mode] if sc.proc is not None))
                 for i in range(n + 3):
-                    t0, t1, cpu_s = pair.timed_read(cpu=window)
+                    t0, t1, cpu_s = pair.timed_read(cpu=cpu_win)
                     if i >= 3:  # the first reads link
                         marks[mode].append((t0, t1))
                         lat[mode].append((t1 - t0) / 1e9)
@@ -258,7 +258,7 @@ def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
         steps = [f"{us(statistics.median(v))} {k} (p10 {us(pct(v, 10))}, p90 "
                  f"{us(pct(v, 90))})" for k, v in rows]
         notes = ["timeline, median offset from the engine's `read` call: " + "; ".join(steps),
-                 window_cpu_note(busy[mode], lat[mode])]
+                 window_cpu_note(busy[mode], lat[mode], os.cpu_count() or 1)]
         if rare:
             notes.append(f"seen in fewer than half of the {len(marks[mode])} reads, so left out "
                          "above: " + ", ".join(f"{k} ({n})" for k, n in sorted(rare.items())))

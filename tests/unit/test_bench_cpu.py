@@ -1,0 +1,55 @@
+"""The CPU bounds ``make bench`` prints beside the #31 targets: a timed
+window's CPU across processes (:class:`suite.CpuWindow`) and what it
+allows with every core busy (:func:`suite.busy_note`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .bench_modules import suite
+
+
+def test_the_busy_note_gives_the_share_of_the_cores_and_the_most_reads_they_allow() -> None:
+    # 400 reads in 50 ms with 80 ms of CPU: 200 µs a read, 80 % of two
+    # cores; even with both busy that CPU per read allows 10,000 reads/s
+    note, cap = suite.busy_note(0.08, 0.05, 400, 2)
+    assert cap == pytest.approx(10_000)
+    assert "ran 200 µs of CPU a read and kept 80% of the 2 cores busy" in note
+    assert "at most 10,000 reads/s" in note
+
+
+def test_a_window_counts_another_process_s_cpu_between_its_edges_only() -> None:
+    # a child that spins 0.3 s, then sleeps: a window around the spin holds
+    # it, a window around the sleep holds (almost) nothing
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nt = time.time()\nwhile time.time() - t < 0.3: pass\n"
+                              "time.sleep(30)"])
+    try:
+        win = suite.CpuWindow(child.pid)
+        win.start()
+        time.sleep(0.6)  # the spin ends meanwhile
+        spun = win.stop()
+        win.start()
+        time.sleep(0.2)
+        slept = win.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.2 < spun < 0.45  # the spin (and the child's start-up), and this process's wait
+    assert slept < 0.02
+    assert win.total == pytest.approx(spun + slept)
+
+
+def test_a_window_counts_this_process_s_own_cpu() -> None:
+    win = suite.CpuWindow(os.getpid())  # counted twice: as "this process" and as a pid
+    win.start()
+    t = time.process_time()
+    while time.process_time() - t < 0.1:
+        pass
+    spent = win.stop()
+    assert 0.18 < spent < 0.3
