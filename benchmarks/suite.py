@@ -790,6 +790,11 @@ def _cycle_cpu_note(before: dict[str, dict[str, float]], after: dict[str, dict[s
             f"{total / wall_s / cores:.0%} of this host's {cores} cores")
 
 
+#: the idle time before each round trip of the hop table's second floors: about
+#: what a read's messages find, coming after the rest of a 1-block read's cycle
+IDLE_FLOOR_S = 0.002
+
+
 def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
                during: bool = False) -> list[str]:
     """One note per hop of a 1-block read: the sidecars' time there (means over
@@ -806,6 +811,11 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
 
     unix, zblock = floors.unix_rtts(n), floors.zmq_curve_rtts(n)
     zloop, hand = floors.zmq_curve_rtts(n, on_loop=True), floors.loop_thread_rtts(n)
+    # a read's messages come after the rest of its cycle (about 2 ms here),
+    # and a hop that wakes a thread idle that long costs more than back to back
+    unix_idle = floors.unix_rtts(n, idle_s=IDLE_FLOOR_S)
+    zloop_idle = floors.zmq_curve_rtts(n, on_loop=True, idle_s=IDLE_FLOOR_S)
+    idle = f"after {IDLE_FLOOR_S * 1e3:g} ms idle"
     queued = inside.get("kvsidecar_read_queue_seconds", float("nan"))
     claim = inside.get("kvsidecar_lease_claim_seconds", float("nan"))
     done = inside.get("kvsidecar_transfer_seconds", float("nan"))
@@ -817,10 +827,11 @@ def _hop_table(total: float, inside: dict[str, float], raw50: float, n: int,
         "hop table (sidecar: means of this run; floor: the same hop bare, same run): "
         f"engine channel, read in + completion out, and the read task's start (engine "
         f"total − D's read task → completion queued): {us(total - read)} | floor one "
-        f"AF_UNIX SEQPACKET round trip between two processes {floor(unix)}",
+        f"AF_UNIX SEQPACKET round trip between two processes {floor(unix)} ({idle}: "
+        f"{floor(unix_idle)})",
         f"hop table: lease claim D → P → D: {claim_hop} | floor one ZMQ DEALER/ROUTER "
         f"round trip over tcp with CURVE between two event loops {floor(zloop)} "
-        f"(both sides blocking: {floor(zblock)})",
+        f"({idle}: {floor(zloop_idle)}; both sides blocking: {floor(zblock)})",
         "hop table: rest of accepted → posted (read task start, link lookup, "
         + ("the claim's send, " if during else "")
         + f"planning on the loop, post hand-off): {us(queued - (0.0 if during else claim))}"
