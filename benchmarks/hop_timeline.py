@@ -212,7 +212,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
                 procs[mode].append(started[-1])
         marks: dict[str, list[tuple[int, int]]] = {m: [] for m in ORDER}
         lat: dict[str, list[float]] = {m: [] for m in ORDER}
-        busy: dict[str, list[float]] = {m: [] for m in ORDER}
+        cpu: dict[str, list[float]] = {m: [] for m in ORDER}
         for m, (p, d) in procs.items():
             pairs[m] = Pair(p, d, small_attention, 8, f"hops-{m}")
         n = max(5, s.latency_reads // BLOCKS)
@@ -225,7 +225,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
                     if i >= 3:  # the first reads link
                         marks[mode].append((t0, t1))
                         lat[mode].append((t1 - t0) / 1e9)
-                        busy[mode].append(cpu_s)
+                        cpu[mode].append(cpu_s)
         for sc in started:
             assert sc.proc is not None
             os.kill(sc.proc.pid, signal.SIGUSR2)
@@ -236,7 +236,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
         for sc in started:
             sc.stop()
         started.clear()
-        return _figures(procs, outs, marks, lat, busy)
+        return _figures(procs, outs, marks, lat, cpu)
     finally:
         for pair in pairs.values():
             pair.close()
@@ -247,7 +247,7 @@ def bench(fleet: object, s: Scale) -> list[Figure]:
 
 def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
              marks: dict[str, list[tuple[int, int]]], lat: dict[str, list[float]],
-             busy: dict[str, list[float]]) -> list[Figure]:
+             cpu: dict[str, list[float]]) -> list[Figure]:
     figures = []
     for mode, (p, d) in procs.items():
         assert p.proc is not None and d.proc is not None
@@ -258,7 +258,7 @@ def _figures(procs: dict[str, list[SidecarProcess]], outs: dict[str, Path],
         steps = [f"{us(statistics.median(v))} {k} (p10 {us(pct(v, 10))}, p90 "
                  f"{us(pct(v, 90))})" for k, v in rows]
         notes = ["timeline, median offset from the engine's `read` call: " + "; ".join(steps),
-                 window_cpu_note(busy[mode], lat[mode], os.cpu_count() or 1)]
+                 window_cpu_note(cpu[mode], lat[mode], os.cpu_count() or 1)]
         if rare:
             notes.append(f"seen in fewer than half of the {len(marks[mode])} reads, so left out "
                          "above: " + ", ".join(f"{k} ({n})" for k, n in sorted(rare.items())))

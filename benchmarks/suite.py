@@ -93,24 +93,11 @@ class Figure:
 # -- helpers -------------------------------------------------------------------------------------
 
 def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (10 ms ticks), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def proc_threads_cpu_s(pid: int) -> float:
-    """CPU seconds of every live thread of a process, from the scheduler's
-    nanosecond counters (/proc/<pid>/task/*/schedstat): 10 ms ticks cannot
-    resolve 0.5 % of a core in a few seconds."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
+    """CPU seconds of a process so far, every thread (ended ones included):
+    its CPU clock (the id ``clock_getcpuclockid`` gives in C), one syscall
+    exact to the nanosecond, where /proc/<pid>/stat counts 10 ms ticks that
+    cannot resolve 0.5 % of a core in a few seconds."""
+    return time.clock_gettime((~pid << 3) | 2)  # CPUCLOCK_SCHED of the whole process
 
 
 #: a daemon's threads by role, from their OS names (daemon/thread_names.py); the
@@ -177,29 +164,21 @@ def wakeups_note(before: dict[str, dict[str, int]], after: dict[str, dict[str, i
             "untimed engine calls included): " + "; ".join(parts))
 
 
-def proc_cpu_clock(pid: int) -> int:
-    """The clock id of a process's CPU time, all its threads (ended ones
-    included), for :func:`time.clock_gettime`: what ``clock_getcpuclockid``
-    gives in C. One syscall, exact to the nanosecond, where summing its
-    threads' /proc schedstat files costs tens of µs a thread."""
-    return (~pid << 3) | 2  # CPUCLOCK_SCHED of the whole process
-
-
 class CpuWindow:
     """CPU seconds of this process (every thread: a :class:`Pair`'s engines
     live here) and of the processes ``pids`` (every thread) inside timed
     windows, :meth:`start` to :meth:`stop`, summed over them in
     :attr:`total`. Each edge reads every process's CPU clock once (a
-    syscall each, under a µs), this process's last at the start and first
-    at the stop, so the window holds only what ran between its edges."""
+    syscall each, :func:`proc_cpu_s`), this process's last at the start and
+    first at the stop, so the window holds only what ran between its edges."""
 
     def __init__(self, *pids: int) -> None:
-        self.clocks = [proc_cpu_clock(p) for p in pids]
+        self.pids = pids
         self.total = 0.0
         self._own = self._theirs = 0.0
 
     def _theirs_now(self) -> float:
-        return sum(time.clock_gettime(c) for c in self.clocks)
+        return sum(proc_cpu_s(p) for p in self.pids)
 
     def start(self) -> None:
         """Open a window: take every process's CPU time now."""
@@ -489,14 +468,14 @@ def bench_verify(fleet: Fleet, s: Scale) -> list[Figure]:
                                 first.block_ids, first.req)
                     sent.tokens.append(P.clients[0].hold(P.engine_id, sent.request_id,
                                                          sent.block_ids).token)
-                    c0 = sum(proc_threads_cpu_s(pid) for pid in pids)
+                    c0 = sum(proc_cpu_s(pid) for pid in pids)
                     t0 = time.perf_counter()
                     D.start_read(sent, verify=verify)
                     got = wait_all(D, [sent.request_id])
                     times[verify] = time.perf_counter() - t0
                     P.wait_for([sent.request_id], timeout_s=60)
                     if i:
-                        cpu[verify].append(sum(proc_threads_cpu_s(pid) for pid in pids) - c0)
+                        cpu[verify].append(sum(proc_cpu_s(pid) for pid in pids) - c0)
                     if i == 0:
                         check(D, got)
                     elif {c.kind for c in got[sent.request_id].values()} != {"received"}:
@@ -1500,11 +1479,11 @@ def bench_idle(fleet: Fleet, s: Scale) -> list[Figure]:
             pids = [p.proc.pid for p in (p0, d0) if p.proc]
 
             def cpu_pct() -> list[float]:
-                c0 = [proc_threads_cpu_s(p) for p in pids]
+                c0 = [proc_cpu_s(p) for p in pids]
                 t0 = time.perf_counter()
                 time.sleep(s.idle_s)
                 wall = time.perf_counter() - t0
-                return [100 * (proc_threads_cpu_s(p) - c) / wall for p, c in zip(pids, c0)]
+                return [100 * (proc_cpu_s(p) - c) / wall for p, c in zip(pids, c0)]
 
             idle = cpu_pct()
             pair.prefill(8)  # one hold pending, nobody reading it

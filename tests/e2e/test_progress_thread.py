@@ -7,7 +7,6 @@ flag, and a sidecar with the flag idles."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from kvsidecar.sim.cluster import SidecarProcess, all_running, engines
 from kvsidecar.sim.models import attn, hybrid
 
+from ..unit.bench_modules import suite
 from .test_lanes import _nixl_threads
 
 pytestmark = pytest.mark.e2e
@@ -36,13 +36,6 @@ def threaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, lis
             "d": [SidecarProcess(work, f"td{i}", args=FLAG) for i in range(2)],
             "plain": [SidecarProcess(work, "plain", args=["--hold-timeout", "60"])]}) as out:
         yield out
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (/proc, clock ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _settled_threads(pid: int) -> int:
@@ -88,8 +81,8 @@ def test_lane_zero_runs_nixls_progress_thread_and_idles(
         assert _nixl_threads(p.proc.pid) - base == plain_per_rank + 1
         D.read_exactly(P, "pt-idle", 70, tokens=(33,))
         time.sleep(0.5)
-        before = _cpu_s(p.proc.pid)
+        before = suite.proc_cpu_s(p.proc.pid)
         time.sleep(3.0)
-        used = _cpu_s(p.proc.pid) - before
+        used = suite.proc_cpu_s(p.proc.pid) - before
     # a spinning progress thread would use about 3 s of CPU here
     assert used < 0.5, f"{used:.2f} s of CPU in 3 s"
