@@ -16,11 +16,12 @@ batched call itself raise, the calls are made one by one instead, so each
 still gets exactly its own outcome.
 
 A job that is cheap as a whole (each call may say its ``cost``; the job's is
-their sum, at most ``inline_cost``) runs on the loop instead, in the same
-callback that would have handed it to the thread: for one small read the
-thread's wake-up, its GIL hand-over and the ``call_soon_threadsafe`` back
-cost more than the planning (40 us for a 1-block read here) and, on two
-cores, compete with the lease claim that just left.
+their sum, at most ``inline_cost``, or ``inline_alone`` for a job of one
+call) runs on the loop instead, in the same callback that would have handed
+it to the thread: for one small read the thread's wake-up, its GIL hand-over
+and the ``call_soon_threadsafe`` back cost more than the planning (40 us for
+a 1-block read here) and, on two cores, compete with the lease claim that
+just left. A job of one call may be larger: a call's fixed cost comes once.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ class ThreadGroups:
 
     def __init__(self, executor: Executor,
                  many: dict[Callable[..., Any], Many] | None = None,
-                 inline_cost: int = 0) -> None:
+                 inline_cost: int = 0, inline_alone: int | None = None) -> None:
         self._executor = executor
         self._many = many
         self._inline_cost = inline_cost
+        self._inline_alone = inline_cost if inline_alone is None else max(inline_alone,
+                                                                          inline_cost)
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._cost = 0
 
@@ -100,7 +103,7 @@ class ThreadGroups:
         if not self._pending:
             loop.call_soon(self._flush, loop)
         self._pending.append((fn, args, fut))
-        self._cost += self._inline_cost + 1 if cost is None else cost
+        self._cost += self._inline_alone + 1 if cost is None else cost
         return fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -110,7 +113,8 @@ class ThreadGroups:
         if not calls:
             return
         futs = [fut for _, _, fut in calls]
-        if cost <= self._inline_cost:  # cheaper here than a trip to the thread
+        limit = self._inline_alone if len(calls) == 1 else self._inline_cost
+        if cost <= limit:  # cheaper here than a trip to the thread
             _settle(futs, run_calls([(fn, args) for fn, args, _ in calls], self._many))
             return
         try:

@@ -31,13 +31,21 @@ I64 = NDArray[np.int64]
 
 #: A planning job (the reads of one loop iteration) whose reads come to at most
 #: this many pieces (:func:`plan_cost`) is planned on the loop, not on the
-#: planning thread (see ThreadGroups). Below it planning's cost is mostly
-#: numpy's per-call overhead, not the ids: on the development host (quiet /
-#: loaded) 1 to 16 blocks of a one-layer model plan in 65-70 / 105-115 us,
-#: 512 blocks of it or 16 of a 32-layer model (1,024 pieces) in about
-#: 100-250 us, while a trip to the planning thread and back cost the loop and
-#: that thread about 200 us of CPU per read and two wake-ups.
+#: planning thread (see ThreadGroups); a job of one read, up to
+#: :data:`INLINE_PLAN_PIECES_ALONE`. A trip to the thread and back costs the
+#: loop and that thread about 200 us of CPU and two wake-ups, and on two busy
+#: cores it waits for both. Each read of a job also costs a fixed 10-35 us:
+#: on the development host 16 reads of 16 one-layer blocks (512 pieces) plan
+#: together in 170 us, 16 reads of 8,192 pieces in all in 300-860 us.
 INLINE_PLAN_PIECES = 1024
+
+#: A job of one read plans on the loop up to this many pieces. Planned alone on
+#: the development host, a 32-layer model's read of 16 / 64 / 128 blocks
+#: (1,024 / 4,096 / 8,192 pieces) takes 36-40 / 48-67 / 70-107 us, 64 blocks
+#: read from two P ranks (8,192) about 103 us; 16,384 pieces take 116-380 us,
+#: so the loop stops short of them. A 256 MiB read (8,192 pieces) waited
+#: about 1 ms on the thread for 110 us of planning.
+INLINE_PLAN_PIECES_ALONE = 8192
 
 
 @dataclass(frozen=True)

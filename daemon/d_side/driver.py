@@ -45,7 +45,11 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
-from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES, PostList, plan_and_address
+from kvsidecar.daemon.d_side.addresses import (
+    INLINE_PLAN_PIECES_ALONE,
+    PostList,
+    plan_and_address,
+)
 from kvsidecar.daemon.d_side.futures import all_or_cancel, retrieve
 from kvsidecar.daemon.d_side.job import (
     Attempt,
@@ -131,7 +135,7 @@ async def run_group(eng: ReaderRank, jobs: Sequence[ReadJob], planner: Executor,
     inputs = [_inputs(a, layout) for a in group]
     if alone:
         a, (args, cost, blocks) = group[0], inputs[0]
-        if (not args[-1] and cost <= INLINE_PLAN_PIECES and blocks <= POST_FIRST_BLOCKS
+        if (not args[-1] and cost <= INLINE_PLAN_PIECES_ALONE and blocks <= POST_FIRST_BLOCKS
                 and _confirmed(a)):
             return await _post_first(a, handshakes, args)
     ready = await _claim_and_plan(group, plans, inputs, alone, fail)

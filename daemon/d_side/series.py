@@ -29,9 +29,6 @@ class _TransferSeries:
     reads: Any
 
 
-#: A planning job (the reads of one loop iteration) naming at most this many local
-#: blocks in all is planned on the loop, not on the planning thread (see
-
 _SERIES_CACHE_MAX = 4096  # (engine, peer) pairs per daemon; cleared whole past it
 _series_cache: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str], _TransferSeries]] = (
     weakref.WeakKeyDictionary())

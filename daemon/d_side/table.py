@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvsidecar.daemon import digest, verify
 from kvsidecar.daemon.d_side.addresses import (
     INLINE_PLAN_PIECES,
+    INLINE_PLAN_PIECES_ALONE,
     plan_and_address,
     plan_and_address_many,
 )
@@ -114,7 +115,8 @@ class ReadTable:
         self._planner = planner
         #: the planning of reads that reach it in one loop iteration, as one job
         self._plans = ThreadGroups(planner, many={plan_and_address: plan_and_address_many},
-                                   inline_cost=INLINE_PLAN_PIECES)
+                                   inline_cost=INLINE_PLAN_PIECES,
+                                   inline_alone=INLINE_PLAN_PIECES_ALONE)
         self._metrics = metrics
         #: set by the Sidecar when tracing is configured
         self.tracing: Tracing | None = None

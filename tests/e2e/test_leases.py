@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES_ALONE
 from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import RemoteEngine
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_mid_read
@@ -179,10 +180,11 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
                                                 "--post-during-claim", "600"]).start()
     d0 = SidecarProcess(tmp_path, "pdc-d0", args=["--metrics-port", "0",
                                                   "--post-during-claim", "0"]).start()
-    # room for a read planned on the planning thread (over 1,024 pieces: 171
-    # pages of this 3-layer layout's 6 pieces)
-    P = SimEngine("pdc-P", attn(8), 1, 256, [p])
-    D = SimEngine("pdc-D", attn(8), 1, 256, [d])
+    # room for a read planned on the planning thread (over
+    # INLINE_PLAN_PIECES_ALONE: this 3-layer layout has 6 pieces a page)
+    big_pages = INLINE_PLAN_PIECES_ALONE // 6 + 8
+    P = SimEngine("pdc-P", attn(8), 1, big_pages + 64, [p])
+    D = SimEngine("pdc-D", attn(8), 1, big_pages + 64, [d])
     D0 = SimEngine("pdc-D0", attn(8), 1, 64, [d0])
     early = "kvsidecar_reads_posted_during_claim_total"
     try:
@@ -220,7 +222,7 @@ def test_reads_over_a_recently_confirmed_link_post_during_their_claim(tmp_path) 
         # planning thread (the small ones above are planned and posted in the
         # read task's first step, their claim sent after); it posts during its
         # claim only if the grant has not come back before its plan did.
-        D.start_read(P.prefill("big", Request(seed=11, prompt_tokens=8 * 200)))
+        D.start_read(P.prefill("big", Request(seed=11, prompt_tokens=8 * big_pages)))
         assert D.wait_for(["big"])["big"][0].kind == "received"
         assert D.verify("big") == []
         assert P.wait_for(["big"], timeout_s=10)["big"][0].kind == "sent"

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES
+from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES, INLINE_PLAN_PIECES_ALONE
 from kvsidecar.daemon.planner import plan_read
 from kvsidecar.daemon.planner.cost import plan_cost
 from kvsidecar.ipc.layout import Layout, attention_layout
@@ -57,6 +57,7 @@ def test_small_reads_of_small_models_plan_on_the_loop_large_ones_on_the_thread()
     deep = attention_layout(model="m", num_layers=32, total_kv_heads=8, head_dim=128,
                             block_tokens=16, tp_size=1, num_blocks=4096)
     assert plan_cost(one, 1, 16) == 32 <= INLINE_PLAN_PIECES
-    assert plan_cost(deep, 1, 16) == 1024 <= INLINE_PLAN_PIECES
-    assert plan_cost(deep, 1, 17) > INLINE_PLAN_PIECES
-    assert plan_cost(deep, 2, 8) == 1024  # read from two P ranks: twice the pieces
+    assert plan_cost(deep, 1, 16) == 1024 <= INLINE_PLAN_PIECES  # in a job of several
+    assert plan_cost(deep, 1, 128) == 8192 <= INLINE_PLAN_PIECES_ALONE  # a job of one
+    assert plan_cost(deep, 1, 129) > INLINE_PLAN_PIECES_ALONE
+    assert plan_cost(deep, 2, 64) == 8192  # read from two P ranks: twice the pieces

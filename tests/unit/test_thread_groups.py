@@ -118,3 +118,23 @@ async def test_a_cheap_job_runs_on_the_loop_and_a_costly_or_unpriced_one_on_the_
         assert ex.jobs == 2
     finally:
         ex.shutdown()
+
+
+async def test_a_job_of_one_call_may_cost_more_on_the_loop_than_a_job_of_several() -> None:
+    ex = CountingExecutor()
+    here = threading.current_thread().name
+    try:
+        groups = ThreadGroups(ex, inline_cost=4, inline_alone=10)
+        # One call costing 10: here (its fixed cost comes once).
+        assert await groups.submit(plan, 3, cost=10) == (9, here)
+        assert ex.jobs == 0
+        # Two calls costing 6 in all: over the several-call bound, the thread.
+        futs = [groups.submit(plan, i, cost=3) for i in (2, 3)]
+        assert [r[1] != here for r in await asyncio.gather(*futs)] == [True, True]
+        assert ex.jobs == 1
+        # One call past its own bound, or without a cost: the thread.
+        assert (await groups.submit(plan, 2, cost=11))[1] != here
+        assert (await groups.submit(plan, 2))[1] != here
+        assert ex.jobs == 3
+    finally:
+        ex.shutdown()
