@@ -2,8 +2,9 @@
 
 :class:`RawPair` is two processes with one bare ``nixl_agent`` each (UCX,
 progress thread off) over shared memory: the initiator here, the target in a
-child process that keeps progressing its UCX worker (wire-up needs it) until
-the initiator's notification says it is done. The demo compares the
+child process that keeps progressing its UCX worker (wire-up needs it, and
+every READ's closing flush) until the initiator's notification says it is
+done, except while the initiator has it rest (:meth:`RawPair.resting`). The demo compares the
 sidecar's reads with one READ of the same bytes through it, and with the same
 bytes in as many scattered descriptors; benchmarks reuse it. With ``device``
 set, both sides' memory is ``cuMemAlloc`` memory of that GPU (VRAM
@@ -12,8 +13,10 @@ descriptors), the baseline of ``benchmarks/gpu_figures.py``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -100,6 +103,8 @@ def _region(span: int) -> ShmRegion:
 
 #: Target loop rounds between checks that the initiator is still there.
 _PARENT_CHECK_ROUNDS = 256
+#: the initiator's words to its target over the pipe (see RawPair.resting)
+_REST, _WAKE = "rest", "wake"
 
 
 def _target(span: int, conn: Connection, spin: bool = False, device: int | None = None) -> None:
@@ -117,7 +122,10 @@ def _target(span: int, conn: Connection, spin: bool = False, device: int | None 
         rounds = 0
         while not done:
             rounds += 1
-            if rounds % _PARENT_CHECK_ROUNDS == 0 and conn.poll():
+            # Spinning, the pipe is checked every few rounds (a syscall each);
+            # sleeping between rounds anyway, every round (``rest`` is prompt).
+            checked = not spin or rounds % _PARENT_CHECK_ROUNDS == 0
+            if checked and conn.poll() and not _obey(conn):
                 return  # the initiator's end closed (it died): nobody to serve
             for peer, msgs in agent.get_new_notifs().items():
                 now = time.perf_counter()
@@ -130,6 +138,21 @@ def _target(span: int, conn: Connection, spin: bool = False, device: int | None 
                 time.sleep(0.0001)
         agent.deregister_memory(descs)
     conn.send(seen)
+
+
+def _obey(conn: Connection) -> bool:
+    """Take one word from the initiator: ``rest`` blocks until ``wake`` (each
+    acknowledged). False when the initiator's end closed."""
+    try:
+        if conn.recv() != _REST:
+            return True
+        conn.send(_REST)
+        while conn.recv() != _WAKE:
+            pass
+        conn.send(_WAKE)
+    except (EOFError, OSError):
+        return False
+    return True
 
 
 class RawPair:
@@ -179,6 +202,27 @@ class RawPair:
         """Nx3 (addr, len, dev) descriptors of ``size`` bytes at slot indices."""
         return np.stack([base + slots * size, np.full(slots.size, size),
                          np.full(slots.size, self.device or 0)], 1).astype(np.int64)
+
+    @contextlib.contextmanager
+    def resting(self) -> Iterator[None]:
+        """The target stops polling its UCX worker (every 100 µs, ~13 % of a
+        core on the development host) until the block ends: a benchmark that
+        times something else between this pair's READs keeps the baseline's
+        target off the cores. No READ may be posted meanwhile (nothing would
+        progress its closing flush). Not for a spinning pair."""
+        if self.spin:
+            raise ValueError("a spinning target does not rest")
+        self._conn.send(_REST)
+        self._await(_REST)
+        try:
+            yield
+        finally:
+            self._conn.send(_WAKE)
+            self._await(_WAKE)
+
+    def _await(self, word: str) -> None:
+        if not self._conn.poll(30) or self._conn.recv() != word:
+            raise RuntimeError(f"raw NIXL target did not acknowledge {word!r}")
 
     def finish(self, handle: Any) -> None:
         """Post and poll one transfer to completion."""

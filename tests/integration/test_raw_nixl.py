@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvsidecar.sim.raw_nixl import RawPair, RawReader
 
@@ -33,6 +34,41 @@ def test_an_open_pair_reads_the_target_and_names_nothing_in_dev_shm() -> None:
         # every other 16 KiB slot was read (the target's memory is all 7s)
         assert (got[:16384] == 7).all() and (got[16384:32768] == 0).all()
         assert np.count_nonzero(got == 7) == 65536
+
+
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of ``pid`` so far."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            total += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def _wakeups_over(pid: int, seconds: float) -> int:
+    before = _wakeups(pid)
+    time.sleep(seconds)
+    return _wakeups(pid) - before
+
+
+def test_a_resting_target_stops_polling_and_serves_again_once_woken() -> None:
+    with RawPair(RawReader.span(65536)) as pair:
+        reader = RawReader(pair, 65536)
+        reader.once()
+        target = pair._proc.pid
+        # awake it polls its worker every 100 us: thousands of wake-ups a second
+        assert _wakeups_over(target, 0.5) > 200
+        with pair.resting():
+            assert _wakeups_over(target, 0.5) < 20  # blocked on the pipe
+        pair.region.numpy()[:] = 0
+        reader.once()  # its closing flush needs the target progressing again
+        assert (pair.region.numpy()[:65536] == 7).all()
+
+
+def test_a_spinning_target_refuses_to_rest() -> None:
+    with (RawPair(65536, spin=True) as pair, pytest.raises(ValueError, match="does not rest"),
+          pair.resting()):
+        pass
 
 
 _KILLED_WITH_A_PAIR = r"""
