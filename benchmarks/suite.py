@@ -927,6 +927,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 batched = sending.startswith("many")
                 wait = sending != "many_nowait"
                 done, elapsed, issuing = 0, 0.0, 0.0
+                calls: list[float] = []  # each blocking `read`'s wall time ("one")
+                tails = 0.0  # from a round's last call until all of it was received
                 cpu_win = CpuWindow(d0.proc.pid, p0.proc.pid)
                 c_d, c_p = proc_cpu_s(d0.proc.pid), proc_cpu_s(p0.proc.pid)
                 r_d, r_p = proc_threads_by_role(d0.proc.pid), proc_threads_by_role(p0.proc.pid)
@@ -955,10 +957,14 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                         pair.D.start_reads_nowait(sents)
                     else:
                         for sent in sents:
+                            c0 = time.perf_counter()
                             pair.D.start_read(sent)
+                            calls.append(time.perf_counter() - c0)
                     issuing += time.process_time() - e0
+                    t1 = time.perf_counter()
                     got = wait_all(pair.D, [x.request_id for x in sents])
                     elapsed += time.perf_counter() - t0
+                    tails += time.perf_counter() - t1
                     cpu_win.stop()
                     pair.finish(sents, got, verify=done == 0)
                     done += n
@@ -978,6 +984,8 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
                 goal = 8000 if batched else 3000
                 busy, cap = busy_note(cpu_win.total, elapsed, done, os.cpu_count() or 1)
+                waits = ([_caller_note(calls, tails, done, loops["D"] / done * rate)]
+                         if calls else [])
                 rows.append(Figure(
                     f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "
                     f"{how} ({done} reads)",
@@ -1003,7 +1011,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                      "baseline: one process posts the same reads' descriptors with bare NIXL "
                      "(reads of one `read_many` as one READ with one notification, as the D "
                      "sidecar merges them) and polls each to DONE: the CMA copy and NIXL's own "
-                     "cost, what any design pays per read on D"]))
+                     "cost, what any design pays per read on D", *waits]))
             rows.append(_sustained_sliding(pair, d0, p0, s, k, window, per_msg))
         finally:
             for client in at_once:
@@ -1011,6 +1019,23 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
             loop.close()
             pair.close()
     return rows
+
+
+def _caller_note(calls: Sequence[float], tails_s: float, reads: int,
+                 d_loop_busy: float) -> str:
+    """Where one engine thread issuing blocking ``read`` calls spends the
+    window: it sends the next only once D answered the last, so its rate is
+    one over the calls' mean wall time plus each round's tail (its last reads
+    still moving), however idle the cores. Pure."""
+    mean = statistics.mean(calls)
+    tail = tails_s / max(1, reads)
+    return (f"one caller, one blocking `read` at a time: each call took p50 "
+            f"{us(statistics.median(calls))}, p90 {us(pct(calls, 90))}, mean {us(mean)} "
+            f"(its answer waits for D's event loop, busy {d_loop_busy:.0%} of the window "
+            f"with the round's earlier reads), and each round's last reads took {us(tail)} "
+            f"a read more: {1 / max(1e-9, mean + tail):,.0f} reads/s from this caller "
+            f"however idle the cores; `read_nowait` and the async client do not wait for "
+            f"the answers (rows below)")
 
 
 def _sustained_sliding(pair: Pair, d0: SidecarProcess, p0: SidecarProcess, s: Scale,
