@@ -2,14 +2,16 @@
 
 :class:`Background` keeps a reference to every task it spawns (asyncio holds
 only weak ones) until the task ends; ``stop`` waits for them.
-:class:`Alarm` wakes the housekeeping loop from its idle sleep when new work
-with a deadline appears (a hold placed, a rank starting to drain); while the
-loop runs its busy period already, a poke costs nothing.
+:class:`Alarm` wakes the housekeeping loop from its sleep when new work
+is due before the pass it planned (a hold placed with an earlier deadline, a
+hold released under a lease, a rank starting to drain); a poke about work
+due no earlier costs nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Coroutine
 from typing import Any
 
@@ -33,13 +35,16 @@ class Background:
 
 
 class Alarm:
-    """Wakes housekeeping early; ``busy`` is set by housekeeping while it
-    already ticks at its short period (then a poke is not needed)."""
+    """Wakes housekeeping before its planned pass. ``due`` is when housekeeping
+    plans to run next (its clock, ``time.monotonic``); it sets it before each
+    sleep, so a poke about something due no earlier costs nothing."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
-        self.busy = False
+        self.due = math.inf
 
-    def poke(self) -> None:
-        if not self.busy:
+    def poke(self, at: float = -math.inf) -> None:
+        """Something is due at ``at`` (default: now): wake housekeeping unless
+        it runs by then anyway."""
+        if at < self.due:
             self.event.set()

@@ -291,7 +291,9 @@ class Handlers:
                       req.timeout_s, now, digest=held, block_ids=req.block_ids)
         try:
             eng.worker.set_hot(True)
-            ctx.alarm.poke()  # housekeeping now watches this hold's deadline
+            # housekeeping now watches this hold's deadline (no wake-up when it
+            # is due after the pass planned: holds share a timeout as a rule)
+            ctx.alarm.poke(eng.holds.deadline(req.engine_id, req.request_id) or now)
             ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)
         except Exception:
             # The engine is told this hold failed: it must not stand (a bug here).
@@ -305,6 +307,7 @@ class Handlers:
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id, time.monotonic()):
             self.ctx.spans.end(req.engine_id, req.request_id, "released")
+            self.ctx.alarm.poke()  # one released under a lease ends when its lease does
             return Ok()
         if eng.has_completion(req.request_id):
             return Ok()  # it ended just before the release; its completion says how

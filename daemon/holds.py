@@ -409,6 +409,18 @@ class HoldBook:
 
     # ------------------------------------------------------------ time
 
+    def next_due(self) -> float:
+        """The earliest time at which :meth:`expire` has something to end
+        (``math.inf`` when nothing can): a hold's deadline, or for a hold the
+        engine released under a lease, that lease's end; for claims waiting for
+        their hold, when both their grace and their lease have run out. Claims
+        only move these later, so a caller may sleep until then unless a hold is
+        placed or released meanwhile."""
+        due = min((h.lease_until if h.released else h.deadline for h in self._holds.values()),
+                  default=math.inf)
+        return min(due, min((max(e.arrived + self.grace_s, e.lease_until)
+                             for e in self._early.values()), default=math.inf))
+
     def expire(self, now: float) -> None:
         for key, h in list(self._holds.items()):
             if h.released and now >= h.lease_until:

@@ -1,13 +1,16 @@
 """Housekeeping: expire holds, drop early notifications, notice engines that died.
 
-Every ``HOUSEKEEPING_BUSY_S`` while some hold or early notification may
-expire, else every ``HOUSEKEEPING_IDLE_S`` (the liveness checks' own period):
-ten wake-ups a second would be a third of an idle daemon's CPU. A new hold
-wakes it at once (the :class:`~kvsidecar.daemon.background.Alarm`) when it
-sleeps the idle period; in the busy one it does not: a pass per hold (a task,
-a timer and a walk over every hold) would cost P several µs per read. Once a
-second it also checks engine liveness and releases reservations whose engine
-never registered within the engine lease.
+Each pass runs when the earliest hold or early notification is due to expire
+(:meth:`~kvsidecar.daemon.holds.HoldBook.next_due`), at least every
+``HOUSEKEEPING_IDLE_S`` (the liveness checks' own period) and at most every
+``HOUSEKEEPING_MIN_S``: a hold pending for its reader no longer makes it tick
+ten times a second (on P, between bursts, that tick was most of the event
+loop's wake-ups). Claims only push deadlines
+later; a hold placed or released with an earlier one pokes the
+:class:`~kvsidecar.daemon.background.Alarm`, which knows when the next pass
+is planned, so a poke about something due later costs nothing. Once a second
+it also checks engine liveness and releases reservations whose engine never
+registered within the engine lease.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from kvsidecar.daemon.background import Alarm, Background
@@ -23,8 +27,25 @@ from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
-HOUSEKEEPING_BUSY_S = 0.1  # holds or early notifications to expire
-HOUSEKEEPING_IDLE_S = 1.0  # nothing to expire: engine liveness and reservations only
+HOUSEKEEPING_IDLE_S = 1.0  # the longest sleep: engine liveness and reservations
+#: the shortest time between passes, pokes included: with many holds expiring
+#: (each pass walks them all) at most ten passes a second, as before deadlines
+#: were tracked; a hold ends at most this late
+HOUSEKEEPING_MIN_S = 0.1
+
+
+#: uvloop's timers count whole milliseconds from a cached clock and can fire up
+#: to 1 ms early: a pass that early would find its hold not yet due and leave
+#: it to the next one, HOUSEKEEPING_MIN_S later
+_TIMER_SLACK_S = 0.002
+
+
+def next_pass(due: float, now: float, last: float) -> float:
+    """When housekeeping runs next (``time.monotonic``): when the earliest
+    expiry is ``due`` (``math.inf``: none), but within ``HOUSEKEEPING_IDLE_S``
+    of ``now`` and no sooner than ``HOUSEKEEPING_MIN_S`` after the ``last``
+    pass. Pure."""
+    return max(last + HOUSEKEEPING_MIN_S, min(due, now + HOUSEKEEPING_IDLE_S))
 
 
 async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
@@ -32,14 +53,20 @@ async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
     """Run until cancelled."""
     table = registry.table
     last_liveness_check = 0.0
+    last = -math.inf
     while True:
-        expiring = any(len(e.holds) or e.holds.early for e in table.serving())
-        alarm.busy = expiring
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(alarm.event.wait(),
-                                   HOUSEKEEPING_BUSY_S if expiring else HOUSEKEEPING_IDLE_S)
-        alarm.event.clear()
         now = time.monotonic()
+        at = next_pass(min((e.holds.next_due() for e in table.serving()), default=math.inf),
+                       now, last)
+        alarm.due = at
+        if at > now:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(alarm.event.wait(), at - now + _TIMER_SLACK_S)
+            rest = last + HOUSEKEEPING_MIN_S - time.monotonic()
+            if rest > 0:  # poked this soon after a pass: not before the shortest gap
+                await asyncio.sleep(rest)
+        alarm.event.clear()
+        last = now = time.monotonic()
         try:
             _expire(registry, metrics, now)
             if now - last_liveness_check >= 1.0:

@@ -53,6 +53,29 @@ def test_hold_expires(pool) -> None:
         assert "0 of 1 reading engines" in got[0].reason
 
 
+def _loop_wakeups(pid: int) -> int:
+    """How often a sidecar's event loop (its main thread) has slept and woken."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_a_pending_hold_does_not_make_housekeeping_tick(pool) -> None:
+    """With one hold waiting for its reader (the 60 s hold timeout), P's event
+    loop sleeps about as it does idle: housekeeping passes when the hold is due
+    and once a second, not every 0.1 s (which alone woke it 30 times in 3 s)."""
+    p0 = pool.p[0]
+    assert p0.proc is not None
+    with pool.engines(attn(8), 1, 1) as (P, _):
+        P.prefill("waiting", Request(seed=1, prompt_tokens=20))
+        time.sleep(0.3)
+        before = _loop_wakeups(p0.proc.pid)
+        time.sleep(3)
+        woke = _loop_wakeups(p0.proc.pid) - before
+        assert woke < 20, f"P's loop woke {woke} times in 3 s with one hold pending"
+        P.clients[0].release(P.engine_id, "waiting")
+        assert _completion(P, "waiting")[0].kind == "aborted"
+
+
 def test_release_aborts_a_hold(pool) -> None:
     with pool.engines(attn(8), 1, 1) as (P, _):
         P.prefill("dropped", Request(seed=1, prompt_tokens=20))

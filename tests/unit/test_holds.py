@@ -328,3 +328,38 @@ def test_a_refused_hold_refuses_claims_until_it_is_held() -> None:
     b.refused("P", "r", "duplicate", now=5)  # a copy sent again: the hold stands
     assert b.claim("P", "r", now=5).granted and ("P", "r") in b
     assert done == []
+
+
+def test_next_due_is_when_expire_first_has_something_to_end() -> None:
+    """Housekeeping sleeps until ``next_due``: at that time ``expire`` ends
+    something, and a moment before it ends nothing."""
+    b, done = leased(lease_s=3)
+    assert b.next_due() == float("inf")  # nothing to expire: no pass needed
+    b.add("P", "a", p_tp=1, readers=1, timeout_s=5, now=0)
+    b.add("P", "b", p_tp=1, readers=1, timeout_s=8, now=0)
+    assert b.next_due() == 5
+    assert b.claim("P", "a", now=4).granted  # a lease pushes a's deadline to 7
+    assert b.next_due() == 7
+    assert b.release("P", "b", now=5)  # b ends when no lease runs on it: at once
+    assert [d.request_id for d in done] == ["b"] and b.next_due() == 7
+    assert b.claim("P", "early", now=6).granted  # claimed before its hold: grace 5 s
+    assert b.next_due() == 7
+    b.expire(now=6.99)
+    assert len(done) == 1
+    b.expire(now=7)
+    assert [d.request_id for d in done] == ["b", "a"]
+    assert b.next_due() == 11  # the early claim: its grace (6 + 5) outlasts its lease (9)
+    b.expire(now=10.99)
+    assert b.early == 1
+    b.expire(now=11)
+    assert b.early == 0 and b.next_due() == float("inf")
+
+
+def test_next_due_of_a_hold_released_under_a_lease_is_the_lease_s_end() -> None:
+    b, done = leased(lease_s=3)
+    b.add("P", "r", p_tp=1, readers=1, timeout_s=10, now=0)
+    assert b.claim("P", "r", now=1).granted
+    assert b.release("P", "r", now=2)
+    assert b.next_due() == 4  # not its deadline (10): the lease ends first
+    b.expire(now=4)
+    assert [d.kind for d in done] == ["aborted"]
