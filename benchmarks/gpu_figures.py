@@ -79,7 +79,7 @@ def bulk(p0: Any, d0: Any, memory: str, device: int | None, mib: int,
         with RawPair(nbytes, device=device) as raw_pair:
             raw = RawReader(raw_pair, nbytes)
             raw.once()  # wires the bare agents up
-            raw.once()  # the second READ of a fresh pair was slower again (host memory)
+            raw.once()  # the second READ of a fresh pair was slower again (host memory here)
             first = P.prefill("bulk", Request(seed=1, prompt_tokens=blocks * 16))
             for i in range(repeats + 1):  # the first one pays the handshake
                 sent = first

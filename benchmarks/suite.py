@@ -984,8 +984,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
                 raw = _raw_read_cpu(k, per_msg if batched else 1, 64 * per_msg)
                 goal = 8000 if batched else 3000
                 busy, cap = busy_note(cpu_win.total, elapsed, done, os.cpu_count() or 1)
-                waits = ([_caller_note(calls, tails, done, loops["D"] / done * rate)]
-                         if calls else [])
+                waits = [_caller_note(calls, tails, done, loops["D"] / done)] if calls else []
                 rows.append(Figure(
                     f"sustained 16-block (256 KiB) reads, {window} in flight, one D sidecar, "
                     f"{how} ({done} reads)",
@@ -1022,7 +1021,7 @@ def bench_sustained(fleet: Fleet, s: Scale) -> list[Figure]:
 
 
 def _caller_note(calls: Sequence[float], tails_s: float, reads: int,
-                 d_loop_busy: float) -> str:
+                 d_loop_s: float) -> str:
     """Where one engine thread issuing blocking ``read`` calls spends the
     window: it sends the next only once D answered the last, so its rate is
     one over the calls' mean wall time plus each round's tail (its last reads
@@ -1031,8 +1030,9 @@ def _caller_note(calls: Sequence[float], tails_s: float, reads: int,
     tail = tails_s / max(1, reads)
     return (f"one caller, one blocking `read` at a time: each call took p50 "
             f"{us(statistics.median(calls))}, p90 {us(pct(calls, 90))}, mean {us(mean)} "
-            f"(its answer waits for D's event loop, busy {d_loop_busy:.0%} of the window "
-            f"with the round's earlier reads), and each round's last reads took {us(tail)} "
+            f"(its answer waits for D's event loop, which ran {us(d_loop_s)} of CPU a read "
+            f"in the run, the round's earlier reads among it), and each round's last reads "
+            f"took {us(tail)} "
             f"a read more: {1 / max(1e-9, mean + tail):,.0f} reads/s from this caller "
             f"however idle the cores; `read_nowait` and the async client do not wait for "
             f"the answers (rows below)")

@@ -307,7 +307,8 @@ class Handlers:
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id, time.monotonic()):
             self.ctx.spans.end(req.engine_id, req.request_id, "released")
-            self.ctx.alarm.poke()  # one released under a lease ends when its lease does
+            if (req.engine_id, req.request_id) in eng.holds:
+                self.ctx.alarm.poke()  # released under a lease: it ends when that does
             return Ok()
         if eng.has_completion(req.request_id):
             return Ok()  # it ended just before the release; its completion says how

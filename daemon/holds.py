@@ -414,10 +414,10 @@ class HoldBook:
         (``math.inf`` when nothing can): a hold's deadline, or for a hold the
         engine released under a lease, that lease's end; for claims waiting for
         their hold, when both their grace and their lease have run out. Claims
-        only move these later, so a caller may sleep until then unless a hold is
-        placed or released meanwhile."""
-        due = min((h.lease_until if h.released else h.deadline for h in self._holds.values()),
-                  default=math.inf)
+        only move these later. Something new may be due sooner: a hold placed
+        or released, and an early entry (a grace after it arrives)."""
+        due = min((min(h.deadline, h.lease_until) if h.released else h.deadline
+                   for h in self._holds.values()), default=math.inf)
         return min(due, min((max(e.arrived + self.grace_s, e.lease_until)
                              for e in self._early.values()), default=math.inf))
 
@@ -434,7 +434,7 @@ class HoldBook:
                           f"{len(h.done_engines)} of {h.readers} reading engines finished "
                           f"before the deadline (reports per engine: {got or 'none'})")
         for key, e in list(self._early.items()):
-            if now - e.arrived >= self.grace_s and now >= e.lease_until:
+            if now >= e.arrived + self.grace_s and now >= e.lease_until:
                 self._pop_early(key)
                 self.unclaimed += len(e.reports)
                 if e.reports:

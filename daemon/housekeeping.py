@@ -1,22 +1,22 @@
 """Housekeeping: expire holds, drop early notifications, notice engines that died.
 
 Each pass runs when the earliest hold or early notification is due to expire
-(:meth:`~kvsidecar.daemon.holds.HoldBook.next_due`), at least every
-``HOUSEKEEPING_IDLE_S`` (the liveness checks' own period) and at most every
-``HOUSEKEEPING_MIN_S``: a hold pending for its reader no longer makes it tick
-ten times a second (on P, between bursts, that tick was most of the event
-loop's wake-ups). Claims only push deadlines
-later; a hold placed or released with an earlier one pokes the
+(:meth:`~kvsidecar.daemon.holds.HoldBook.next_due`) or the once-a-second
+liveness check is, and at most every ``HOUSEKEEPING_MIN_S``: a hold pending
+for its reader no longer makes it tick ten times a second (on P, between
+bursts, that tick was most of the event loop's wake-ups). Claims only push
+deadlines later, and an early notification made after a plan is due a grace
+after it arrived (the plan never sleeps longer than that grace). A hold
+placed or released with an earlier due time pokes the
 :class:`~kvsidecar.daemon.background.Alarm`, which knows when the next pass
-is planned, so a poke about something due later costs nothing. Once a second
-it also checks engine liveness and releases reservations whose engine never
+is planned: the loop plans again, and a poke about something due later costs
+nothing. The liveness check also releases reservations whose engine never
 registered within the engine lease.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -27,7 +27,9 @@ from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
 
-HOUSEKEEPING_IDLE_S = 1.0  # the longest sleep: engine liveness and reservations
+HOUSEKEEPING_IDLE_S = 1.0  # the longest sleep
+#: engine liveness and stale reservations are checked this often
+LIVENESS_EVERY_S = 1.0
 #: the shortest time between passes, pokes included: with many holds expiring
 #: (each pass walks them all) at most ten passes a second, as before deadlines
 #: were tracked; a hold ends at most this late
@@ -42,9 +44,9 @@ _TIMER_SLACK_S = 0.002
 
 def next_pass(due: float, now: float, last: float) -> float:
     """When housekeeping runs next (``time.monotonic``): when the earliest
-    expiry is ``due`` (``math.inf``: none), but within ``HOUSEKEEPING_IDLE_S``
-    of ``now`` and no sooner than ``HOUSEKEEPING_MIN_S`` after the ``last``
-    pass. Pure."""
+    work is ``due`` (an expiry or a liveness check; ``math.inf``: none), but
+    within ``HOUSEKEEPING_IDLE_S`` of ``now`` and no sooner than
+    ``HOUSEKEEPING_MIN_S`` after the ``last`` pass. Pure."""
     return max(last + HOUSEKEEPING_MIN_S, min(due, now + HOUSEKEEPING_IDLE_S))
 
 
@@ -52,24 +54,32 @@ async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
                        metrics: Metrics) -> None:
     """Run until cancelled."""
     table = registry.table
-    last_liveness_check = 0.0
+    last_liveness_check = -math.inf
     last = -math.inf
     while True:
         now = time.monotonic()
-        at = next_pass(min((e.holds.next_due() for e in table.serving()), default=math.inf),
-                       now, last)
-        alarm.due = at
+        books = [e.holds for e in table.serving()]
+        # An early entry made after this plan is due a grace after it arrived:
+        # never sleep longer than the shortest grace, and it is seen in time.
+        due = min([b.next_due() for b in books] + [now + b.grace_s for b in books]
+                  + [last_liveness_check + LIVENESS_EVERY_S])
+        at = next_pass(due, now, last)
+        # At the shortest gap already, a poke could not bring the pass forward.
+        alarm.due = at if at > last + HOUSEKEEPING_MIN_S else -math.inf
         if at > now:
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(alarm.event.wait(), at - now + _TIMER_SLACK_S)
-            rest = last + HOUSEKEEPING_MIN_S - time.monotonic()
-            if rest > 0:  # poked this soon after a pass: not before the shortest gap
-                await asyncio.sleep(rest)
+            except asyncio.TimeoutError:
+                pass
+            else:  # poked: something is due before the planned pass; plan again
+                alarm.event.clear()
+                continue
         alarm.event.clear()
         last = now = time.monotonic()
         try:
             _expire(registry, metrics, now)
-            if now - last_liveness_check >= 1.0:
+            # due within the shortest gap: now, or the gap would push it late
+            if now - last_liveness_check >= LIVENESS_EVERY_S - HOUSEKEEPING_MIN_S:
                 last_liveness_check = now
                 registry.check_liveness(now)
                 _release_stale_reservations(registry, background, now)

@@ -178,6 +178,7 @@ class RawPair:
                                  args=(self.span, child, self.spin, self.device), daemon=True)
         self._conn = parent
         self._proc.start()
+        child.close()  # the target's end lives in the target: its death reads as EOF here
         self.region = _memory(self.span, self.device)
         try:
             self.agent = bare_agent("raw-initiator")
@@ -213,12 +214,18 @@ class RawPair:
         if self.spin:
             raise ValueError("a spinning target does not rest")
         self._conn.send(_REST)
-        self._await(_REST)
+        ok = False
         try:
+            self._await(_REST)
             yield
+            ok = True
         finally:
-            self._conn.send(_WAKE)
-            self._await(_WAKE)
+            try:
+                self._conn.send(_WAKE)
+                self._await(_WAKE)
+            except (OSError, EOFError, RuntimeError):
+                if ok:  # else the error under way says more than this one
+                    raise
 
     def _await(self, word: str) -> None:
         if not self._conn.poll(30) or self._conn.recv() != word:

@@ -62,16 +62,17 @@ def _loop_wakeups(pid: int) -> int:
 def test_a_pending_hold_does_not_make_housekeeping_tick(pool) -> None:
     """With one hold waiting for its reader (the 60 s hold timeout), P's event
     loop sleeps about as it does idle: housekeeping passes when the hold is due
-    and once a second, not every 0.1 s (which alone woke it 30 times in 3 s)."""
+    and once a second, not every 0.1 s (which alone woke it 40 times in 4 s;
+    13 wake-ups in 4 s were measured with the fix, 49 without)."""
     p0 = pool.p[0]
     assert p0.proc is not None
     with pool.engines(attn(8), 1, 1) as (P, _):
         P.prefill("waiting", Request(seed=1, prompt_tokens=20))
         time.sleep(0.3)
         before = _loop_wakeups(p0.proc.pid)
-        time.sleep(3)
+        time.sleep(4)
         woke = _loop_wakeups(p0.proc.pid) - before
-        assert woke < 20, f"P's loop woke {woke} times in 3 s with one hold pending"
+        assert woke < 30, f"P's loop woke {woke} times in 4 s with one hold pending"
         P.clients[0].release(P.engine_id, "waiting")
         assert _completion(P, "waiting")[0].kind == "aborted"
 

@@ -26,9 +26,9 @@ def test_the_busy_note_gives_the_share_of_the_cores_and_the_most_reads_they_allo
 def test_the_caller_note_splits_a_blocking_caller_s_time_into_its_calls_and_tails() -> None:
     # 4 calls of 100, 200, 300 and 400 µs (mean 250), 0.2 ms of tail over the
     # 4 reads (50 µs each): one read every 300 µs, 3,333 reads/s
-    note = suite._caller_note([1e-4, 2e-4, 3e-4, 4e-4], 2e-4, 4, 0.5)
+    note = suite._caller_note([1e-4, 2e-4, 3e-4, 4e-4], 2e-4, 4, 2.9e-4)
     assert "p50 250 µs" in note and "mean 250 µs" in note
-    assert "busy 50% of the window" in note
+    assert "ran 290 µs of CPU a read" in note
     assert "took 50 µs a read more: 3,333 reads/s from this caller" in note
 
 
