@@ -293,7 +293,7 @@ class Handlers:
             eng.worker.set_hot(True)
             # housekeeping now watches this hold's deadline (no wake-up when it
             # is due after the pass planned: holds share a timeout as a rule)
-            ctx.alarm.poke(eng.holds.deadline(req.engine_id, req.request_id) or now)
+            ctx.alarm.poke(eng.holds.due(req.engine_id, req.request_id) or now)
             ctx.spans.start(req.engine_id, req.request_id, eng.tp_rank, req.readers)
         except Exception:
             # The engine is told this hold failed: it must not stand (a bug here).
@@ -307,8 +307,9 @@ class Handlers:
             return Ok()
         if eng.holds.release(req.engine_id, req.request_id, time.monotonic()):
             self.ctx.spans.end(req.engine_id, req.request_id, "released")
-            if (req.engine_id, req.request_id) in eng.holds:
-                self.ctx.alarm.poke()  # released under a lease: it ends when that does
+            due = eng.holds.due(req.engine_id, req.request_id)
+            if due is not None:  # released under a lease: it ends when that does
+                self.ctx.alarm.poke(due)
             return Ok()
         if eng.has_completion(req.request_id):
             return Ok()  # it ended just before the release; its completion says how

@@ -102,6 +102,11 @@ class _Hold:
     members: dict[ReaderRank, bytes] = field(default_factory=dict)
 
 
+def _due(h: _Hold) -> float:
+    """When :meth:`HoldBook.expire` ends ``h`` (see :meth:`HoldBook.due`)."""
+    return min(h.deadline, h.lease_until) if h.released else h.deadline
+
+
 @dataclass
 class _Early:
     arrived: float
@@ -207,6 +212,13 @@ class HoldBook:
     def deadline(self, engine_id: str, request_id: str) -> float | None:
         h = self._holds.get((engine_id, request_id))
         return None if h is None else h.deadline
+
+    def due(self, engine_id: str, request_id: str) -> float | None:
+        """When :meth:`expire` ends this hold if nothing else does first: its
+        deadline, or once released under a lease, that lease's end (None: no
+        such hold)."""
+        h = self._holds.get((engine_id, request_id))
+        return None if h is None else _due(h)
 
     # ------------------------------------------------------------ the engine's side
 
@@ -416,8 +428,7 @@ class HoldBook:
         their hold, when both their grace and their lease have run out. Claims
         only move these later. Something new may be due sooner: a hold placed
         or released, and an early entry (a grace after it arrives)."""
-        due = min((min(h.deadline, h.lease_until) if h.released else h.deadline
-                   for h in self._holds.values()), default=math.inf)
+        due = min((_due(h) for h in self._holds.values()), default=math.inf)
         return min(due, min((max(e.arrived + self.grace_s, e.lease_until)
                              for e in self._early.values()), default=math.inf))
 

@@ -53,38 +53,63 @@ def next_pass(due: float, now: float, last: float) -> float:
 async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
                        metrics: Metrics) -> None:
     """Run until cancelled."""
-    table = registry.table
     last_liveness_check = -math.inf
     last = -math.inf
     while True:
         now = time.monotonic()
-        books = [e.holds for e in table.serving()]
-        # An early entry made after this plan is due a grace after it arrived:
-        # never sleep longer than the shortest grace, and it is seen in time.
-        due = min([b.next_due() for b in books] + [now + b.grace_s for b in books]
-                  + [last_liveness_check + LIVENESS_EVERY_S])
-        at = next_pass(due, now, last)
+        try:
+            at = next_pass(_due(registry, last_liveness_check, now), now, last)
+        except Exception:  # housekeeping must outlive any single bad entry
+            log.exception("housekeeping could not plan its next pass; passing in %g s",
+                          HOUSEKEEPING_MIN_S)
+            at = now + HOUSEKEEPING_MIN_S
         # At the shortest gap already, a poke could not bring the pass forward.
         alarm.due = at if at > last + HOUSEKEEPING_MIN_S else -math.inf
-        if at > now:
-            try:
-                await asyncio.wait_for(alarm.event.wait(), at - now + _TIMER_SLACK_S)
-            except asyncio.TimeoutError:
-                pass
-            else:  # poked: something is due before the planned pass; plan again
-                alarm.event.clear()
-                continue
+        if at > now and await _poked(alarm, at - now + _TIMER_SLACK_S):
+            continue  # something is due before the planned pass: plan again
         alarm.event.clear()
         last = now = time.monotonic()
         try:
             _expire(registry, metrics, now)
-            # due within the shortest gap: now, or the gap would push it late
-            if now - last_liveness_check >= LIVENESS_EVERY_S - HOUSEKEEPING_MIN_S:
-                last_liveness_check = now
+        except Exception:
+            log.exception("housekeeping pass failed; continuing")
+        # due within the shortest gap: now, or the gap would push it late
+        if now - last_liveness_check >= LIVENESS_EVERY_S - HOUSEKEEPING_MIN_S:
+            last_liveness_check = now
+            try:
                 registry.check_liveness(now)
                 _release_stale_reservations(registry, background, now)
-        except Exception:  # housekeeping must outlive any single bad entry
-            log.exception("housekeeping pass failed; continuing")
+            except Exception:
+                log.exception("housekeeping's liveness check failed; continuing")
+
+
+def _due(registry: Registry, last_liveness_check: float, now: float) -> float:
+    """The earliest work ahead: an expiry, the next liveness check, or a grace
+    from now (an early notification made after this plan is due a grace after
+    it arrives; no poke announces it)."""
+    due = min((e.holds.next_due() for e in registry.table.serving()), default=math.inf)
+    return min(due, last_liveness_check + LIVENESS_EVERY_S,
+               now + registry.settings.notif_grace_s)
+
+
+async def _poked(alarm: Alarm, delay: float) -> bool:
+    """Sleep ``delay`` seconds unless poked first (True). A plain event wait,
+    not ``asyncio.wait_for``: on Python 3.10-3.11 that drops a cancellation
+    that meets a poke in the same step, and housekeeping would outlive stop()."""
+    timed_out = False
+
+    def ring() -> None:
+        nonlocal timed_out
+        timed_out = True
+        alarm.event.set()
+
+    timer = asyncio.get_running_loop().call_later(delay, ring)
+    try:
+        await alarm.event.wait()
+    finally:
+        timer.cancel()
+    alarm.event.clear()
+    return not timed_out
 
 
 def _expire(registry: Registry, metrics: Metrics, now: float) -> None:

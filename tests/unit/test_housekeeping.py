@@ -5,6 +5,7 @@ pending hold does not make it tick, liveness keeps its period."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import types
@@ -55,17 +56,21 @@ def test_a_poke_wakes_housekeeping_only_for_what_is_due_before_its_pass() -> Non
 
 
 class _Counter:
-    """Stands in for a labelled metric; counts the gauge sets (one per engine
-    per pass)."""
+    """Stands in for a labelled metric; records when each gauge set came (one
+    per engine per pass)."""
 
     def __init__(self) -> None:
-        self.sets = 0
+        self.times: list[float] = []
+
+    @property
+    def sets(self) -> int:
+        return len(self.times)
 
     def labels(self, *args: object, **kw: object) -> _Counter:
         return self
 
     def set(self, value: float) -> None:
-        self.sets += 1
+        self.times.append(time.monotonic())
 
     def inc(self, value: float = 1) -> None:
         pass
@@ -85,7 +90,7 @@ class _Loop:
         self.registry = types.SimpleNamespace(
             table=types.SimpleNamespace(serving=lambda: [eng], ranks={}, registering={}),
             check_liveness=lambda now: self.liveness.append(now - self.t0),
-            settings=types.SimpleNamespace(engine_lease_s=30.0),
+            settings=types.SimpleNamespace(engine_lease_s=30.0, notif_grace_s=grace_s),
             reservations=types.SimpleNamespace(stale=lambda *a: []))
         self.metrics = types.SimpleNamespace(notifications_received=_Counter(),
                                              hold_overrun=self.overrun)
@@ -97,10 +102,10 @@ class _Loop:
     def hold(self, request_id: str, timeout_s: float) -> float:
         """Place a hold as the handler does (with its poke); its deadline (s since t0)."""
         self.book.add("P", request_id, 1, 1, timeout_s, time.monotonic())
-        deadline = self.book.deadline("P", request_id)
-        assert deadline is not None
-        self.alarm.poke(deadline)
-        return deadline - self.t0
+        due = self.book.due("P", request_id)
+        assert due is not None
+        self.alarm.poke(due)
+        return due - self.t0
 
     def run(self, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
         async def main() -> None:
@@ -114,9 +119,9 @@ class _Loop:
         uvloop.run(main())
 
 
-# Generous for a loaded CI host, and well under the 80-100 ms a pass planned
+# Generous for a loaded CI host, and well under the 90-100 ms a pass planned
 # at the wrong time costs.
-_LATE_S = 0.04
+_LATE_S = 0.05
 
 
 def test_a_pending_hold_sleeps_the_loop_and_ends_on_time() -> None:
@@ -144,8 +149,9 @@ def test_a_hold_poked_just_after_a_pass_is_not_left_to_the_pass_after() -> None:
         passes = hk.overrun.sets
         while hk.overrun.sets == passes:  # wait for a pass (liveness), then poke
             await asyncio.sleep(0.005)
-        await asyncio.sleep(0.01)
-        due = hk.hold("soon", 0.11)  # due just past the shortest gap after that pass
+        # due just past the shortest gap after that pass, whenever we got here
+        passed = hk.overrun.times[-1]
+        due = hk.hold("soon", passed + HOUSEKEEPING_MIN_S + 0.01 - time.monotonic())
         await asyncio.sleep(0.3)
         assert due <= hk.ended["soon"] < due + _LATE_S
 
@@ -163,7 +169,8 @@ def test_liveness_is_checked_every_second_between_hold_driven_passes() -> None:
 
     hk.run(body)
     gaps = [b - a for a, b in zip(hk.liveness, hk.liveness[1:])]
-    assert len(hk.liveness) >= 3 and max(gaps) < 1.0 + _LATE_S, hk.liveness
+    # every 0.9-1.0 s; a plan that forgot the check let gaps reach 2 s
+    assert len(hk.liveness) >= 3 and max(gaps) < 1.2, hk.liveness
     assert len(hk.ended) == 6
 
 
@@ -175,7 +182,25 @@ def test_an_early_notification_expires_a_grace_after_it_came() -> None:
         came = time.monotonic()
         hk.book.report("P", "early", Report("D", 0, 1), came)  # no poke, as P's readers do
         assert hk.book.early == 1
-        await asyncio.sleep(0.3 + _LATE_S)
-        assert hk.book.early == 0 and hk.book.unclaimed == 1
+        while hk.book.early and time.monotonic() < came + 2:
+            await asyncio.sleep(0.005)
+        # seen by a plan that sleeps no longer than the grace, not a second on
+        assert hk.book.unclaimed == 1 and time.monotonic() - came < 0.3 + 0.15
+
+    hk.run(body)
+
+
+def test_a_cancel_that_meets_a_poke_still_ends_housekeeping() -> None:
+    hk = _Loop()
+
+    async def body() -> None:
+        task = asyncio.ensure_future(housekeeping(
+            hk.registry, hk.alarm, Background(), hk.metrics))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        hk.hold("h", 0.5)  # a poke wakes it...
+        task.cancel()  # ...and the daemon's stop() cancels it in the same step
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 1.0)
+        assert task.cancelled()
 
     hk.run(body)
