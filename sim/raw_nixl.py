@@ -4,11 +4,11 @@
 progress thread off) over shared memory: the initiator here, the target in a
 child process that keeps progressing its UCX worker (wire-up needs it, and
 every READ's closing flush) until the initiator's notification says it is
-done, except while the initiator has it rest (:meth:`RawPair.resting`). The demo compares the
-sidecar's reads with one READ of the same bytes through it, and with the same
-bytes in as many scattered descriptors; benchmarks reuse it. With ``device``
-set, both sides' memory is ``cuMemAlloc`` memory of that GPU (VRAM
-descriptors), the baseline of ``benchmarks/gpu_figures.py``.
+done, except while the initiator has it rest (:meth:`RawPair.resting`). The
+demo compares the sidecar's reads with one READ of the same bytes through it,
+and with the same bytes in as many scattered descriptors; benchmarks reuse
+it. With ``device`` set, both sides' memory is ``cuMemAlloc`` memory of that
+GPU (VRAM descriptors), the baseline of ``benchmarks/gpu_figures.py``.
 """
 
 from __future__ import annotations
