@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from kvsidecar.daemon.background import Alarm
 from kvsidecar.daemon.handlers import Handlers
 from kvsidecar.daemon.holds import HoldBook
 from kvsidecar.daemon.state import DaemonState
@@ -119,7 +120,7 @@ def _p_side(stopping: bool = False, spans: Any = None, max_completions: int = 10
         settings=SimpleNamespace(max_holds_per_engine=1,
                                  max_completions_per_engine=max_completions,
                                  engine_lease_s=5.0),
-        reads=SimpleNamespace(count=lambda _e: 0), alarm=SimpleNamespace(poke=lambda: None),
+        reads=SimpleNamespace(count=lambda _e: 0), alarm=Alarm(),
         spans=spans or SimpleNamespace(start=lambda *_a: None),
         registry=SimpleNamespace(register=None, reserve=None))
     return Handlers(cast(Any, ctx)), book
