@@ -31,6 +31,8 @@ from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
 
+from ..unit.bench_modules import suite
+
 pytestmark = pytest.mark.e2e
 
 
@@ -53,12 +55,6 @@ def test_hold_expires(pool) -> None:
         assert "0 of 1 reading engines" in got[0].reason
 
 
-def _loop_wakeups(pid: int) -> int:
-    """How often a sidecar's event loop (its main thread) has slept and woken."""
-    with open(f"/proc/{pid}/task/{pid}/status") as f:
-        return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
-
-
 def test_a_pending_hold_does_not_make_housekeeping_tick(pool) -> None:
     """With one hold waiting for its reader (the 60 s hold timeout), P's event
     loop sleeps about as it does idle: housekeeping passes when the hold is due
@@ -69,9 +65,9 @@ def test_a_pending_hold_does_not_make_housekeeping_tick(pool) -> None:
     with pool.engines(attn(8), 1, 1) as (P, _):
         P.prefill("waiting", Request(seed=1, prompt_tokens=20))
         time.sleep(0.3)
-        before = _loop_wakeups(p0.proc.pid)
+        before = suite.proc_threads_wakeups(p0.proc.pid)["loop"]
         time.sleep(4)
-        woke = _loop_wakeups(p0.proc.pid) - before
+        woke = suite.proc_threads_wakeups(p0.proc.pid)["loop"] - before
         assert woke < 30, f"P's loop woke {woke} times in 4 s with one hold pending"
         P.clients[0].release(P.engine_id, "waiting")
         assert _completion(P, "waiting")[0].kind == "aborted"

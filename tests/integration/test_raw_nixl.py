@@ -19,6 +19,8 @@ import pytest
 
 from kvsidecar.sim.raw_nixl import RawPair, RawReader
 
+from ..unit.bench_modules import suite
+
 
 def _named(pid: int) -> list[str]:
     if not os.path.isdir("/dev/shm"):
@@ -36,19 +38,11 @@ def test_an_open_pair_reads_the_target_and_names_nothing_in_dev_shm() -> None:
         assert np.count_nonzero(got == 7) == 65536
 
 
-def _wakeups(pid: int) -> int:
-    """Voluntary context switches of every thread of ``pid`` so far."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            total += int(f.read().split("voluntary_ctxt_switches:")[1].split()[0])
-    return total
-
-
 def _wakeups_over(pid: int, seconds: float) -> int:
-    before = _wakeups(pid)
+    """Voluntary context switches of every thread of ``pid`` in ``seconds``."""
+    before = sum(suite.proc_threads_wakeups(pid).values())
     time.sleep(seconds)
-    return _wakeups(pid) - before
+    return sum(suite.proc_threads_wakeups(pid).values()) - before
 
 
 def test_a_resting_target_stops_polling_and_serves_again_once_woken() -> None:

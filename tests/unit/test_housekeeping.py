@@ -108,13 +108,14 @@ class _Loop:
         return due - self.t0
 
     def run(self, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``body`` beside the loop (``self.task`` while it runs)."""
         async def main() -> None:
-            task = asyncio.ensure_future(housekeeping(
+            self.task = asyncio.ensure_future(housekeeping(
                 self.registry, self.alarm, Background(), self.metrics))  # type: ignore[arg-type]
             try:
                 await body()
             finally:
-                task.cancel()
+                self.task.cancel()
 
         uvloop.run(main())
 
@@ -194,13 +195,11 @@ def test_a_cancel_that_meets_a_poke_still_ends_housekeeping() -> None:
     hk = _Loop()
 
     async def body() -> None:
-        task = asyncio.ensure_future(housekeeping(
-            hk.registry, hk.alarm, Background(), hk.metrics))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
         hk.hold("h", 0.5)  # a poke wakes it...
-        task.cancel()  # ...and the daemon's stop() cancels it in the same step
+        hk.task.cancel()  # ...and the daemon's stop() cancels it in the same step
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 1.0)
-        assert task.cancelled()
+            await asyncio.wait_for(hk.task, 1.0)
+        assert hk.task.cancelled()
 
     hk.run(body)
