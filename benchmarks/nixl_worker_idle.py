@@ -4,7 +4,7 @@ Two workers in one process, wired to each other (metadata exchanged, one read
 done so UCX endpoints exist), then left alone. CPU is read per thread from
 /proc/self/task/<tid>/stat (10 ms ticks), so the figure is the worker thread's
 own, not the interpreter's. For comparison the same is measured with blocks
-held (``set_hot``: the wait escalates to its 50 ms cap), with a reader's lease
+held (``set_hot``: the wait escalates from 1 ms to its cap), with a reader's lease
 running (``expect_reads``: 1 ms polls), and for the whole process.
 
 Then a 64 MiB read runs on one worker while a loop ticker records the largest

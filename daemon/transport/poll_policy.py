@@ -19,8 +19,9 @@ worker opens no soon window for a lease it granted (``NixlWorker.expect_reads``)
   is served by *our* progress);
 - otherwise a wait that starts at a floor (``hot_s`` with blocks held,
   ``idle_s`` without) and doubles with every round in which nothing happened,
-  up to a cap (``hot_max_s`` / ``idle_max_s``: the idle cap only bounds how
-  late UCX sees a peer go away).
+  up to a cap (``hot_max_s`` / ``idle_max_s``, both 0.5 s by default: they
+  only bound how late UCX sees a peer go away; every read claims a lease
+  first, and a granted claim wakes the worker).
 
 Anything that happens (a job, a wake-up, a notification) starts the
 escalation again from its floor. :class:`PollPolicy` computes the wait;
@@ -52,7 +53,9 @@ class PollPolicy:
 
     busy_s: float = 0.0002
     hot_s: float = 0.001
-    hot_max_s: float = 0.05
+    #: the cap with blocks held and no lease running: idle's, since every read's
+    #: claim wakes the worker
+    hot_max_s: float = 0.5
     idle_s: float = 0.005
     idle_max_s: float = 0.5
     #: the wait while a transfer's completion is imminent (``soon``)
