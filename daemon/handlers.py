@@ -286,7 +286,7 @@ class Handlers:
         # Valid as long as a lease on the hold can run (see HoldBook.claim).
         life = max(timeout, eng.holds.max_life_s) + eng.holds.lease_s
         token = hold_token.issue_digested([eng.hold_key], req.engine_id, req.request_id,
-                                          held, math.ceil(time.time() + life))[0]
+                                          held, math.ceil(time.time() + life), sidecar=True)[0]
         eng.holds.add(req.engine_id, req.request_id, eng.layout.tp_size, req.readers,
                       req.timeout_s, now, digest=held, block_ids=req.block_ids)
         try:

@@ -31,12 +31,28 @@ renewal or abandon for that rank from another member is refused, and the
 service accepts that rank's notifications only from the agent this member
 declared. Early entries are bounded per member as well as in all.
 
+A hold for ``readers`` engines that more engines claimed (a request read
+twice, a reader that stalled and another that took over) does not end when
+``readers`` of them finished while another claimant's lease still runs: it
+refuses new claims and ends, with the outcome its readers made, when every
+claimant finished or those leases ran out (``finishing``).
+
 Asynchronous scheduling: notifications, claims and abandons may arrive
 before the engine calls ``hold``; they wait ``grace_s`` seconds in a bounded
 buffer and apply the moment the hold is placed. A claim for a request whose
 hold already ended (sent, expired, released) is refused: its blocks may be
-reused. Everything input can grow is bounded (early entries, reports per
-entry, remembered ends), with counters for what was dropped.
+reused. The last ``max_ended`` ends are remembered with why; beyond that, a
+claim with no hold is told from an early one thus:
+
+- a token the sidecar issued (at the hold, :func:`~kvsidecar.ipc.hold_token.check_issued_by`)
+  came after its hold was placed: no hold means it ended, and the claim is refused;
+- a token the engine issued may precede its hold: the claim is refused if
+  its request may have ended within the tokens' longest life
+  (:class:`~kvsidecar.daemon.recent_keys.RecentKeys`, fixed memory, errs
+  towards refusing: a false positive fails an early read, never pins nothing).
+
+Everything input can grow is bounded (early entries, reports per entry,
+remembered ends), with counters for what was dropped.
 
 Pure bookkeeping driven by the caller's clock, so it is tested without
 sockets or timers: the daemon feeds it events and calls
@@ -55,6 +71,8 @@ from typing import Literal
 
 from kvsidecar.daemon.notifications import ReadDone
 from kvsidecar.daemon.planner import expected_notifications
+from kvsidecar.daemon.recent_keys import RecentKeys
+from kvsidecar.ipc.protocol import MAX_HOLD_S
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +112,9 @@ class _Hold:
     lease_until: float = 0.0  # the latest lease granted to any reader
     cap: float = math.inf  # no lease reaches past this (placed + max(timeout, max life))
     released: str = ""  # the engine released it while a lease still ran: ends at lease_until
+    #: its readers finished while another claimant's lease still ran: the outcome
+    #: it ends with, at lease_until or once every claimant finished
+    finishing: tuple[Literal["sent", "aborted"], str] | None = None
     placed: float = 0.0  # when the engine placed it (this clock)
     #: the engine's block ids (one list per group), as the request named them
     block_ids: list[list[int]] | None = None
@@ -104,7 +125,7 @@ class _Hold:
 
 def _due(h: _Hold) -> float:
     """When :meth:`HoldBook.expire` ends ``h`` (see :meth:`HoldBook.due`)."""
-    return min(h.deadline, h.lease_until) if h.released else h.deadline
+    return min(h.deadline, h.lease_until) if h.released or h.finishing else h.deadline
 
 
 @dataclass
@@ -146,6 +167,10 @@ class Lease:
     reason: str = ""
 
 
+def _key_bytes(key: Key) -> bytes:
+    return f"{len(key[0])}:{key[0]}{key[1]}".encode("utf-8", "surrogatepass")
+
+
 @functools.lru_cache(maxsize=64)
 def _expected(p_tp: int, reader_tp: int) -> int:
     """:func:`expected_notifications`, 1 for sizes it refuses (a reader's word
@@ -179,8 +204,14 @@ class HoldBook:
         self._holds: dict[Key, _Hold] = {}
         self._early: dict[Key, _Early] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()  # why each recent hold ended
+        #: every end within the longest life of an engine-issued token (a hold's
+        #: timeout, up to MAX_HOLD_S, twice as the vLLM connector issues them, or
+        #: max_life_s, plus a lease): what a claim before its hold is checked against
+        self.ended_recently = RecentKeys(max(2 * MAX_HOLD_S, max_life_s) + lease_s)
         self.unclaimed = 0
         self.duplicates = 0
+        #: claims refused with no hold that may have ended (forgotten why, see the module)
+        self.forgotten_refused = 0
         self.early_dropped = 0
         self.max_overrun = 0.0
         """Longest time past its deadline that a hold was found alive (housekeeping lag)."""
@@ -247,9 +278,9 @@ class HoldBook:
             h.lease_until = early.lease_until
             for r in early.reports:
                 self._count(h, r)
-            self._maybe_done(key, h)
+            self._maybe_done(key, h, now)
 
-    def release(self, engine_id: str, request_id: str, now: float = math.inf) -> bool:
+    def release(self, engine_id: str, request_id: str, now: float) -> bool:
         """The engine drops the hold. While a reader's lease still runs, the blocks
         may be in a transfer: the hold then refuses new claims and ends
         (``aborted``) when the lease ends or every reader reported, not now."""
@@ -257,11 +288,13 @@ class HoldBook:
         h = self._holds.get(key)
         if h is None or h.released:
             return False
+        if h.finishing:  # read by its readers already: ends as they made it
+            return True
         if h.lease_until > now:
             h.released = "released by the engine"
             return True
         del self._holds[key]
-        self._end(h, "aborted", "released by the engine")
+        self._end(h, now, "aborted", "released by the engine")
         return True
 
     def claimed_early(self, engine_id: str, request_id: str, now: float) -> bool:
@@ -291,7 +324,7 @@ class HoldBook:
                 log.warning("the hold of request %r of engine %r was refused (%s) while a "
                             "reader's early lease on it runs for %.1f s more",
                             request_id, engine_id, why, early.lease_until - now)
-        self._remember_end(key, f"the hold was refused: {why}")
+        self._remember_end(key, f"the hold was refused: {why}", now)
 
     def withdraw(self, engine_id: str, request_id: str) -> None:
         """Take back a hold just placed whose placing failed (the engine is told
@@ -303,7 +336,7 @@ class HoldBook:
         keys = [k for k in self._holds if k[0] == engine_id]
         for k in keys:
             del self._holds[k]
-            self._remember_end(k, "the engine went away")
+            self._remember_end(k, "the engine went away", None)
         for k in [k for k in self._early if k[0] == engine_id]:
             self._pop_early(k)
         return len(keys)
@@ -311,13 +344,17 @@ class HoldBook:
     # ------------------------------------------------------------ the readers' side
 
     def claim(self, engine_id: str, request_id: str, now: float, *, digest: bytes = b"",
-              member: bytes = b"", reader: ReaderRank | None = None) -> Lease:
+              member: bytes = b"", reader: ReaderRank | None = None,
+              may_precede: bool = True) -> Lease:
         """A reader claims (or renews) its lease before (while) it reads.
 
         Granted while the hold lives (or before it is placed: early); refused
-        once the hold has ended, since its blocks may then be reused. ``digest``
-        (from the claim's checked token) must name the hold's blocks; ``reader``
-        is bound to ``member`` by its first claim, and refused to anyone else.
+        once the hold has ended, since its blocks may then be reused, or once
+        its readers read it. ``digest`` (from the claim's checked token) must
+        name the hold's blocks; ``reader`` is bound to ``member`` by its first
+        claim, and refused to anyone else. ``may_precede``: the token may have
+        been issued before its hold was placed (the engine issued it); one the
+        sidecar issued never is, so without a hold its claim is refused.
         """
         key = (engine_id, request_id)
         h = self._holds.get(key)
@@ -330,6 +367,9 @@ class HoldBook:
                 return Lease(False, reason=refused)
             if h.released:
                 return Lease(False, reason=f"the hold of {request_id!r} was {h.released}")
+            if h.finishing:
+                return Lease(False, reason=f"the hold of {request_id!r} was read by its "
+                                           f"{h.readers} reading engine(s) already")
             lease = min(self.lease_s, h.cap - now)
             if lease <= 0:
                 return Lease(False, reason=f"the hold of {request_id!r} reached its longest "
@@ -340,6 +380,17 @@ class HoldBook:
         ended = self._ended.get(key)
         if ended is not None:
             return Lease(False, reason=f"the hold of {request_id!r} has ended ({ended})")
+        if not may_precede:
+            self.forgotten_refused += 1
+            return Lease(False, reason=f"the hold of {request_id!r} has ended (its token was "
+                                       "issued at the hold, and no hold is open)")
+        if key not in self._early and self.ended_recently.may_contain(_key_bytes(key), now):
+            self.forgotten_refused += 1
+            return Lease(False, reason=(
+                f"the hold of {request_id!r} is not placed and may have ended (this rank "
+                f"remembers why only for its last {self.max_ended} ends"
+                + (", and more ended within the tokens' life than it can tell apart"
+                   if self.ended_recently.saturated(now) else "") + ")"))
         early = self._early_entry(key, now, member)
         if early is None:
             return Lease(False, reason=f"too many requests wait for their hold on engine "
@@ -406,7 +457,8 @@ class HoldBook:
         key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is None:
-            if key in self._ended:
+            if key in self._ended or (key not in self._early and self.ended_recently.may_contain(
+                    _key_bytes(key), now)):
                 return  # late news of a hold that already ended: nothing to free
             early = self._early_entry(key, now, member)
             if early is None or len(early.reports) >= MAX_REPORTS_PER_ENTRY:
@@ -417,7 +469,7 @@ class HoldBook:
             early.reports.append(r)
             return
         self._count(h, r)
-        self._maybe_done(key, h)
+        self._maybe_done(key, h, now)
 
     # ------------------------------------------------------------ time
 
@@ -434,14 +486,17 @@ class HoldBook:
 
     def expire(self, now: float) -> None:
         for key, h in list(self._holds.items()):
-            if h.released and now >= h.lease_until:
+            if h.finishing is not None and now >= h.lease_until:
                 del self._holds[key]
-                self._end(h, "aborted", f"{h.released}; its readers' leases have run out")
+                self._end(h, now, h.finishing[0], h.finishing[1])
+            elif h.released and now >= h.lease_until:
+                del self._holds[key]
+                self._end(h, now, "aborted", f"{h.released}; its readers' leases have run out")
             elif now >= h.deadline:
                 del self._holds[key]
                 self.max_overrun = max(self.max_overrun, now - h.deadline)
                 got = {e: len(r) for e, r in h.seen.items()}
-                self._end(h, "expired",
+                self._end(h, now, "expired",
                           f"{len(h.done_engines)} of {h.readers} reading engines finished "
                           f"before the deadline (reports per engine: {got or 'none'})")
         for key, e in list(self._early.items()):
@@ -489,29 +544,45 @@ class HoldBook:
         if len(ranks) >= want:
             h.done_engines.add(r.reader_engine)
 
-    def _maybe_done(self, key: Key, h: _Hold) -> None:
+    def _maybe_done(self, key: Key, h: _Hold, now: float) -> None:
+        """End ``h`` once ``readers`` engines finished, unless another engine that
+        claimed it may still be reading under its lease: then it ends (with the
+        outcome fixed now) when that lease runs out or that engine finishes."""
         if len(h.done_engines) < h.readers:
             return
+        if h.finishing is None:
+            h.finishing = self._outcome(h)
+        if h.lease_until > now and any(e not in h.done_engines for e, _ in h.members):
+            return  # another claimant's lease runs: it may be copying the blocks now
         del self._holds[key]
-        if h.released:
-            self._end(h, "aborted", f"{h.released}; every reader finished")
-        elif h.failures:
-            why = "; ".join(f"{e} {f}" for e, f in sorted(h.failures.items()))
-            self._end(h, "aborted", f"every reader finished, {len(h.failures)} gave up: {why}")
-        else:
-            self._end(h, "sent")
+        kind, reason = h.finishing
+        self._end(h, now, kind, reason)
 
-    def _end(self, h: _Hold, kind: Literal["sent", "expired", "aborted"],
+    @staticmethod
+    def _outcome(h: _Hold) -> tuple[Literal["sent", "aborted"], str]:
+        """How a hold whose readers all finished ends."""
+        if h.released:
+            return "aborted", f"{h.released}; every reader finished"
+        if h.failures:
+            why = "; ".join(f"{e} {f}" for e, f in sorted(h.failures.items()))
+            return "aborted", f"every reader finished, {len(h.failures)} gave up: {why}"
+        return "sent", ""
+
+    def _end(self, h: _Hold, now: float, kind: Literal["sent", "expired", "aborted"],
              reason: str = "") -> None:
         """Remember why ``h`` ended and report its one outcome (built once: a
         hold ends once per read on P, the hot end of every transfer)."""
-        self._remember_end((h.engine_id, h.request_id), kind)
+        self._remember_end((h.engine_id, h.request_id), kind, now)
         readers = tuple(ReaderOutcome(e, tuple(sorted(ranks)), e in h.done_engines,
                                       h.failures.get(e, ""))
                         for e, ranks in h.seen.items())
         self._on_done(HoldOutcome(h.engine_id, h.request_id, kind, reason, readers))
 
-    def _remember_end(self, key: Key, why: str) -> None:
+    def _remember_end(self, key: Key, why: str, now: float | None) -> None:
+        """Remember why ``key`` ended; from ``now`` on its tokens' claims are refused
+        (None: an engine that went away, whose hold key, and so tokens, went too)."""
+        if now is not None:
+            self.ended_recently.add(_key_bytes(key), now)
         self._ended[key] = why
         self._ended.move_to_end(key)
         while len(self._ended) > self.max_ended:

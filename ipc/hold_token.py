@@ -13,7 +13,11 @@ BLAKE2b of the held block ids (msgpack of ``list[list[int]]``); each tag is a
 16-byte keyed BLAKE2b over the engine id, the request id, ``expires`` and the
 digest. Either the sidecar (``hold`` returns one) or the engine itself (the
 vLLM connector's scheduler, which answers before its workers place the hold)
-issues it with :func:`issue`.
+issues it with :func:`issue`. The sidecar's own tokens carry an issuing tag
+under a key derived from the issuing half (``sidecar=True``), so P's sidecar
+tells them apart (:func:`check_issued_by`): such a token was issued *after*
+its hold was placed, so a claim for it that finds no hold comes after the hold
+ended, never before it was placed.
 
 Who checks what:
 
@@ -40,11 +44,13 @@ import msgspec
 __all__ = [
     "KEY_BYTES",
     "MAX_TOKEN_CHARS",
+    "Issued",
     "Token",
     "TokenError",
     "blocks_digest",
     "check_for_reader",
     "check_issued",
+    "check_issued_by",
     "checking_key",
     "issue",
     "issue_all",
@@ -64,6 +70,16 @@ _encode = msgspec.msgpack.Encoder().encode
 
 class TokenError(ValueError):
     """A token that does not let this read (or claim) through; says why."""
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A token P's sidecar checked: the blocks digest it names, and whether the
+    sidecar issued it (at its hold, so after the hold was placed) or the engine
+    did (possibly before)."""
+
+    digest: bytes
+    by_sidecar: bool
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,13 @@ def _tag(key: bytes, message: bytes) -> bytes:
     return hashlib.blake2b(message, key=key, digest_size=_TAG).digest()
 
 
+def _sidecar_key(issuing: bytes) -> bytes:
+    """The key of the issuing tags the sidecar makes itself (derived from the
+    issuing half, so nothing new is shared or stored)."""
+    return hashlib.blake2b(b"kvsidecar-hold-sidecar-issued", key=issuing,
+                           digest_size=_HALF).digest()
+
+
 def issue(key: bytes, engine_id: str, request_id: str, block_ids: list[list[int]],
           expires: int) -> str:
     """The token for the hold of ``request_id``'s ``block_ids`` on this rank."""
@@ -110,15 +133,17 @@ def issue_all(keys: list[bytes], engine_id: str, request_id: str,
 
 
 def issue_digested(keys: list[bytes], engine_id: str, request_id: str, digest: bytes,
-                   expires: int) -> list[str]:
-    """:func:`issue_all` for blocks already digested (:func:`blocks_digest`)."""
+                   expires: int, *, sidecar: bool = False) -> list[str]:
+    """:func:`issue_all` for blocks already digested (:func:`blocks_digest`);
+    ``sidecar``: issued by the sidecar for a hold it placed already."""
     msg = _message(engine_id, request_id, expires, digest)
     out = []
     for key in keys:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a hold key is {KEY_BYTES} bytes, got {len(key)}")
+        issuing = _sidecar_key(key[:_HALF]) if sidecar else key[:_HALF]
         out.append(".".join((VERSION, str(expires), digest.hex(),
-                             _tag(key[:_HALF], msg).hex(), _tag(key[_HALF:], msg).hex())))
+                             _tag(issuing, msg).hex(), _tag(key[_HALF:], msg).hex())))
     return out
 
 
@@ -163,11 +188,23 @@ def check_issued(key: bytes, engine_id: str, request_id: str, token: str,
     """P's check of a claim or abandon: issued under this rank's issuing key for
     this engine and request, not expired. Returns the blocks digest it names
     (the hold compares it with the blocks it pins)."""
+    return check_issued_by(key, engine_id, request_id, token, now).digest
+
+
+def check_issued_by(key: bytes, engine_id: str, request_id: str, token: str,
+                    now: float) -> Issued:
+    """:func:`check_issued`, also saying who issued the token: the engine (under
+    the issuing half) or the sidecar at its hold (under the key derived from it)."""
     t = parse(token)
     msg = _message(engine_id, request_id, t.expires, t.digest)
-    if not hmac.compare_digest(_tag(key[:_HALF], msg), t.issuing_tag):
+    issuing = key[:_HALF]
+    if hmac.compare_digest(_tag(issuing, msg), t.issuing_tag):
+        by_sidecar = False
+    elif hmac.compare_digest(_tag(_sidecar_key(issuing), msg), t.issuing_tag):
+        by_sidecar = True
+    else:
         raise TokenError(f"the hold token was not issued for request {request_id[:200]!r} of "
                          f"engine {engine_id[:200]!r} (forged, or from an earlier "
                          "registration)")
     _live(t, now)
-    return t.digest
+    return Issued(t.digest, by_sidecar)

@@ -55,16 +55,17 @@ def linked_engine(table: EngineTable, msg: ControlRequest | Digest) -> EngineRan
     return eng
 
 
-def token_digest(eng: EngineRank, msg: ControlRequest | Digest, op: str) -> bytes | ControlReply:
-    """The blocks digest of the hold token a control item carries, checked
-    under ``eng``'s hold key (issued for this engine and request, not
-    expired), or the refusal naming what is wrong."""
+def token_digest(eng: EngineRank, msg: ControlRequest | Digest, op: str
+                 ) -> hold_token.Issued | ControlReply:
+    """The hold token a control item carries, checked under ``eng``'s hold key
+    (issued for this engine and request, not expired): the blocks digest it
+    names and who issued it, or the refusal naming what is wrong."""
     if not msg.token:
         return ControlReply(granted=False, reason=(
             f"{op} of request {msg.request_id[:200]!r} carries no hold token: reads need "
             "the token the hold issued (Read.remote_tokens; vLLM: kv_transfer_params)"))
     try:
-        return hold_token.check_issued(eng.hold_key, msg.engine_id, msg.request_id,
-                                       msg.token, time.time())
+        return hold_token.check_issued_by(eng.hold_key, msg.engine_id, msg.request_id,
+                                          msg.token, time.time())
     except hold_token.TokenError as e:
         return ControlReply(granted=False, reason=f"{op} refused: {e}")

@@ -35,6 +35,7 @@ from kvsidecar.daemon.peers.control import (
     Digest,
 )
 from kvsidecar.daemon.transport.worker import NixlError
+from kvsidecar.ipc.hold_token import Issued
 from kvsidecar.metrics.registry import Metrics
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,25 @@ class ControlAnswers:
         eng = linked_engine(self.table, msg)
         if isinstance(eng, ControlReply):
             return eng
-        digest = token_digest(eng, msg, _CONTROL_OPS[type(msg)])
-        if isinstance(digest, ControlReply):
-            return digest
+        issued = token_digest(eng, msg, _CONTROL_OPS[type(msg)])
+        if isinstance(issued, ControlReply):
+            return issued
         if isinstance(msg, Claim):
-            return _claim(eng, msg, digest, member)
+            forgotten = eng.holds.forgotten_refused
+            reply = _claim(eng, msg, issued, member)
+            if eng.holds.forgotten_refused != forgotten:
+                # no hold, and why it ended is no longer remembered (see daemon.holds)
+                self.metrics.limit_refusals.labels(eng.engine_id, "ended_holds").inc()
+            return reply
         return _abandon(eng, msg, member)
 
 
-def _claim(eng: EngineRank, msg: Claim, digest: bytes, member: bytes) -> ControlReply:
+def _claim(eng: EngineRank, msg: Claim, issued: Issued, member: bytes) -> ControlReply:
     """Grant (or refuse) a claim or renewal of a hold's lease."""
-    lease = eng.holds.claim(msg.engine_id, msg.request_id, time.monotonic(), digest=digest,
-                            member=member, reader=(msg.reader_engine, msg.reader_rank))
+    lease = eng.holds.claim(msg.engine_id, msg.request_id, time.monotonic(),
+                            digest=issued.digest, member=member,
+                            reader=(msg.reader_engine, msg.reader_rank),
+                            may_precede=not issued.by_sidecar)
     if lease.granted and not msg.keep:
         # The reader posts its READ when this reply arrives: progress tightly
         # while its lease runs (wire-up, its READ's closing flush, and over

@@ -6,12 +6,14 @@ reads, and abandons on failure; P refuses claims for holds that ended."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
 from kvsidecar.daemon.d_side.addresses import INLINE_PLAN_PIECES_ALONE
+from kvsidecar.ipc.client import HoldSpec
 from kvsidecar.ipc.layout import Layout, attention_layout
-from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.ipc.protocol import KeepItem, RemoteEngine
 from kvsidecar.sim.cluster import Sent, SidecarProcess, SimEngine, stop_mid_read
 from kvsidecar.sim.models import attn
 from kvsidecar.sim.oracle import Request
@@ -280,3 +282,78 @@ def test_reads_posted_during_their_claim_over_a_rank_that_re_registered_re_link(
         assert d.stop() == 0
         for p in ps:
             assert p.stop() == 0
+
+
+def test_a_late_claim_stays_refused_after_many_more_holds_ended(tmp_path) -> None:
+    """P remembers why a hold ended for its last 65,536 ends; a claim for an
+    older one must still be refused while its token lives, or D would read
+    blocks the engine reused and report them ``received``. Both kinds of token:
+    the sidecar's (``hold``) and the engine's own (placed with ``hold_nowait``)."""
+    p = SidecarProcess(tmp_path, "late-p", args=["--metrics-port", "0"]).start()
+    d = SidecarProcess(tmp_path, "late-d").start()
+    P = SimEngine("late-P", attn(8), 1, 96, [p])
+    D = SimEngine("late-D", attn(8), 1, 96, [d])
+    try:
+        by_sidecar = P.prefill("by-sidecar", Request(seed=1, prompt_tokens=24), timeout_s=0.5)
+        by_engine = P.prefill("by-engine", Request(seed=2, prompt_tokens=16), hold=False)
+        P.hold_nowait([by_engine])
+        P.clients[0].release(P.engine_id, "by-engine")
+        ended = P.wait_for(["by-sidecar", "by-engine"], timeout_s=30)
+        assert ended["by-sidecar"][0].kind == "expired" and ended["by-engine"][0].kind == "aborted"
+        for sent in (by_sidecar, by_engine):
+            P.free(sent.block_ids)  # reused: poison
+        c = P.clients[0]
+        for n in range(0, 65_536 + 256, 256):  # more ends than P remembers why
+            ids = [f"churn-{n + i}" for i in range(256)]
+            assert not any(isinstance(o, Exception) for o in c.hold_many(
+                P.engine_id, [HoldSpec(r, [[95]]) for r in ids]))
+            c.release_many(P.engine_id, ids)
+            c.poll(P.engine_id)
+        for sent in (by_sidecar, by_engine):
+            D.start_read(sent)
+            got = D.wait_for([sent.request_id])[sent.request_id][0]
+            assert got.kind == "failed" and "refused the lease" in got.reason, got
+            assert "ended" in got.reason, got.reason
+            D.finish(sent.request_id)
+        assert p.metric("kvsidecar_limit_refusals_total", engine="late-P",
+                        limit="ended_holds") == 2
+    finally:
+        D.close()
+        P.close()
+        assert d.stop() == 0
+        assert p.stop() == 0
+
+
+def test_a_hold_waits_for_every_claimants_lease_before_it_ends(tmp_path) -> None:
+    """A hold for one reader that two decode engines claimed: the first to read
+    does not end it while the other's lease may still have it copying the
+    blocks. P answers the hold when that lease runs out (``--hold-lease 2``),
+    refusing the other engine's read meanwhile."""
+    p = SidecarProcess(tmp_path, "two-p", args=["--hold-lease", "2", "--metrics-port", "0"]).start()
+    ds = [SidecarProcess(tmp_path, f"two-d{i}").start() for i in range(2)]
+    P = SimEngine("two-P", attn(8), 1, 96, [p])
+    D1, D2 = (SimEngine(f"two-D{i}", attn(8), 1, 96, [d]) for i, d in enumerate(ds, 1))
+    try:
+        sent = P.prefill("r", Request(seed=3, prompt_tokens=24), timeout_s=60)
+        # D2 admitted the request and keeps its hold: a claim, no read yet.
+        D2.clients[0].keep(D2.engine_id, [KeepItem(sent.remote, "r", sent.tokens)])
+        deadline = time.monotonic() + 30
+        while p.metric("kvsidecar_lease_requests_total", op="claim", result="granted") < 1:
+            assert time.monotonic() < deadline, "D2's keep never claimed"
+            time.sleep(0.02)
+        kept = time.monotonic()
+        D1.start_read(sent)
+        assert D1.wait_for(["r"])["r"][0].kind == "received"
+        assert D1.verify("r") == []
+        got = P.wait_for(["r"], timeout_s=30)["r"][0]
+        ended = time.monotonic()
+        assert got.kind == "sent", got
+        assert ended - kept >= 1.5, f"the hold ended {ended - kept:.2f} s into D2's 2 s lease"
+        D2.start_read(sent)
+        late = D2.wait_for(["r"])["r"][0]
+        assert late.kind == "failed" and "refused the lease" in late.reason, late
+    finally:
+        for e in (D1, D2, P):
+            e.close()
+        for s in (*ds, p):
+            assert s.stop() == 0

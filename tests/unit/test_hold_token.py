@@ -68,3 +68,23 @@ def test_spent_tokens_tell_a_replay_and_forget_at_expiry_or_for_room() -> None:
     assert spent.first_use([c], now=1) and spent.forgotten == 1 and len(spent) == 2
     assert spent.first_use([a], now=2)  # forgotten for room: checked as new
     assert spent.first_use([b], now=100)  # expired: forgotten
+
+
+def test_p_tells_the_tokens_its_sidecar_issued_from_the_engines() -> None:
+    """The sidecar's own tokens (issued at the hold) carry an issuing tag under a
+    key derived from the issuing half: P tells them apart, D checks both alike,
+    and a peer can make neither."""
+    key = ht.new_key()
+    digest = ht.blocks_digest(BLOCKS)
+    by_engine = ht.issue(key, "P", "r1", BLOCKS, 2000)
+    (by_sidecar,) = ht.issue_digested([key], "P", "r1", digest, 2000, sidecar=True)
+    assert by_sidecar != by_engine
+    assert ht.check_issued_by(key, "P", "r1", by_engine, now=1) == ht.Issued(digest, False)
+    assert ht.check_issued_by(key, "P", "r1", by_sidecar, now=1) == ht.Issued(digest, True)
+    for t in (by_engine, by_sidecar):
+        ht.check_for_reader(ht.checking_key(key), "P", "r1", BLOCKS, t, now=1)
+    peer_key = b"\0" * 32 + ht.checking_key(key)
+    (peer_made,) = ht.issue_digested([peer_key], "P", "r1", digest, 2000, sidecar=True)
+    with pytest.raises(ht.TokenError, match="not issued"):
+        ht.check_issued_by(key, "P", "r1", peer_made, now=1)
+

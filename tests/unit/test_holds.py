@@ -106,8 +106,8 @@ def test_release_and_duplicate_hold() -> None:
     b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
     with pytest.raises(KeyError, match="already held"):
         b.add("P", "r", p_tp=1, readers=1, timeout_s=None, now=0)
-    assert b.release("P", "r") and done[0].kind == "aborted"
-    assert not b.release("P", "r")
+    assert b.release("P", "r", now=1) and done[0].kind == "aborted"
+    assert not b.release("P", "r", now=1)
 
 
 def test_bad_notifications_are_rejected_by_name() -> None:
@@ -152,7 +152,7 @@ def test_a_claim_for_an_ended_hold_is_refused() -> None:
     b.notify(note("s", "D", 0, 1), now=1)
     assert not b.claim("P", "s", now=2).granted  # sent: its blocks may be reused
     b.add("P", "t", p_tp=1, readers=1, timeout_s=None, now=0)
-    b.release("P", "t")
+    b.release("P", "t", now=0)
     assert "aborted" in b.claim("P", "t", now=1).reason
 
 
@@ -206,13 +206,61 @@ def test_early_entries_are_bounded() -> None:
     assert [d.kind for d in done] == ["sent"]  # the kept early notification still counts
 
 
-def test_ended_holds_are_remembered_within_a_bound() -> None:
+def test_ended_holds_stay_refused_after_why_they_ended_is_forgotten() -> None:
+    """Why a hold ended is kept for the last ``max_ended`` ends; a claim for an
+    older one is still refused: with a token the sidecar issued (at the hold,
+    so no hold means it ended) and with one the engine issued (its request may
+    have ended within the tokens' life). A request never held is still claimed
+    early, and a late report opens no early entry."""
     b, _ = leased(max_ended=2)
     for rid in ("a", "b", "c"):
         b.add("P", rid, p_tp=1, readers=1, timeout_s=None, now=0)
-        b.release("P", rid)
-    assert not b.claim("P", "c", now=1).granted
-    assert b.claim("P", "a", now=1).granted  # forgotten: taken for an early claim
+        b.release("P", rid, now=0)
+    refused = b.claim("P", "c", now=1)
+    assert not refused.granted and "has ended (aborted)" in refused.reason
+    by_engine = b.claim("P", "a", now=1)  # why is forgotten: "a" is not an early claim
+    assert not by_engine.granted and "may have ended" in by_engine.reason
+    by_sidecar = b.claim("P", "a", now=1, may_precede=False)
+    assert not by_sidecar.granted and "issued at the hold" in by_sidecar.reason
+    assert b.forgotten_refused == 2
+    b.notify(note("a", "D", 0, 1), now=1)  # late news: dropped, not kept for a hold
+    assert b.early == 0
+    assert b.claim("P", "new", now=1).granted and b.early == 1
+    # The sidecar issues a token only once its hold is placed: never early.
+    assert not b.claim("P", "newer", now=1, may_precede=False).granted
+
+
+def test_a_hold_read_by_its_readers_waits_for_another_claimants_lease() -> None:
+    """readers=1, two engines claimed: the first to finish does not end the hold
+    while the other's lease runs (it may be copying the blocks). The hold takes
+    no new claim or renewal and ends as its reader made it when that lease
+    runs out, or at once when the other claimant finishes too."""
+    b, done = leased(lease_s=3)
+    for rid in ("r", "s"):
+        b.add("P", rid, p_tp=1, readers=1, timeout_s=None, now=0)
+        assert b.claim("P", rid, now=1, reader=("D1", 0)).granted
+        assert b.claim("P", rid, now=2, reader=("D2", 0)).granted  # lease to t=5
+        b.notify(note(rid, "D1", 0, 1), now=2.5)
+    assert done == [] and len(b) == 2 and b.due("P", "r") == 5
+    for who in (("D1", 0), ("D2", 0), ("D3", 0)):
+        refused = b.claim("P", "r", now=3, reader=who)
+        assert not refused.granted and "read by its 1 reading engine" in refused.reason
+    assert b.release("P", "r", now=3) and done == []  # ends as its reader made it
+    b.notify(note("s", "D2", 0, 1), now=3)  # the other claimant finished: ends now
+    assert [(d.request_id, d.kind) for d in done] == [("s", "sent")]
+    b.expire(4.9)
+    assert len(done) == 1
+    b.expire(5)
+    assert [(d.request_id, d.kind) for d in done][1:] == [("r", "sent")]
+    assert done[1].readers == (ReaderOutcome("D1", (0,), True), )
+    # An abandon that completes the readers fixes the outcome the same way.
+    b.add("P", "t", p_tp=1, readers=1, timeout_s=None, now=10)
+    assert b.claim("P", "t", now=10, reader=("D1", 0)).granted
+    assert b.claim("P", "t", now=10, reader=("D2", 0)).granted
+    b.report("P", "t", Report("D1", 0, 1, "link lost"), now=11)
+    assert len(done) == 2
+    b.expire(13)
+    assert done[-1].kind == "aborted" and "1 gave up: D1 rank 0: link lost" in done[-1].reason
 
 
 def test_a_release_while_a_reader_holds_a_lease_waits_for_the_lease() -> None:
