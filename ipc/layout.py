@@ -43,6 +43,7 @@ attention views pair by token, mamba views page to page (LAYOUT.md section 5).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import math
@@ -59,6 +60,13 @@ LAYOUT_VERSION = 1
 # Bounds that keep every offset an int64 and reject layouts no machine has.
 MAX_REGION_BYTES = 1 << 44
 MAX_REGIONS = 1 << 16
+#: Segments one group may have, and groups one layout may have. Real models
+#: have at most a few segments per view (Mamba2: x, B, C and the temporal
+#: state) and a few groups (vLLM's hybrid manager: one per layer type and
+#: ratio); these bounds are far above both, and keep a layout's checks and
+#: every per-segment loop downstream small whatever the message holds.
+MAX_SEGMENTS_PER_GROUP = 64
+MAX_GROUPS = 256
 
 
 class LayoutError(ValueError):
@@ -197,25 +205,66 @@ def segment_regions(seg: Segment, num_regions: int) -> tuple[int, ...]:
 
 
 def validate(layout: Layout) -> Layout:
-    """Reject a layout whose numbers cannot describe real memory."""
+    """Reject a layout whose numbers cannot describe real memory.
+
+    Its cost grows with the segments and the regions segments name, never with
+    ``num_regions``: a segment without ``regions`` lives in every region at the
+    same offsets, so those segments are checked against each other once.
+    """
     _check_sizes(layout)
     for gi, g in enumerate(layout.groups):
         where = f"group {gi} ({g.kind})"
         view = _group_view(layout, g, where)
         if not g.segments:
             raise LayoutError(f"{where}: no segments")
+        if len(g.segments) > MAX_SEGMENTS_PER_GROUP:
+            raise LayoutError(f"{where}: {len(g.segments)} segments exceed the limit "
+                              f"({MAX_SEGMENTS_PER_GROUP} per group)")
         names = [s.name for s in g.segments]
         if len(set(names)) != len(names):
             raise LayoutError(f"{where}: duplicate segment names {names}")
-        spans: dict[int, list[tuple[int, int]]] = {}
         for s in g.segments:
-            _check_segment(layout, g, s, f"{where} segment {s.name!r}", view, spans)
-        for r, sp in spans.items():
-            sp.sort()
-            for (_, e0), (b1, _) in itertools.pairwise(sp):
-                if b1 < e0:
-                    raise LayoutError(f"{where}: segments overlap in region {r}")
+            _check_segment(layout, g, s, f"{where} segment {s.name!r}", view)
+        region = _first_overlap(g.segments)
+        if region is not None:
+            raise LayoutError(f"{where}: segments overlap in region {region}")
     return layout
+
+
+def _first_overlap(segments: tuple[Segment, ...]) -> int | None:
+    """A region in which two of ``segments`` overlap, or None.
+
+    Segments in every region (no ``regions``) are checked against each other
+    once, not once per region; a segment naming its regions is checked against
+    those (it shares every region with them) and, region by region, against
+    the other segments naming that region. The work is O(segments * log
+    segments + the regions segments name). Segments passed
+    :func:`_check_segment` (their regions are in range and distinct).
+    """
+    everywhere = sorted((s.offset, s.offset + s.nbytes_local) for s in segments
+                        if not s.regions)
+    for (_, e0), (b1, _) in itertools.pairwise(everywhere):
+        if b1 < e0:
+            return 0
+    starts = [b for b, _ in everywhere]
+    named: dict[int, list[tuple[int, int]]] = {}
+    for s in segments:
+        if not s.regions:
+            continue
+        b, e = s.offset, s.offset + s.nbytes_local
+        # ``everywhere`` does not overlap itself, so its ends rise with its starts:
+        # only the span starting last at or before b, and the next, can overlap.
+        i = bisect.bisect_right(starts, b)
+        if (i and everywhere[i - 1][1] > b) or (i < len(everywhere) and everywhere[i][0] < e):
+            return min(s.regions)
+        for r in s.regions:
+            named.setdefault(r, []).append((b, e))
+    for r in sorted(named):
+        sp = sorted(named[r])
+        for (_, e0), (b1, _) in itertools.pairwise(sp):
+            if b1 < e0:
+                return r
+    return None
 
 
 def _check_sizes(layout: Layout) -> None:
@@ -236,6 +285,8 @@ def _check_sizes(layout: Layout) -> None:
         )
     if not layout.groups:
         raise LayoutError("a layout needs at least one group")
+    if len(layout.groups) > MAX_GROUPS:
+        raise LayoutError(f"{len(layout.groups)} groups exceed the limit ({MAX_GROUPS})")
 
 
 def _group_view(layout: Layout, g: Group, where: str) -> int:
@@ -263,10 +314,9 @@ def _group_view(layout: Layout, g: Group, where: str) -> int:
     raise LayoutError(f"{where}: unknown kind {g.kind!r}")  # pragma: no cover - msgspec
 
 
-def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int,
-                   spans: dict[int, list[tuple[int, int]]]) -> None:
-    """One segment's numbers against its group and view; its byte span in each
-    region it lives in is added to ``spans`` (checked for overlaps by the caller)."""
+def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int) -> None:
+    """One segment's numbers against its group and view, and the regions it
+    names (in range, each once); overlaps are the caller's."""
     tp = layout.tp_size
     if s.units_total < 1:
         raise LayoutError(f"{sw}: units_total must be >= 1")
@@ -287,10 +337,15 @@ def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int,
     if s.offset < 0 or s.offset + s.nbytes_local > view:
         end = s.offset + s.nbytes_local
         raise LayoutError(f"{sw}: [{s.offset}, {end}) outside its view")
-    for r in segment_regions(s, layout.num_regions):
-        if not 0 <= r < layout.num_regions:
-            raise LayoutError(f"{sw}: region {r} out of range")
-        spans.setdefault(r, []).append((s.offset, s.offset + s.nbytes_local))
+    if s.regions:
+        lo, hi = min(s.regions), max(s.regions)
+        if lo < 0 or hi >= layout.num_regions:
+            raise LayoutError(f"{sw}: region {lo if lo < 0 else hi} out of range")
+        seen: set[int] = set()
+        for r in s.regions:
+            if r in seen:
+                raise LayoutError(f"{sw}: region {r} named twice")
+            seen.add(r)
 
 
 def fingerprint_fields(layout: Layout) -> dict[str, object]:
