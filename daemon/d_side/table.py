@@ -49,6 +49,7 @@ from kvsidecar.daemon.planner import PlanError, candidate_ranks, check_block_ids
 from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.daemon.tracing import Tracing
+from kvsidecar.ipc.layout import MAX_REGION_BYTES
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -164,11 +165,10 @@ class ReadTable:
                                             f"{r.tp_size} but {len(r.handshake)} handshake "
                                             "addresses")
         try:
-            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+            ranks = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
             check_block_ids(eng.layout, req.local_block_ids, "local")
-            if len(req.remote_block_ids) != len(eng.layout.groups):
-                raise PlanError(f"remote block ids name {len(req.remote_block_ids)} groups, "
-                                f"the layout has {len(eng.layout.groups)}")
+            check_block_ids(eng.layout, req.remote_block_ids, "remote", unique=True,
+                            num_blocks=_remote_blocks(eng, req, ranks))
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
         if len(req.remote_tokens) != r.tp_size:
@@ -482,3 +482,16 @@ class ReadTable:
             self._handshakes.forget(peer.key[0], peer.key[1])
         job.peers = []
         return stale
+
+
+def _remote_blocks(eng: EngineRank, req: Read, ranks: tuple[int, ...]) -> int:
+    """The remote's page count when a link to one of its ranks is made (a read's
+    remote ids are then checked against it on acceptance, not only when planned),
+    else the most pages any layout has (one byte each, :data:`MAX_REGION_BYTES`):
+    the planner checks the range once the link is made."""
+    r = req.remote
+    for p in ranks:  # len(r.handshake) == r.tp_size: checked before
+        peer = eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p)
+        if peer is not None:
+            return peer.info.layout.num_blocks
+    return MAX_REGION_BYTES

@@ -8,7 +8,11 @@ valid when
   (:class:`BlockRangeError`, naming the first bad id), and
 - on the local side, no id appears twice across all groups, since all groups
   share the pages and a page would be written twice
-  (:class:`DuplicateBlockError`).
+  (:class:`DuplicateBlockError`); the same on the held side (a P engine's
+  ``hold``): a page is held once, so a hold names at most ``num_blocks`` ids
+  and keeps no more for its life. Remote ids (a read's ``remote_block_ids``)
+  may repeat for the planner; a read's acceptance asks for them unique too
+  (they are what P held).
 
 :func:`check_block_ids` is that validation; :func:`validate_block_ids` is the
 same, returning the ids as arrays (the planner's input). Ids are whatever
@@ -39,26 +43,32 @@ _INT = {int}
 FEW = 512  # up to this many ids, checked as Python ints (a duplicate: the first seen twice)
 
 
-def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> None:
+def check_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local", *,
+                    unique: bool | None = None, num_blocks: int | None = None) -> None:
     """Check count, range and uniqueness of one side's block ids (all groups share
-    pages): raise the PlanError of the first rule they break."""
-    _checked(layout, block_ids, side)
+    pages): raise the PlanError of the first rule they break.
+
+    ``unique`` (default: every side but ``"remote"``) asks that no id appear
+    twice across all groups; ``num_blocks`` replaces the layout's (a remote
+    side whose layout is not known yet: its group count is the local one's)."""
+    _checked(layout, block_ids, side, side != "remote" if unique is None else unique,
+             layout.num_blocks if num_blocks is None else num_blocks)
 
 
 def validate_block_ids(layout: Layout, block_ids: BlockIds, side: str = "local") -> list[I64]:
     """:func:`check_block_ids`, returning the ids as one int64 array per group."""
     return [np.asarray(g, np.int64) if isinstance(g, list) else g
-            for g in _checked(layout, block_ids, side)]
+            for g in _checked(layout, block_ids, side, side != "remote", layout.num_blocks)]
 
 
-def _checked(layout: Layout, block_ids: BlockIds, side: str) -> list[list[int] | I64]:
+def _checked(layout: Layout, block_ids: BlockIds, side: str, unique: bool,
+             nb: int) -> list[list[int] | I64]:
     """The validation: each group's ids as it checked them (a plain list of a few
     ints as it is, else a flat int64 array)."""
     if len(block_ids) != len(layout.groups):
         raise GroupCountError(
             f"{side} block ids name {len(block_ids)} groups, the layout has {len(layout.groups)}"
         )
-    nb = layout.num_blocks
     groups: list[list[int] | I64] = []
     for gi, ids in enumerate(block_ids):
         g = _ids(ids, side, gi)
@@ -67,12 +77,16 @@ def _checked(layout: Layout, block_ids: BlockIds, side: str) -> list[list[int] |
             bad = next(i for i in _as_list(g) if i < 0 or i >= nb)
             raise BlockRangeError(f"{side} group {gi}: block id {bad} out of range [0, {nb})")
         groups.append(g)
-    if side == "local":
+    if unique:
         twice = _named_twice(groups)
         if twice is not None:
-            raise DuplicateBlockError(
-                f"local block id {twice} named twice: a page would be written twice")
+            raise DuplicateBlockError(f"{side} block id {twice} named twice: {_ONCE[side]}")
     return groups
+
+
+_ONCE = {"local": "a page would be written twice",
+         "held": "a hold names each page once",
+         "remote": "a hold names each page once, so a read does too"}
 
 
 def _ids(ids: Sequence[int] | NDArray[Any], side: str, gi: int) -> list[int] | I64:

@@ -4,16 +4,20 @@ served meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from kvsidecar.ipc.client import BadRequest, SidecarClient, SidecarError
 from kvsidecar.ipc.layout import MAX_REGIONS, MAX_SEGMENTS_PER_GROUP
 from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess
+from kvsidecar.sim.models import attn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -85,3 +89,36 @@ def test_a_costly_layout_is_refused_at_once_and_others_are_served(
     finally:
         bad.close()
         other.close()
+
+
+def test_a_hold_naming_a_page_twice_is_refused_and_grows_nothing(
+        sidecar: SidecarProcess) -> None:
+    """The audit's holds of 2,000,000 zeros (one 16-page layout) were each placed
+    and kept ~17 MB until their timeout; a hold names each page once."""
+    layout = attn(2)(1, 16)
+    c = SidecarClient(sidecar.socket, timeout_s=60)
+    try:
+        c.register("holder", 0, layout, allocate=True)
+        rss = []
+        for i in range(8):
+            with pytest.raises(BadRequest, match="held block id 0 named twice: a hold names "
+                                                 "each page once"):
+                c.hold("holder", f"dups{i}", [[0] * 2_000_000], timeout_s=3600)
+            rss.append(_rss_kb(sidecar))
+        # A decoded message's memory may stay with the allocator (reused by the
+        # next ones), but the daemon no longer keeps each hold: before, the 7 holds
+        # after the first grew it by 7 x 17 MB.
+        assert rss[-1] - rss[0] < 40 << 10, rss
+        assert c.hold("holder", "fine", [list(range(16))], timeout_s=60).token
+        c.release("holder", "fine")
+    finally:
+        with contextlib.suppress(SidecarError):
+            c.deregister("holder")
+        c.close()
+
+
+def _rss_kb(s: SidecarProcess) -> int:
+    for line in Path(f"/proc/{s.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")

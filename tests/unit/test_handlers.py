@@ -180,3 +180,33 @@ def test_a_hold_whose_placing_fails_does_not_stand() -> None:
     assert len(book) == 0
     lease = book.claim("P", "h", now=time.monotonic())
     assert not lease.granted and "RuntimeError: spans broke" in lease.reason
+
+
+@pytest.mark.parametrize("blocks", [[0, 0], [3, 1, 3], [0] * 2_000_000],
+                         ids=["two", "three", "two-million"])
+def test_a_hold_naming_a_page_twice_is_refused_and_keeps_nothing(blocks: list[int]) -> None:
+    """A hold names each page once, so it holds at most num_blocks ids (8 here):
+    the audit's hold of 2,000,000 zeros was placed and kept ~17 MB for its life."""
+    handlers, book = _p_side()
+    with pytest.raises(RequestError, match=rf"held block id {blocks[0]} named twice: a hold "
+                                           "names each page once") as e:
+        asyncio.run(handlers.handle(_hold("dup", blocks)))
+    assert e.value.code == "bad_request"
+    assert len(book) == 0
+    assert not book.claim("P", "dup", now=time.monotonic()).granted
+
+
+def test_a_hold_of_distinct_pages_in_two_groups_is_refused_when_they_share_one() -> None:
+    """All groups share the pages: a page held in two groups is named twice."""
+    from kvsidecar.sim.models import hybrid
+
+    handlers, book = _p_side()
+    eng = handlers.ctx.table.ranks["P"]
+    eng.layout = hybrid(1, 8)
+    assert len(eng.layout.groups) == 2
+    with pytest.raises(RequestError, match="held block id 2 named twice"):
+        asyncio.run(handlers.handle(Hold(id=1, engine_id="P", request_id="x",
+                                         block_ids=[[1, 2], [2]])))
+    assert isinstance(asyncio.run(handlers.handle(Hold(id=2, engine_id="P", request_id="y",
+                                                       block_ids=[[1, 2], [3]]))), Held)
+    assert len(book) == 1
