@@ -22,7 +22,7 @@ from functools import partial
 
 import numpy as np
 
-from kvsidecar.daemon import memory_kinds
+from kvsidecar.daemon import memory_kinds, region_budget
 from kvsidecar.daemon.background import Background
 from kvsidecar.daemon.engine_access import current_peer
 from kvsidecar.daemon.engines.departures import Departures
@@ -122,6 +122,7 @@ class Registry:
     async def _register_new(self, req: Register) -> Reply:
         layout = _layout_of(req)
         self._check_engine_room()
+        self._check_region_room(req, layout)
         peer = current_peer.get()
         uid = peer.uid if peer is not None else None
         regions, owned = await self._map(req, layout, uid)
@@ -197,6 +198,22 @@ class Registry:
             on_complete=self.spans.completed if self.spans.tracing.enabled else None,
             instance=req.instance, pid_visible=self._pid_visible(req), uid=uid,
             memory=req.memory if req.mode == "allocate" else "", hold_key=key)
+
+    def _check_region_room(self, req: Register, layout: Layout) -> None:
+        """Refuse regions past what this sidecar's fds and memory maps allow
+        (:mod:`kvsidecar.daemon.region_budget`): one engine must not take the
+        fds every connection needs. The regions of the other registrations under
+        way count too (their mappings may not be open yet); one series for all
+        refusals, as for ``--max-engines``."""
+        pending = sum(r.layout.num_regions for e, (r, _) in self.table.registering.items()
+                      if e != req.engine_id and e not in self.table.ranks)
+        allowed, why = region_budget.regions_allowed(region_budget.usage())
+        if layout.num_regions + pending > allowed:
+            self.metrics.limit_refusals.labels("", "regions").inc()
+            under_way = f"; {pending} more being registered" if pending else ""
+            raise RequestError(UNAVAILABLE, f"{layout.num_regions} regions do not fit: this "
+                                            f"sidecar can map {max(0, allowed - pending)} more "
+                                            f"now ({why}{under_way})")
 
     def _check_engine_room(self) -> None:
         """Refuse a new engine past ``--max-engines``: each one is a NIXL agent (its

@@ -5,7 +5,10 @@ served meanwhile."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,3 +125,60 @@ def _rss_kb(s: SidecarProcess) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+def _fds_layout(regions: int) -> dict[str, Any]:
+    return {"family": "x", "tp_size": 1, "num_regions": regions, "num_blocks": 1,
+            "page_bytes": 4096, "groups": [{"kind": "mamba", "segments": [
+                {"name": "s", "offset": 0, "nbytes_local": 4096, "units_total": 1}]}]}
+
+
+def _refusals(s: SidecarProcess, limit: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    want = f'kvsidecar_limit_refusals_total{{engine="",limit="{limit}"}} '
+    return sum(float(line[len(want):]) for line in text.splitlines()
+               if line.startswith(want))
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_regions_past_the_fd_budget_are_refused_and_others_are_served(tmp_path: Path) -> None:
+    """The audit's registration: 9,960 memfd regions of 4 KiB took 19,950 of the
+    daemon's 20,000 fds (two per region), and other clients' connections failed
+    (EMFILE). Here with 2,048 fds: at most (2048 - 256 - 512 - open) / 2 regions."""
+    s = SidecarProcess(tmp_path, "fds", args=["--metrics-port", "0"],
+                       launcher=["prlimit", "--nofile=2048:2048", "--"])
+    s.start()
+    hog, other = Raw(s.socket), Raw(s.socket)
+    try:
+        assert s.proc is not None
+        reply = hog.call({"op": "register", "id": 1, "v": 1, "engine_id": "hog", "tp_rank": 0,
+                          "layout": _fds_layout(1000), "mode": "allocate", "memory": "memfd"})
+        assert (reply["op"], reply["code"]) == ("error", "unavailable"), reply
+        assert reply["message"].startswith("1000 regions do not fit: this sidecar can map "), reply
+        assert "of RLIMIT_NOFILE 2048 fds open, 2 per region, a quarter and 256 kept for " \
+               "connections" in reply["message"], reply
+        assert _refusals(s, "regions") == 1
+        fds = len(os.listdir(f"/proc/{s.proc.pid}/fd"))
+        assert fds < 200, fds  # nothing of the refused registration stays open
+        # within the budget: registered, and every other client is still served
+        reply = hog.call({"op": "register", "id": 2, "v": 1, "engine_id": "hog", "tp_rank": 0,
+                          "layout": _fds_layout(400), "mode": "allocate", "memory": "memfd"})
+        assert reply["op"] == "registered", reply
+        c = SidecarClient(s.socket, timeout_s=60)
+        try:
+            c.register("victim", 0, attn(2)(1, 16), allocate=True)
+            conns = [Raw(s.socket) for _ in range(50)]
+            for i, conn in enumerate(conns):
+                assert conn.call({"op": "ping", "id": i, "v": 1})["op"] == "pong"
+                conn.close()
+            c.deregister("victim")
+        finally:
+            c.close()
+        assert other.call({"op": "ping", "id": 3, "v": 1})["op"] == "pong"
+        assert "Too many open files" not in s.read_log()
+    finally:
+        hog.close()
+        other.close()
+        assert s.stop() == 0
