@@ -33,6 +33,7 @@ from kvsidecar.daemon.engines.memory import (
     map_regions,
     prefault_rank,
     release_late_mapping,
+    release_regions,
     shm_prefix_for,
 )
 from kvsidecar.daemon.engines.rank import EngineRank
@@ -88,6 +89,8 @@ class Registry:
         self.background = background
         self.shm_prefix = shm_prefix_for(settings.socket)
         self._pid_ns = own_pid_namespace()
+        #: engine id -> (the Reserve, its uid, its outcome) while it is being allocated
+        self._reserving: dict[str, tuple[Reserve, int | None, asyncio.Future[Reservation]]] = {}
 
     # ------------------------------------------------------------ register
 
@@ -350,30 +353,64 @@ class Registry:
 
     async def reserve(self, req: Reserve) -> Reply:
         """One allocation of ``nbytes`` for an engine that learns its layout from
-        its own allocator (see daemon/reservations.py)."""
+        its own allocator (see daemon/reservations.py).
+
+        The room is booked before the allocation is awaited and kept until the
+        reservation is added (or the allocation fails): Reserves pipelined on
+        one connection each wait for their allocation off the event loop, and
+        otherwise all passed the limit. A retry of a Reserve being allocated
+        (same uid, kind and size) waits for it and gets the same reservation."""
         peer = current_peer.get()
         uid = peer.uid if peer is not None else None
         if req.engine_id in self.table.ranks:
             raise RequestError(DUPLICATE, f"engine {req.engine_id[:200]!r} is registered "
                                           "already; reserve before registering")
-        again = self.reservations.check_room(req.engine_id, uid, req.nbytes, req.memory)
-        if again is None:
-            ctx = MemoryContext(req.engine_id, self.shm_prefix, uid, self.state.gpu,
-                                allow_unsealed_shm=self.settings.allow_unsealed_shm)
-            (region,) = await asyncio.get_running_loop().run_in_executor(
-                None, memory_kinds.allocate, req.memory, 1, req.nbytes, ctx)
-            if self.reservations.of(req.engine_id, uid) is not None:  # raced by a retry
-                await self.departures.release_regions([region], True)
-                again = self.reservations.of(req.engine_id, uid)
-            else:
-                again = Reservation(req.engine_id, uid, req.memory, region)
-                again.fd_token = self._offer([region], uid, f"reservation {req.engine_id!r}")
-                self.reservations.add(again)
-                log.info("reserved %d B of %s for engine %r", req.nbytes, req.memory,
-                         req.engine_id)
-        assert again is not None
+        inflight = self._reserving.get(req.engine_id)
+        if inflight is not None:
+            first, first_uid, done = inflight
+            if (first_uid, first.memory, first.nbytes) != (uid, req.memory, req.nbytes):
+                raise RequestError(DUPLICATE, f"engine {req.engine_id[:200]!r} is being "
+                                              "reserved (with another size, kind or user)")
+            again = await asyncio.shield(done)
+        else:
+            held = self.reservations.check_room(req.engine_id, uid, req.nbytes, req.memory)
+            again = held if held is not None else await self._reserve_new(req, uid)
         return Reserved(region=again.region.ref(),
                         fd_socket=self.fds.path if again.fd_token else "")
+
+    async def _reserve_new(self, req: Reserve, uid: int | None) -> Reservation:
+        """Allocate a reservation :meth:`Reservations.check_room` found room for."""
+        e = req.engine_id
+        done: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(_retrieve)
+        self._reserving[e] = (req, uid, done)
+        self.reservations.book(e)
+        try:
+            ctx = MemoryContext(e, self.shm_prefix, uid, self.state.gpu,
+                                allow_unsealed_shm=self.settings.allow_unsealed_shm)
+            allocating = asyncio.get_running_loop().run_in_executor(
+                None, memory_kinds.allocate, req.memory, 1, req.nbytes, ctx)
+            try:
+                (region,) = await asyncio.shield(allocating)
+            except asyncio.CancelledError:
+                allocating.add_done_callback(_release_late_allocation)  # the thread goes on
+                raise
+            r = Reservation(e, uid, req.memory, region)
+            r.fd_token = self._offer([region], uid, f"reservation {e!r}")
+            self.reservations.add(r)
+            log.info("reserved %d B of %s for engine %r", req.nbytes, req.memory, e)
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
+        else:
+            done.set_result(r)
+            return r
+        finally:
+            self.reservations.unbook(e)
+            del self._reserving[e]
 
     # ------------------------------------------------------------ liveness
 
@@ -427,8 +464,15 @@ def _same_registration_of(eng: EngineRank, req: Register) -> bool:
                                                                  req.mode, req.regions, memory)
 
 
-def _retrieve(f: asyncio.Future[Reply]) -> None:
-    """Mark a registration's outcome as seen (its first caller raised it already)."""
+def _retrieve(f: asyncio.Future[Reply] | asyncio.Future[Reservation]) -> None:
+    """Mark a registration's (or reservation's) outcome as seen (its first caller
+    raised it already)."""
     if not f.cancelled():
         f.exception()
+
+
+def _release_late_allocation(f: asyncio.Future[list[Region]]) -> None:
+    """Release what a reservation's allocation whose caller gave up created anyway."""
+    if not f.cancelled() and f.exception() is None:
+        release_regions(f.result(), True)
 

@@ -34,6 +34,28 @@ def test_table_rules(region: MemfdRegion) -> None:
     assert refused == ["c"]  # counted (kvsidecar_limit_refusals_total{limit="reservations"})
 
 
+def test_reservations_being_allocated_take_room(region: MemfdRegion) -> None:
+    """Room is booked before the allocation is awaited (pipelined Reserves
+    otherwise all found the same room) and given back on failure."""
+    refused: list[str] = []
+    t = Reservations(limit=2, on_limit=refused.append)
+    assert t.check_room("a", 0, 4096, "memfd") is None
+    t.book("a")
+    assert t.check_room("b", 0, 4096, "memfd") is None
+    t.book("b")
+    with pytest.raises(RequestError, match=r"holds 2 reservations already \(the limit; 2 of "
+                                           "them being allocated"):
+        t.check_room("c", 0, 4096, "memfd")
+    assert refused == ["c"]
+    with pytest.raises(RequestError, match="is being reserved"):
+        t.check_room("a", 0, 4096, "memfd")
+    t.add(Reservation("a", 0, "memfd", region))  # allocated: held, no longer booked
+    assert (len(t), t.booked) == (1, 1)
+    t.unbook("b")  # its allocation failed
+    assert (len(t), t.booked) == (1, 0)
+    assert t.check_room("c", 0, 4096, "memfd") is None
+
+
 def test_unregistered_reservations_go_stale(region: MemfdRegion) -> None:
     t = Reservations()
     t.add(Reservation("old", 0, "memfd", region, at=100.0))
