@@ -159,6 +159,7 @@ class Sidecar:
             idle_timeout_s=settings.engine_idle_timeout_s,
             on_refuse=lambda reason: m.refused.labels(channel="engine", reason=reason).inc(),
             burst=self._reads.together,
+            engine_live=self._engine_live,
         )
         m.engine_assembling_bytes.set_function(lambda: server.assembling_bytes)
         m.counter_from(
@@ -169,6 +170,16 @@ class Sidecar:
         self._fds = FdServer(
             fd_socket_for(settings.socket), server.access,
             on_refuse=lambda reason: m.refused.labels(channel="fd", reason=reason).inc())
+
+    def _engine_live(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` is still registered (and not orphaned: its process
+        is gone), being registered, or holds a reservation: its connections are
+        then exempt from the engine socket's idle rules."""
+        eng = self.table.get(engine_id)
+        if eng is not None:
+            return not eng.orphaned
+        return (engine_id in self.table.registering
+                or self._reservations.of(engine_id, None) is not None)
 
     # ------------------------------------------------------------ facts
 

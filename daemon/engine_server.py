@@ -45,13 +45,18 @@ metric) and answered with one clear error:
   connection, so nobody makes the daemon buffer it (see
   :mod:`~kvsidecar.daemon.message_limit`);
 * connections beyond ``max_connections``: the one idle longest (nothing in
-  flight, nothing received for ``idle_grace_s``) that never registered (no
-  ``Registered``/``Reserved`` reply went over it) is closed without a word
-  to make room (reason ``idle_evicted``; the clients reconnect on their next
-  call); when there is none, the new one gets one ``unavailable`` reply and
-  is closed (reason ``connection_limit``);
-* a connection that never registered and is idle for ``idle_timeout_s`` is
-  closed (reason ``idle_timeout``): idle connections cannot hold the slots;
+  flight, nothing received for ``idle_grace_s``) that serves no live engine
+  is closed without a word to make room (reason ``idle_evicted``; the
+  clients reconnect on their next call); when there is none, the new one
+  gets one ``unavailable`` reply and is closed (reason ``connection_limit``);
+* a connection that serves no live engine and is idle for ``idle_timeout_s``
+  is closed (reason ``idle_timeout``): idle connections cannot hold the slots.
+  A connection serves an engine from the ``Registered``/``Reserved`` reply
+  for it that went over it (a retry's too) for as long as ``engine_live``
+  says the engine id is still registered or reserved: its deregistration, or
+  the sidecar dropping it, ends the exemption (before, it lasted as long as
+  the connection, and connections that each sent one Reserve retry held every
+  slot after the engine was gone);
 * long messages (those sent in chunks after a header) being received at
   once may together announce at most ``max_assembling_bytes`` (default
   :data:`ASSEMBLING_FACTOR` times the hard cap); a header past that gets one
@@ -93,10 +98,12 @@ from ..ipc.protocol import (
     Error,
     Poll,
     ProtocolError,
+    Register,
     Registered,
     Reply,
     Request,
     RequestError,
+    Reserve,
     Reserved,
     decode_request,
     encode_reply,
@@ -153,7 +160,8 @@ _MAX_UNSENT = 64
 #: starve the others (level-triggered: the rest is read on the next turn).
 _READ_BURST = 64
 _LISTEN_BACKLOG = 128
-#: Replies that make a connection an engine's own (exempt from the idle rules).
+#: Replies that make a connection an engine's own (exempt from the idle rules
+#: while that engine is live), to requests naming the engine id.
 _REGISTERING = (Registered, Reserved)
 _ACCEPT_PAUSE_S = 0.1
 
@@ -192,7 +200,8 @@ class EngineServer:
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  idle_grace_s: float = DEFAULT_IDLE_GRACE_S,
                  on_refuse: Callable[[str], None] | None = None,
-                 burst: Callable[[], AbstractContextManager[None]] | None = None) -> None:
+                 burst: Callable[[], AbstractContextManager[None]] | None = None,
+                 engine_live: Callable[[str], bool] | None = None) -> None:
         if max_connections < 1 or max_in_flight < 1:
             raise ValueError("max_connections and max_in_flight must be >= 1")
         self.socket_path = os.path.abspath(socket_path)
@@ -200,6 +209,10 @@ class EngineServer:
         #: entered around the messages one wake-up reads from a connection (the
         #: sidecar's: the reads they ask for start together, see ReadTable.together)
         self.burst = burst if burst is not None else contextlib.nullcontext
+        #: whether an engine id is still registered or reserved (the sidecar's
+        #: tables); a connection serving none that is is subject to the idle rules.
+        #: Without one, an engine's connection is exempt for as long as it is open.
+        self.engine_live = engine_live if engine_live is not None else _always
         self.access = access if access is not None else AccessPolicy.own_uid()
         self.max_message_bytes = max_message_bytes
         self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
@@ -355,12 +368,20 @@ class EngineServer:
             conn.resume()
 
     def _idle(self, conn: _Connection, now: float, after_s: float) -> bool:
-        return (not conn.registered and conn.in_flight == 0 and not conn.assembling
-                and now - conn.last_seen >= after_s)
+        return (conn.in_flight == 0 and not conn.assembling
+                and now - conn.last_seen >= after_s and not self._serves_engine(conn))
+
+    def _serves_engine(self, conn: _Connection) -> bool:
+        """Whether an engine registered or reserved over ``conn`` is still live;
+        the engine ids no longer live are forgotten (so the set stays bounded
+        by the live engines and reservations)."""
+        if conn.engines:
+            conn.engines = {e for e in conn.engines if self.engine_live(e)}
+        return bool(conn.engines)
 
     def _evict_idlest(self, now: float) -> bool:
-        """Close the unregistered connection idle longest (at least ``idle_grace_s``)
-        to make room for a new one; False when there is none."""
+        """Close the connection idle longest (at least ``idle_grace_s``) that serves
+        no live engine, to make room for a new one; False when there is none."""
         idle = [c for c in self._conns.values() if self._idle(c, now, self.idle_grace_s)]
         if not idle:
             return False
@@ -370,7 +391,7 @@ class EngineServer:
         self._refuse("idle_evicted")
         if worth_logging(self.idle_evicted):
             log.warning("engine socket: %d connections open (the limit): closed one idle for "
-                        "%.1f s that never registered (%d so far)", self.max_connections,
+                        "%.1f s that serves no live engine (%d so far)", self.max_connections,
                         now - victim.last_seen, self.idle_evicted)
         return True
 
@@ -378,7 +399,8 @@ class EngineServer:
         return max(0.05, min(5.0, self.idle_timeout_s / 4))
 
     def _sweep(self) -> None:
-        """Close unregistered connections idle for ``idle_timeout_s``; runs on a timer."""
+        """Close connections serving no live engine idle for ``idle_timeout_s``; runs
+        on a timer."""
         loop = self._loop
         if loop is None or self._listener is None:
             return
@@ -474,6 +496,8 @@ class EngineServer:
             conn.in_flight -= 1
         if isinstance(reply, Error):
             reply = self._error(reply)
+        elif type(reply) in _REGISTERING and isinstance(req, (Register, Reserve)):
+            conn.engines.add(req.engine_id)
         conn.reply(reply)
 
     def _error(self, reply: Error) -> Error:
@@ -525,9 +549,10 @@ class _Connection:
         self._loop = loop
         #: loop time of the last whole message (or of the accept)
         self.last_seen = loop.time()
-        #: a Registered or Reserved reply went over this connection: an engine's
-        #: own, never closed for being idle (the engine lease ends dead ones)
-        self.registered = False
+        #: engine ids a Registered or Reserved reply went over this connection
+        #: for: while one is live (EngineServer.engine_live), the connection is
+        #: an engine's own, never closed for being idle
+        self.engines: set[str] = set()
         self._assembler = Assembler(server.size_limit.hard_cap)
         #: what this connection's long message under way counts in server.assembling_bytes
         self._reserved = 0
@@ -698,8 +723,6 @@ class _Connection:
     def reply(self, reply: Reply) -> None:
         if self._closed:
             return  # the engine went away: nobody to tell
-        if type(reply) in _REGISTERING:
-            self.registered = True
         self._unsent.extend(packets(self.server._encode(reply)))
         if not self._writing:
             self._flush()
@@ -758,3 +781,7 @@ def _salvage_id(data: Buffer) -> int:
         return _id_decoder.decode(data).id
     except Exception:  # any bytes at all: no id
         return -1
+
+
+def _always(_engine_id: str) -> bool:
+    return True

@@ -242,7 +242,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
     _duration("--health-timeout", "health_timeout_s", 10.0, "seconds the event loop or a NIXL "
               "worker thread may be silent before /healthz fails"),
     _duration("--engine-idle-timeout", "engine_idle_timeout_s", 60.0, "seconds an engine "
-              "socket connection that never registered may stay silent before it is closed "
+              "socket connection serving no live engine (none registered or reserved over it, "
+              "or all since deregistered or dropped) may stay silent before it is closed "
               "(clients reconnect on their next call); at --max-engine-connections one idle "
               "over 1 s is closed for a new one"),
     Option("--long-message-timeout", "long_message_timeout_s", 30.0, "seconds a long engine "

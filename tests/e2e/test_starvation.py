@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvsidecar.ipc import hold_token
@@ -22,6 +24,7 @@ from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.memfd import MemfdRegion
 from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, engines
 from kvsidecar.sim.models import attn, hybrid
 from kvsidecar.sim.oracle import Request
@@ -164,4 +167,92 @@ def test_idle_fd_socket_connections_do_not_fail_registrations(tmp_path: Path,
             c.deregister("st-memfd")
         assert d.metric("kvsidecar_refused_total", channel="fd", reason="idle_evicted") >= 1
     finally:
+        assert d.stop() == 0
+
+
+def _pinned(path: str, n: int, engine_id: str) -> list[BlockingChannel]:
+    """``n`` connections that each sent the same Reserve (the first makes the
+    reservation, the rest are retries, each answered ``reserved``)."""
+    out = []
+    for i in range(n):
+        ch = BlockingChannel(path, timeout_s=30)
+        out.append(ch)
+        ch.send(msgspec.msgpack.encode({"op": "reserve", "id": i + 1, "v": 1,
+                                        "engine_id": engine_id, "nbytes": 4096}))
+        assert msgspec.msgpack.decode(ch.recv())["op"] == "reserved"
+    return out
+
+
+def _closed(ch: BlockingChannel) -> bool:
+    """Whether the sidecar closed ``ch`` (looked at without consuming or blocking:
+    the channel's socket has a timeout, so a plain recv would wait for it)."""
+    readable, _, _ = select.select([ch.sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return ch.sock.recv(64, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _refused_at_once(path: str) -> dict[str, str]:
+    """What a new connection is told before it sends anything (a refusal)."""
+    ch = BlockingChannel(path, timeout_s=30)
+    try:
+        return dict(msgspec.msgpack.decode(ch.recv()))
+    finally:
+        ch.close()
+
+
+def test_connections_of_a_deregistered_engine_do_not_hold_the_slots(tmp_path: Path) -> None:
+    """Every slot taken by connections that each got a ``Reserved`` reply: while
+    the reservation lives they are an engine's own and a newcomer is refused;
+    once it is deregistered they are idle connections like any other, so one is
+    evicted for the next newcomer. Before, a Registered/Reserved reply exempted
+    its connection from the idle rules for as long as it stayed open."""
+    d = SidecarProcess(tmp_path, "st-pinned", args=["--max-engine-connections", "8",
+                                                    "--metrics-port", "0"]).start()
+    pins = _pinned(d.socket, 8, "st-pin")
+    try:
+        time.sleep(1.5)  # past the idle grace
+        refused = _refused_at_once(d.socket)
+        assert refused["code"] == "unavailable"
+        assert "--max-engine-connections" in refused["message"]
+        pins[0].send(msgspec.msgpack.encode({"op": "deregister", "id": 99, "v": 1,
+                                             "engine_id": "st-pin"}))
+        assert msgspec.msgpack.decode(pins[0].recv())["op"] == "ok"
+        with SidecarClient(d.socket, timeout_s=30) as c:
+            assert c.ping().version >= 1
+        assert d.metric("kvsidecar_refused_total", channel="engine",
+                        reason="idle_evicted") == 1
+    finally:
+        for ch in pins:
+            ch.close()
+        assert d.stop() == 0
+
+
+def test_idle_connections_of_a_deregistered_engine_are_closed(tmp_path: Path) -> None:
+    """The audit's sequence: 8 slots (the limit) hold a Reserve's reply each, the
+    engine id is deregistered, 6 s pass (--engine-idle-timeout 2): the idle
+    connections are closed and a new client is served. Before, it was refused
+    (``already serves 8 engine connections``)."""
+    d = SidecarProcess(tmp_path, "st-gone", args=["--max-engine-connections", "8",
+                                                  "--engine-idle-timeout", "2",
+                                                  "--metrics-port", "0"]).start()
+    pins = _pinned(d.socket, 8, "st-gone")
+    try:
+        time.sleep(3)  # past the idle timeout: the reservation lives, they stay
+        assert not any(_closed(ch) for ch in pins)
+        pins[0].send(msgspec.msgpack.encode({"op": "deregister", "id": 99, "v": 1,
+                                             "engine_id": "st-gone"}))
+        assert msgspec.msgpack.decode(pins[0].recv())["op"] == "ok"
+        time.sleep(6)
+        assert all(_closed(ch) for ch in pins)
+        with SidecarClient(d.socket, timeout_s=30) as c:
+            assert c.ping().version >= 1
+        assert d.metric("kvsidecar_refused_total", channel="engine",
+                        reason="idle_timeout") == 8
+    finally:
+        for ch in pins:
+            ch.close()
         assert d.stop() == 0
