@@ -119,6 +119,9 @@ class Handlers:
         self._request_series: dict[tuple[type, str], Any] = {}
         #: peer addresses reads named that passed check_address (at most MAX_DIALABLE)
         self._dialable: set[str] = set()
+        #: the Keep claims in flight (bounded per engine and in all)
+        self._keeping = keeps.KeepBook(on_refused=lambda engine_id: ctx.metrics.limit_refusals
+                                       .labels(engine_id, "keep_claims").inc())
 
     async def handle(self, req: Request) -> Reply:
         """Answer one engine request through the handler its type names."""
@@ -200,19 +203,26 @@ class Handlers:
 
     async def keep(self, req: Keep) -> Reply:
         """Keep the holds of requests the engine admitted (see daemon/keeps.py):
-        the claims go out in the background; answered at once."""
+        the claims go out in the background; answered at once.
+        Checked as a read's remote is, and bounded (see daemon/keeps.py): the
+        claims one Keep asks for, and those in flight per engine and in all."""
         eng = self.ctx.table.engine(req.engine_id)
+        claims = keeps.check_items(req.items, eng.tp_rank, eng.layout.tp_size)
         for item in req.items:
             self._check_addresses(item.remote)
-        if req.items:
-            self.ctx.background.spawn(self._keep_claims(eng, req))
+        if claims:
+            self._keeping.admit(eng.engine_id, claims)
+            self.ctx.background.spawn(self._keep_claims(eng, req, claims))
         return Ok()
 
-    async def _keep_claims(self, eng: EngineRank, req: Keep) -> None:
-        granted = await keeps.keep(self.ctx.hs_client, req.items, eng.engine_id, eng.tp_rank,
-                                   eng.layout.tp_size)
-        log.debug("engine %r kept %d request(s): %d claim(s) granted", eng.engine_id,
-                  len(req.items), granted)
+    async def _keep_claims(self, eng: EngineRank, req: Keep, claims: int) -> None:
+        try:
+            granted = await keeps.keep(self.ctx.hs_client, req.items, eng.engine_id,
+                                       eng.tp_rank, eng.layout.tp_size)
+        finally:
+            self._keeping.done(eng.engine_id, claims)
+        log.debug("engine %r kept %d request(s): %d of %d claim(s) granted", eng.engine_id,
+                  len(req.items), granted, claims)
 
     def _check_addresses(self, remote: RemoteEngine) -> None:
         """Refuse a read (or keep) naming a peer address that is not ``host:port``

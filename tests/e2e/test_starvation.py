@@ -23,7 +23,7 @@ from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.ipc.fdpass import fd_socket_for
 from kvsidecar.ipc.memfd import MemfdRegion
-from kvsidecar.ipc.protocol import RemoteEngine
+from kvsidecar.ipc.protocol import KeepItem, RemoteEngine
 from kvsidecar.ipc.seqpacket import BlockingChannel
 from kvsidecar.sim.cluster import SidecarProcess, engines
 from kvsidecar.sim.models import attn, hybrid
@@ -255,4 +255,63 @@ def test_idle_connections_of_a_deregistered_engine_are_closed(tmp_path: Path) ->
     finally:
         for ch in pins:
             ch.close()
+        assert d.stop() == 0
+
+
+def _keep_items(n: int, p_tp: int, prefix: str, address: str = "127.0.0.1:9",
+                addresses: int | None = None) -> list[KeepItem]:
+    remote = RemoteEngine("st-dead-p", p_tp, [address] * (p_tp if addresses is None
+                                                          else addresses))
+    return [KeepItem(remote, f"{prefix}{i}") for i in range(n)]
+
+
+def test_keeps_are_bounded_and_another_engine_stays_served(tmp_path: Path) -> None:
+    """Keeps naming P engines at a dead address: one asking for more claims than
+    a message may is refused whole (``bad_request``), as is one whose remote has
+    fewer addresses than ranks; the claims in flight are bounded per engine
+    (``unavailable``, counted), and another engine's pings stay fast. Before,
+    4 Keeps of 256 items x 512 ranks were all answered ``ok`` and spawned
+    524,288 claims: another engine's ping took 11 s, the daemon grew by 1 GB."""
+    from kvsidecar.daemon.keeps import (
+        MAX_KEEP_CLAIMS_PER_ENGINE,
+        MAX_KEEP_CLAIMS_PER_MESSAGE,
+    )
+    from kvsidecar.ipc.errors import BadRequest, Unavailable
+
+    d = SidecarProcess(tmp_path, "st-keep", args=["--metrics-port", "0",
+                                                  "--handshake-timeout", "3"]).start()
+    try:
+        with SidecarClient(d.socket, timeout_s=30) as c, \
+                SidecarClient(d.socket, timeout_s=30) as other:
+            reg = c.register("st-keeper", 0, attn(2)(1, 8), allocate=True)
+            with pytest.raises(BadRequest, match="over 4096 per message"):
+                c.keep("st-keeper", _keep_items(256, 512, "big"))
+            with pytest.raises(BadRequest, match="tp_size 4 but 1 handshake addresses"):
+                c.keep("st-keeper", _keep_items(1, 4, "short", addresses=1))
+            per_message = MAX_KEEP_CLAIMS_PER_MESSAGE // 256  # P ranks: a full message
+            rounds = MAX_KEEP_CLAIMS_PER_ENGINE // MAX_KEEP_CLAIMS_PER_MESSAGE
+            for k in range(rounds):  # up to the bound: accepted
+                c.keep("st-keeper", _keep_items(256, per_message, f"r{k}-"))
+            worst = 0.0
+            for k in range(4):  # past it: refused, each counted
+                with pytest.raises(Unavailable, match="keep claims in flight"):
+                    c.keep("st-keeper", _keep_items(256, per_message, f"x{k}-"))
+                t = time.monotonic()
+                assert other.ping().version >= 1
+                worst = max(worst, time.monotonic() - t)
+            assert worst < 0.5, f"another engine's ping took {worst:.2f} s"
+            assert d.metric("kvsidecar_limit_refusals_total", engine="st-keeper",
+                            limit="keep_claims") == 4
+            deadline = time.monotonic() + 60  # the claims end (unanswered): room again
+            while True:
+                try:
+                    c.keep("st-keeper", _keep_items(256, per_message, "later-"))
+                    break
+                except Unavailable:
+                    assert time.monotonic() < deadline, "keep claims never ended"
+                    time.sleep(0.5)
+            for r in reg.regions:
+                r.close()
+            c.deregister("st-keeper")
+    finally:
         assert d.stop() == 0
