@@ -583,7 +583,7 @@ class HoldBook:
         (None: an engine that went away, whose hold key, and so tokens, went too)."""
         if now is not None:
             self.ended_recently.add(_key_bytes(key), now)
-        self._ended[key] = why
+        self._ended[key] = why[:200]  # an error text may be long; 65,536 of them are kept
         self._ended.move_to_end(key)
         while len(self._ended) > self.max_ended:
             self._ended.popitem(last=False)
