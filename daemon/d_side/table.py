@@ -49,7 +49,6 @@ from kvsidecar.daemon.planner import PlanError, candidate_ranks, check_block_ids
 from kvsidecar.daemon.spent_tokens import SpentTokens
 from kvsidecar.daemon.thread_groups import ThreadGroups
 from kvsidecar.daemon.tracing import Tracing
-from kvsidecar.ipc.layout import MAX_REGION_BYTES
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -96,6 +95,10 @@ def goes_alone(eng: EngineRank, job: ReadJob) -> bool:
     return blocks * layout.page_bytes * layout.num_regions >= SPLIT_MIN_BYTES
 
 
+#: no upper bound on acceptance (remote ids are ranged when planned)
+_ANY_INT64_ID = 1 << 63
+
+
 def duplicate_read(request_id: str) -> RequestError:
     """The refusal of a read whose request id is already reading."""
     return RequestError(DUPLICATE, f"read {request_id!r} is already in progress")
@@ -125,6 +128,11 @@ class ReadTable:
         self._timeout_s = read_timeout_s
         self._deliver = deliver
         self._jobs: dict[tuple[str, str], ReadJob] = {}
+        #: (engine, remote engine, remote request) -> the read of it in progress: P
+        #: counts one reading rank's notification once, so a second read of the
+        #: same hold by the same rank could still be copying when the first one's
+        #: notification ends the hold
+        self._reading: dict[tuple[str, str, str], str] = {}
         self._per_engine: dict[str, int] = {}
         self._abandons: set[asyncio.Task[None]] = set()
         #: set by the Sidecar: what verified reads use (``--verify-bytes``, ``Read.verify``)
@@ -165,10 +173,12 @@ class ReadTable:
                                             f"{r.tp_size} but {len(r.handshake)} handshake "
                                             "addresses")
         try:
-            ranks = candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
+            candidate_ranks(eng.layout.tp_size, eng.tp_rank, r.tp_size)
             check_block_ids(eng.layout, req.local_block_ids, "local")
+            # Each page once (what P held); the range is the planner's, against P's
+            # layout, so a read fails the same way whether a link is cached or not.
             check_block_ids(eng.layout, req.remote_block_ids, "remote", unique=True,
-                            num_blocks=_remote_blocks(eng, req, ranks))
+                            num_blocks=_ANY_INT64_ID)
         except PlanError as e:
             raise RequestError(BAD_REQUEST, str(e)) from None
         if len(req.remote_tokens) != r.tp_size:
@@ -176,11 +186,19 @@ class ReadTable:
                 f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
                 f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
                 "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
+        of = (req.engine_id, r.engine_id, req.remote_request_id or req.request_id)
+        reading = self._reading.get(of)
+        if reading is not None:
+            raise RequestError(DUPLICATE, (
+                f"engine {req.engine_id[:200]!r} is already reading request {of[2][:200]!r} "
+                f"of engine {r.engine_id[:200]!r} (read {reading[:200]!r}): one read of a "
+                "hold at a time per engine rank"))
         job = ReadJob(req, ReadBook(time.monotonic(), self._timeout_s))
         if req.verify or eng.verify_bytes:
             job.verify = self._verifier_for(eng)
         job.replayed = not self._spent.first_use(req.remote_tokens, time.time())
         self._jobs[key] = job
+        self._reading[of] = req.request_id
         self._per_engine[req.engine_id] = self._per_engine.get(req.engine_id, 0) + 1
         self._route(eng, job)
 
@@ -383,6 +401,10 @@ class ReadTable:
         if job.tracing is not None:
             job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
         key = (eng.engine_id, job.req.request_id)
+        req = job.req
+        of = (req.engine_id, req.remote.engine_id, req.remote_request_id or req.request_id)
+        if self._reading.get(of) == req.request_id:
+            del self._reading[of]
         if self._jobs.get(key) is job:
             del self._jobs[key]
             left = self._per_engine[key[0]] - 1
@@ -482,16 +504,3 @@ class ReadTable:
             self._handshakes.forget(peer.key[0], peer.key[1])
         job.peers = []
         return stale
-
-
-def _remote_blocks(eng: EngineRank, req: Read, ranks: tuple[int, ...]) -> int:
-    """The remote's page count when a link to one of its ranks is made (a read's
-    remote ids are then checked against it on acceptance, not only when planned),
-    else the most pages any layout has (one byte each, :data:`MAX_REGION_BYTES`):
-    the planner checks the range once the link is made."""
-    r = req.remote
-    for p in ranks:  # len(r.handshake) == r.tp_size: checked before
-        peer = eng.peers.cached(r.handshake[p], r.engine_id, r.tp_size, p)
-        if peer is not None:
-            return peer.info.layout.num_blocks
-    return MAX_REGION_BYTES

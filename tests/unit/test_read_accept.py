@@ -1,6 +1,7 @@
 """What D's read table refuses on acceptance, before any link or planning: a
-read's remote block ids name each of P's pages once (P holds each once), and
-lie within P's page count once a link to P is made."""
+read's remote block ids name each of P's pages once (P holds each once; their
+range is the planner's, against P's layout), and one engine rank reads a
+remote request once at a time."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 
 from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.ipc.layout import attention_layout
-from kvsidecar.ipc.protocol import BAD_REQUEST, Read, RemoteEngine, RequestError
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    DUPLICATE,
+    Completion,
+    Read,
+    RemoteEngine,
+    RequestError,
+)
 from kvsidecar.metrics.registry import Metrics
 
 
@@ -50,12 +58,28 @@ def test_remote_ids_named_twice_are_refused_on_acceptance(remote_blocks: int | N
     assert len(started) == 1
 
 
-def test_remote_ids_past_a_linked_peers_pages_are_refused_on_acceptance() -> None:
-    table, eng, started = _table(16)
-    with pytest.raises(RequestError, match=r"remote group 0: block id 16 out of range "
-                                           r"\[0, 16\)"):
-        table.accept(eng, _read([15, 16]))
-    assert not started
-    table, eng, started = _table(None)  # not linked yet: the planner checks the range
-    table.accept(eng, _read([15, 16]))
-    assert len(started) == 1
+def test_a_second_read_of_a_hold_by_the_same_engine_waits_for_the_first_to_end() -> None:
+    """P counts a reading rank's notification once: while one read of a remote
+    request is in progress, another read of it by the same engine (another local
+    request id) is refused, not started, or the first one's notification could
+    end the hold under the second's transfer. Once the first ends it may go."""
+    table, eng, started = _table(None)
+    first = Read(id=1, engine_id="D", request_id="a", local_block_ids=[[0]],
+                 remote=RemoteEngine("P", 1, ["127.0.0.1:1"]), remote_block_ids=[[3]],
+                 remote_tokens=["t"], remote_request_id="p-req")
+    table.accept(eng, first)
+    again = Read(id=2, engine_id="D", request_id="b", local_block_ids=[[1]],
+                 remote=RemoteEngine("P", 1, ["127.0.0.1:1"]), remote_block_ids=[[3]],
+                 remote_tokens=["t"], remote_request_id="p-req")
+    with pytest.raises(RequestError, match="already reading request 'p-req' of engine 'P' "
+                                           r"\(read 'a'\)") as e:
+        table.accept(eng, again)
+    assert e.value.code == DUPLICATE and len(started) == 1
+    table.accept(eng, Read(id=3, engine_id="D", request_id="c", local_block_ids=[[2]],
+                           remote=RemoteEngine("P", 1, ["127.0.0.1:1"]),
+                           remote_block_ids=[[3]], remote_tokens=["t"],
+                           remote_request_id="other"))  # another request: fine
+    eng.peers.release = lambda links: None
+    table._finish(eng, started[0], Completion("a", "received"))
+    table.accept(eng, again)
+    assert len(started) == 3
