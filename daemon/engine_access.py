@@ -31,7 +31,6 @@ import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = [
     "AccessPolicy",
@@ -137,10 +136,11 @@ def acl_blob(mode: int, uids: Iterable[int], perm: int) -> bytes:
         struct.pack("<HHI", tag, p, i) for tag, p, i in entries)
 
 
-def grant_uids(path: str, uids: Iterable[int], perm: int) -> bool:
+def grant_uids(path: str | int, uids: Iterable[int], perm: int) -> bool:
     """Let ``uids`` through ``path``'s file modes with ``perm`` (a POSIX ACL entry
     each); False when the file system takes no ACLs (the caller then opens the
-    mode to others: every connection's credentials are checked anyway)."""
+    mode to others: every connection's credentials are checked anyway). ``path``
+    may be an open file descriptor."""
     wanted = sorted(set(uids))
     if not wanted:
         return True
@@ -154,7 +154,7 @@ def grant_uids(path: str, uids: Iterable[int], perm: int) -> bool:
     return True
 
 
-def open_to(path: str, uids: Iterable[int], perm: int) -> None:
+def open_to(path: str | int, uids: Iterable[int], perm: int) -> None:
     """:func:`grant_uids`, or where ACLs are not supported, ``perm`` for others
     (the credential check on every connection is then the only gate)."""
     if not grant_uids(path, uids, perm):
@@ -170,23 +170,51 @@ def prepare_socket_dir(directory: str, *, shared: bool, group: int | None = None
     """Create the socket's directory (0700; 0750 and ``group`` when ``shared``, and
     search permission for each of ``uids``) or check that an existing one is the
     sidecar's: owned by its user (or root) and writable by nobody else. Raises
-    PermissionError with what is wrong."""
-    path = Path(directory)
-    if not path.exists():
-        path.mkdir(parents=True, mode=0o700, exist_ok=True)  # the umask can only narrow it
-        os.chmod(path, 0o750 if shared else 0o700)
-        if group is not None:
-            os.chown(path, -1, group)
-        open_to(directory, uids, 0o5)
-    st = os.stat(path)
+    PermissionError with what is wrong.
+
+    The path is normalised first (``a/new/..`` is ``a``), and modes, group and
+    ACL entries are only ever set on the directory this call itself created,
+    through a descriptor of it: a directory that already existed (``/tmp``, say)
+    is checked, never changed."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    if not os.path.isdir(directory) and parent != directory:
+        os.makedirs(parent, exist_ok=True)  # missing ancestors: default modes, never changed
+        created = True
+        try:
+            os.mkdir(directory, 0o700)  # the umask can only narrow it
+        except FileExistsError:  # made by someone else meanwhile: checked like any other
+            created = False
+        if created:
+            _settle_new_dir(directory, 0o750 if shared else 0o700, group, uids)
+    st = os.stat(directory)  # the directory the socket is bound in, symlinks resolved
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"socket directory {directory} is not a directory")
+    _check_socket_dir(directory, st)
+
+
+def _settle_new_dir(directory: str, mode: int, group: int | None, uids: Iterable[int]) -> None:
+    """Set the mode (group, ACL entries) of the directory just made, through a
+    descriptor opened without following a symlink, so a name swapped meanwhile
+    changes nothing."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_socket_dir(directory, os.fstat(fd), ignore_mode=True)
+        os.fchmod(fd, mode)
+        if group is not None:
+            os.fchown(fd, -1, group)
+        open_to(fd, uids, 0o5)
+    finally:
+        os.close(fd)
+
+
+def _check_socket_dir(directory: str, st: os.stat_result, *, ignore_mode: bool = False) -> None:
     if st.st_uid not in (os.geteuid(), 0):
         raise PermissionError(
             f"socket directory {directory} belongs to uid {st.st_uid}, not to this sidecar "
             f"(uid {os.geteuid()}); use a directory the sidecar owns (--socket, "
             "$RUNTIME_DIRECTORY)")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if not ignore_mode and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(
             f"socket directory {directory} is writable by others "
             f"(mode {stat.S_IMODE(st.st_mode):04o}): anyone could replace the socket; "

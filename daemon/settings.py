@@ -207,5 +207,7 @@ def from_args(ns: argparse.Namespace) -> Settings:
             raise ConfigError(f"{opt.flag} (env {opt.env}) {complaint}")
     _check_together(ns)
     values = {opt.field: _CONVERT[opt.convert](getattr(ns, opt.dest), opt) for opt in OPTIONS}
-    values["socket"] = ns.socket or default_socket(ns.device)
+    # One absolute, normalised path for every consumer (the directory checks, the
+    # READY line, the shm prefix): ``a/new/../x.sock`` must be checked as ``a``.
+    values["socket"] = os.path.abspath(ns.socket or default_socket(ns.device))
     return Settings(**values)

@@ -100,6 +100,11 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
         # procfs makes no directory (ENOENT), as a read-only file system (EROFS) makes none
         "socket directory not made": (["--socket", "/proc/self/kvs-none/s.sock", *keys], {},
                                       "kvsidecar: cannot serve /proc/self/kvs-none/s.sock: "),
+        # ".." once hid the open directory: it was chmodded 0700 instead of refused
+        "socket directory open to others": (
+            ["--socket", str(tmp_path / "open" / "new" / ".." / "s.sock"), *keys], {},
+            f"kvsidecar: cannot serve {tmp_path}/open/s.sock: socket directory "
+            f"{tmp_path}/open is writable by others (mode 1777)"),
         "socket path too long": (["--socket", "/tmp/" + "x" * 120 + ".sock", *keys], {},
                                  "is longer than 107 bytes (a unix socket limit); "
                                  "pass a shorter path"),
@@ -130,6 +135,9 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
         argv = ["--socket", sock, *argv]
     if name == "socket not a socket":
         (tmp_path / "file").write_text("not a socket")
+    if name == "socket directory open to others":
+        (tmp_path / "open").mkdir()
+        os.chmod(tmp_path / "open", 0o1777)
     for token, fixture in (("HELD", "held_socket"), ("TAKEN", "taken_port")):
         if token in " ".join(argv) + says:
             value = str(request.getfixturevalue(fixture))
@@ -140,7 +148,7 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
 
 CASES = ["missing keys", "bad flag", "unknown flag", "bad env value", "bad env choice",
          "socket in use", "socket not a socket", "socket directory not made",
-         "socket path too long",
+         "socket directory open to others", "socket path too long",
          "handshake port in use", "handshake host not here", "unusable device",
          "transport check"]
 #: Cases that exist only with metrics on (the "metrics off" run has no listener).
@@ -174,6 +182,9 @@ def test_a_refusal_exits_2_at_once_with_one_line(name: str, metrics: str, startu
     assert says in lines[0], lines[0]
     assert took < BOUND_S + startup_s, (took, startup_s)
     assert not (tmp_path / "s.sock").exists()
+    if name == "socket directory open to others":  # refused, and left as it was
+        assert os.stat(tmp_path / "open").st_mode & 0o7777 == 0o1777
+        assert not (tmp_path / "open" / "new").exists()
 
 
 @pytest.mark.parametrize("metrics", METRICS)
