@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-#: How the text of a flag or variable is parsed (a switch: set, or the variable
-#: set to anything but empty, ``0`` or ``false``).
+#: How the text of a flag or variable is parsed (a switch: given, or its variable
+#: one of :data:`SWITCH_ON`; :data:`SWITCH_OFF` is off, anything else an error).
 Kind = Literal["str", "int", "float", "switch"]
 #: How a parsed value becomes its Settings value (ids: names resolved by the
 #: system's user and group database, in settings.py).
@@ -43,6 +43,9 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 CHECK_MODES: Final = ("require-zero-copy", "allow-tcp", "off")
 DEVICE: Final = re.compile(r"^(cpu|cuda:\d+)$")
 ENV_PREFIX: Final = "KVSIDECAR_"
+#: A switch's variable, any case: these turn it on, these off, anything else is refused.
+SWITCH_ON: Final = ("1", "true", "yes", "on")
+SWITCH_OFF: Final = ("", "0", "false", "no", "off")
 
 
 # Sections: the groups of ``--help`` and of the docs table, in this order.
@@ -157,6 +160,19 @@ def one_of(choices: tuple[str, ...], *, any_case: bool = False) -> Check:
 
 def device(v: str) -> str | None:
     return None if DEVICE.match(v) else f"must be cpu or cuda:N, got {v!r}"
+
+
+def switch(text: str) -> bool | None:
+    """A switch variable's value: True for :data:`SWITCH_ON`, False for
+    :data:`SWITCH_OFF` (any case, surrounding blanks ignored), None for anything
+    else (``maybe`` must not turn off peer authentication, nor ``off`` turn it on)."""
+    word = text.strip().lower()
+    return True if word in SWITCH_ON else False if word in SWITCH_OFF else None
+
+
+def switch_words() -> str:
+    """The accepted values of a switch variable, for messages and docs."""
+    return f"{'/'.join(SWITCH_ON)} (on) or empty/{'/'.join(SWITCH_OFF[1:])} (off), any case"
 
 
 def csv(text: str) -> tuple[str, ...]:

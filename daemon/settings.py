@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsidecar.daemon.addresses import WILDCARDS, bracket, routable_address
-from kvsidecar.daemon.options import OPTIONS, SECTIONS, Convert, Option, csv
+from kvsidecar.daemon.options import (
+    OPTIONS,
+    SECTIONS,
+    Convert,
+    Option,
+    csv,
+    switch,
+    switch_words,
+)
 from kvsidecar.ipc.socket_path import default_socket
 
 
@@ -126,6 +134,31 @@ def _number(kind: type[int] | type[float], env: str) -> Callable[[str], int | fl
 _NUMBERS: dict[str, type[int] | type[float]] = {"int": int, "float": float}
 
 
+def _switch_value(env: str) -> Callable[[str], bool]:
+    """The argparse ``type`` of a switch: parses its variable's text (argparse
+    runs a string default through it when the flag is not given)."""
+    def parse(text: str) -> bool:
+        on = switch(text)
+        if on is None:
+            raise argparse.ArgumentTypeError(
+                f"must be {switch_words()} (env {env}), got {text!r}")
+        return on
+    parse.__name__ = "switch"
+    return parse
+
+
+class _Switch(argparse.Action):
+    """``store_true`` whose default is its variable's text, parsed strictly by
+    ``type`` (a bad value is a usage error naming the variable)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
 def _help(opt: Option) -> str:
     env = f"{opt.env}=1" if opt.kind == "switch" else opt.env
     default = opt.shown_default().replace("`", "")
@@ -144,8 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for opt in OPTIONS:
         group = groups[opt.section]
         if opt.kind == "switch":
-            group.add_argument(opt.flag, action="store_true", help=_help(opt),
-                               default=_env_default(opt) not in ("", "0", "false"))
+            group.add_argument(opt.flag, action=_Switch, help=_help(opt),
+                               default=_env_default(opt), type=_switch_value(opt.env))
             continue
         typed: dict[str, Any] = {}
         if opt.kind in _NUMBERS:

@@ -29,6 +29,9 @@ import pytest
     (["--post-during-claim", "-1"], {},
      "--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be 0..3600 seconds"),
     (["--post-lanes", "0"], {}, "--post-lanes (env KVSIDECAR_POST_LANES) must be 1..8, got 0"),
+    ([], {"KVSIDECAR_INSECURE_PEERS": "maybe"},
+     "argument --insecure-peers: must be 1/true/yes/on (on) or empty/0/false/no/off (off), "
+     "any case (env KVSIDECAR_INSECURE_PEERS), got 'maybe'"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str],
                                               msg: str) -> None:

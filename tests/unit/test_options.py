@@ -82,11 +82,32 @@ def test_each_variable_sets_its_flag_and_the_flag_wins(opt: Option,
     if opt.kind != "switch":
         assert getattr(parser().parse_args([opt.flag, str(opt.default)]), opt.dest) \
             == opt.default
-    for off in ("", "0", "false"):
-        if opt.kind == "switch":
+    if opt.kind == "switch":
+        for on in ("1", "true", "TRUE", "yes", "On", " on "):
+            clean_env.setenv(opt.env, on)
+            assert getattr(parser().parse_args([]), opt.dest) is True, on
+        for off in ("", "0", "false", "False", "no", "NO", "off", " off "):
             clean_env.setenv(opt.env, off)
-            assert getattr(parser().parse_args([]), opt.dest) is False
+            assert getattr(parser().parse_args([]), opt.dest) is False, off
             assert getattr(parser().parse_args([opt.flag]), opt.dest) is True
+
+
+@pytest.mark.parametrize("opt", [o for o in OPTIONS if o.kind == "switch"],
+                         ids=lambda o: o.flag)
+@pytest.mark.parametrize("bad", ["maybe", "2", "enabled", "nope"])
+def test_a_switch_variable_with_another_value_is_refused(
+        opt: Option, bad: str, clean_env: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``KVSIDECAR_INSECURE_PEERS=maybe`` (or ``nope``) once turned peer
+    authentication off: any value but the listed ones is a usage error naming
+    the variable and the accepted values, exit 2."""
+    clean_env.setenv(opt.env, bad)
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"kvsidecar serve: error: argument {opt.flag}: must be 1/true/yes/on (on) "
+                   f"or empty/0/false/no/off (off), any case (env {opt.env}), got {bad!r}")
 
 
 def test_peer_keys_fall_back_to_systemd_credentials(clean_env: pytest.MonkeyPatch) -> None:
