@@ -48,6 +48,10 @@ def preflight(s: Settings) -> None:
 def _peer_keys(s: Settings) -> None:
     if s.insecure_peers:
         return
+    if not s.peer_keys:  # no flag, no variable, no systemd credentials
+        raise Refusal("no peer key: pass --peer-keys DIR (env KVSIDECAR_PEER_KEYS), a directory "
+                      "made once with `kvsidecar keys DIR` and shared by the sidecars that read "
+                      "from each other (or --insecure-peers, for development only)")
     from kvsidecar.daemon.peer_auth import load_keys
 
     try:

@@ -80,6 +80,10 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
         "missing keys": ([], {"KVSIDECAR_PEER_KEYS": str(tmp_path)},
                          f"kvsidecar: no {tmp_path}/sidecar.key_secret: create one with "
                          f"`kvsidecar keys {tmp_path}`"),
+        # README's serve once ran like this and got "no sidecar.key_secret ... keys ."
+        "no keys named": ([], {}, "kvsidecar: no peer key: pass --peer-keys DIR (env "
+                                  "KVSIDECAR_PEER_KEYS), a directory made once with "
+                                  "`kvsidecar keys DIR`"),
         "bad flag": (["--post-lanes", "9", *keys], {},
                      "kvsidecar serve: error: --post-lanes (env KVSIDECAR_POST_LANES) must be "
                      "1..8, got 9"),
@@ -146,7 +150,8 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
     return argv, env, says
 
 
-CASES = ["missing keys", "bad flag", "unknown flag", "bad env value", "bad env choice",
+CASES = ["missing keys", "no keys named", "bad flag", "unknown flag", "bad env value",
+         "bad env choice",
          "socket in use", "socket not a socket", "socket directory not made",
          "socket directory open to others", "socket path too long",
          "handshake port in use", "handshake host not here", "unusable device",
