@@ -6,6 +6,8 @@
 - Every source path in backticks in docs/*.md (``daemon/x.py``,
   ``tests/e2e/test_y.py::test_z``) names a file that exists, and a test it
   names exists in that file.
+- The documented vLLM config names the socket of the ``kvsidecar serve`` it
+  pairs with, and the README example's fallback is serve's default socket.
 """
 
 from __future__ import annotations
@@ -85,3 +87,29 @@ def test_architecture_names_every_module() -> None:
         and f"`{p.parent.name}/{p.name}`" not in text
         and str(p.relative_to(ROOT)) not in text)
     assert missing == [], f"docs/ARCHITECTURE.md does not place: {missing}"
+
+
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+@pytest.mark.parametrize("doc", [README, ROOT / "docs" / "vllm.md"], ids=_name)
+def test_a_documented_vllm_config_meets_the_serve_it_pairs_with(doc: Path) -> None:
+    """The documented kv-transfer-config once named /tmp/kvsidecar/cpu.sock, where no
+    ``kvsidecar serve`` listens (its default is /tmp/kvsidecar-<uid>/...): each
+    block's ``sidecar_socket`` (rank 0) is the ``--socket`` of the serve it shows."""
+    blocks = [body for _, body in BLOCK.findall(doc.read_text())
+              if '"kv_connector": "KvSidecarConnector"' in body]
+    assert blocks, doc
+    for body in blocks:
+        named = re.search(r'"sidecar_socket": "([^"]+)"', body)
+        assert named is not None, body
+        served = re.findall(r"kvsidecar serve .*?--socket (\S+)", body)
+        assert named.group(1).format(rank=0, local_rank=0) in served, body
+
+
+def test_the_readme_example_falls_back_to_serves_default_socket() -> None:
+    code = "".join(body for lang, body in BLOCK.findall(README.read_text())
+                   if lang == "python")
+    assert 'os.environ.get("KVSIDECAR_SOCKET") or default_socket("cpu")' in code
+    for doc in [README, *DOCS]:
+        assert "/tmp/kvsidecar/" not in doc.read_text(), doc  # a socket serve never makes
