@@ -211,7 +211,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option("--advertise-host", "advertise_host", "", "host peers dial, when the bind host is "
            "a wildcard", ADDRESSES,
            shown="the bind host; for a wildcard, this host's routable address"),
-    Option("--backends", "backends", "UCX", "comma-separated NIXL backends", ADDRESSES,
+    Option("--backends", "backends", "UCX", "comma-separated NIXL backends (plugins of this "
+           "NIXL installation, case-sensitive; checked at start)", ADDRESSES,
            convert="csv", check=some_backend),
     # -- security
     Option("--peer-keys", "peer_keys", "", "directory with the fleet's CURVE key "

@@ -13,7 +13,9 @@ Checks, in order: peer keys; the address peers dial; the transport the
 measured loopback READ runs after start-up and gates ``/readyz``); the GPU of
 ``--device cuda:N``; the handshake and metrics listeners (host and port); the engine socket (its
 path, its directory, which is created as the start-up would, and whether
-another sidecar holds it).
+another sidecar holds it); last, the ``--backends`` against the NIXL plugins
+installed (the one check that imports NIXL, about a second, which the start-up
+pays anyway: so it runs after every cheap one).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Refusal(Exception):
 
 def preflight(s: Settings) -> None:
     """Raise :class:`Refusal` for the first thing that would make ``serve`` refuse."""
-    for check in (_peer_keys, _advertised, _transport, _device, _ports, _socket):
+    for check in (_peer_keys, _advertised, _transport, _device, _ports, _socket, _backends):
         check(s)
 
 
@@ -118,6 +120,24 @@ def _socket(s: Settings) -> None:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise Refusal(f"{path} exists and is not a socket; remove it or pass another "
                           "--socket")
+
+
+def _backends(s: Settings) -> None:
+    """Every ``--backends`` name is a NIXL plugin this installation has (else every
+    engine's registration would fail creating its agent, long after READY)."""
+    from kvsidecar.daemon.transport.agent_host import available_plugins
+
+    try:
+        available = available_plugins()
+    except Exception as e:  # NIXL itself unusable: say so, whatever it raised
+        raise Refusal(f"cannot list NIXL's backend plugins: {type(e).__name__}: {e}; is "
+                      "NIXL installed (pip install kvsidecar) and NIXL_PLUGIN_DIR right?"
+                      ) from None
+    unknown = [b for b in s.backends if b not in available]
+    if unknown:
+        raise Refusal(f"--backends (env KVSIDECAR_BACKENDS): no NIXL plugin "
+                      f"{', '.join(unknown)} here; available: {', '.join(available) or 'none'}"
+                      "; pass some of these (names are case-sensitive), e.g. UCX")
 
 
 def _ports(s: Settings) -> None:

@@ -30,6 +30,7 @@ import gc
 import importlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from kvsidecar.daemon.transport.metadata import peek_agent_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentFactory", "AgentHost", "AgentReset", "nixl_agent_factory"]
+__all__ = ["AgentFactory", "AgentHost", "AgentReset", "available_plugins", "nixl_agent_factory"]
 
 #: makes a NIXL agent (``nixl._api.nixl_agent`` or a stand-in) of the given name
 AgentFactory = Callable[[str], Any]
@@ -64,6 +65,15 @@ class AgentReset:
     reason: str
     reads_failed: int
     teardown_s: float
+
+
+def available_plugins() -> list[str]:
+    """The NIXL backend plugins this installation can create (``UCX``, ...), as
+    NIXL's own plugin manager finds them (``NIXL_PLUGIN_DIR``, the wheel's
+    plugin directory, static plugins): asked of a bare agent, no backend made."""
+    bindings = importlib.import_module("nixl._bindings")
+    agent = bindings.nixlAgent(f"kvsidecar-plugins-{os.getpid()}", bindings.nixlAgentConfig())
+    return sorted(str(p) for p in agent.getAvailPlugins())
 
 
 def nixl_agent_factory(backends: Sequence[str] = ("UCX",),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,24 @@ def test_bad_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, st
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("kvsidecar serve: error: ") and msg in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("backends", ["FOO", "UCX,FOO", "ucx"])
+def test_an_unknown_backend_is_refused_at_start(backends: str, tmp_path: Path) -> None:
+    """``KVSIDECAR_BACKENDS=FOO`` once started, answered /readyz 200 and then
+    failed every registration (``nixlNotFoundError``): the names are checked
+    against NIXL's plugins before anything starts, one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIDECAR_")}
+    out = subprocess.run([sys.executable, "-m", "kvsidecar", "serve", "--insecure-peers",
+                          "--socket", str(tmp_path / "s.sock")],
+                         env={**env, "KVSIDECAR_BACKENDS": backends}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    bad = backends.split(",")[-1]
+    assert lines[0].startswith(f"kvsidecar: --backends (env KVSIDECAR_BACKENDS): no NIXL "
+                               f"plugin {bad} here; available: "), lines[0]
+    assert "UCX" in lines[0].split("available: ")[1]
+    assert not (tmp_path / "s.sock").exists()
