@@ -123,3 +123,31 @@ def test_service_monitor_selects_the_service_port() -> None:
         assert ep["port"] in ports and ep["path"] == "/metrics"
     pod_labels = by_kind("Pod")["metadata"]["labels"]
     assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+
+
+def test_the_engine_can_import_the_connector_module() -> None:
+    """The engine runs stock vLLM, which has no kvsidecar: an init container
+    from the sidecar's image (so the same version) copies the package into a
+    volume, before the native sidecar and the engine start, and the engine puts
+    that volume on PYTHONPATH (once nothing installed it: the connector named
+    by kv_connector_module_path could not be imported)."""
+    pod = by_kind("Pod")
+    engine = pod["spec"]["containers"][0]
+    config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    module = config["kv_connector_module_path"]
+    assert module == "kvsidecar.integrations.vllm"
+    inits = pod["spec"]["initContainers"]
+    (lib,) = [c for c in inits if c["name"] == "kvsidecar-lib"]
+    assert inits.index(lib) < inits.index(sidecar(pod))  # done before anything runs
+    assert "restartPolicy" not in lib  # a plain init container: runs to completion
+    assert lib["image"] == sidecar(pod)["image"]
+    (lib_mount,) = lib["volumeMounts"]
+    command = " ".join(lib["command"])
+    assert "import os, shutil, kvsidecar" in command
+    assert f"'{lib_mount['mountPath']}/kvsidecar'" in command
+    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+    paths = (env.get("PYTHONPATH") or "").split(":")
+    engine_mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    assert engine_mounts.get(lib_mount["name"]) in paths
+    volume = {v["name"]: v for v in pod["spec"]["volumes"]}[lib_mount["name"]]
+    assert "emptyDir" in volume
