@@ -17,6 +17,10 @@ from kvsidecar.daemon import settings as settings_mod
 from kvsidecar.daemon.options import BY_FIELD
 from kvsidecar.ipc.socket_path import default_socket
 
+_DESCRIPTION = ("kvsidecar: a per-GPU KV-cache transfer daemon for disaggregated LLM "
+                "inference. Run one `kvsidecar serve` per GPU; engines (e.g. vLLM's "
+                "KvSidecarConnector) send it their reads and holds. `kvsidecar <command> "
+                "--help` describes each command.")
 _SOCKET_ENV = BY_FIELD["socket"].env
 _DEVICE = BY_FIELD["device"]
 
@@ -29,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="kvsidecar", description=__doc__)
+    parser = _Parser(prog="kvsidecar", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser(
@@ -64,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("--json", action="store_true", help="one JSON object")
     p_status.add_argument("--timeout", type=float, default=5.0,
                           help="seconds to wait for the answer (default 5)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named after the command they were given to, as argparse does not
+        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.cmd == "status":
         return _status(args.socket or _default_status_socket(), args.json, args.timeout)
     if args.cmd == "keys":

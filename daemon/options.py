@@ -15,6 +15,7 @@ nothing); ``settings.from_args`` words it as ``--flag (env NAME) <complaint>``.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Callable
@@ -175,6 +176,24 @@ def switch_words() -> str:
     return f"{'/'.join(SWITCH_ON)} (on) or empty/{'/'.join(SWITCH_OFF[1:])} (off), any case"
 
 
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def host(v: str) -> str | None:
+    """Empty, an IPv4/IPv6 address (IPv6 bracketed or not) or a DNS host name."""
+    if not v:
+        return None
+    try:
+        ipaddress.ip_address(v[1:-1] if v.startswith("[") and v.endswith("]") else v)
+        return None
+    except ValueError:
+        pass
+    name = v.removesuffix(".")
+    if len(name) <= 253 and all(_LABEL.match(label) for label in name.split(".")):
+        return None
+    return f"must be a host name or an IP address, got {v!r}"
+
+
 def csv(text: str) -> tuple[str, ...]:
     """``"UCX, GDS"`` -> ("UCX", "GDS"); empty items dropped."""
     return tuple(t.strip() for t in text.split(",") if t.strip())
@@ -209,7 +228,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option("--handshake-port", "handshake_port", 0, "handshake TCP port", ADDRESSES,
            kind="int", check=port(), shown="`0` (any free port)"),
     Option("--advertise-host", "advertise_host", "", "host peers dial, when the bind host is "
-           "a wildcard", ADDRESSES,
+           "a wildcard", ADDRESSES, check=host,
            shown="the bind host; for a wildcard, this host's routable address"),
     Option("--backends", "backends", "UCX", "comma-separated NIXL backends (plugins of this "
            "NIXL installation, case-sensitive; checked at start)", ADDRESSES,

@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", type=Path, default=DOC)
     p.add_argument("--check", action="store_true", help="exit 1 when the file is out of date")
     args = p.parse_args(argv)
-    old = args.path.read_text()
+    try:
+        old = args.path.read_text()
+    except FileNotFoundError:
+        p.exit(2, f"{p.prog}: no {args.path}: it edits a source checkout's "
+                  "docs/configuration.md; run it from a checkout (an installed package has "
+                  "no docs/) or pass the file's path\n")
     new = splice(old, render())
     if args.check:
         if new != old:

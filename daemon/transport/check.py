@@ -251,7 +251,24 @@ def _loopback(nbytes: int, device: int | None = None) -> dict[str, object]:
     return out
 
 
-def main() -> None:
+_USAGE = """usage: python -m kvsidecar.daemon.transport.check
+
+The start-up transport self-check's child process (kvsidecar serve runs it):
+one loopback NIXL READ between two agents, reported as one line on stdout,
+KVSIDECAR CHECK {"ok": ..., ...}. Takes no arguments; the environment
+KVSIDECAR_CHECK_BYTES (default 32 MiB) and KVSIDECAR_CHECK_DEVICE (a GPU
+index; unset: host memory) set what it reads, UCX_TLS what UCX may use."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        if args[0] in ("-h", "--help"):
+            print(_USAGE)
+            return 0
+        print(f"{_USAGE.splitlines()[0]}\ncheck: error: takes no arguments, got "
+              f"{' '.join(args)}", file=sys.stderr)
+        return 2
     try:
         device = os.environ.get("KVSIDECAR_CHECK_DEVICE", "")
         verdict = _loopback(int(os.environ.get("KVSIDECAR_CHECK_BYTES", str(32 << 20))),
@@ -260,7 +277,8 @@ def main() -> None:
         verdict = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     sys.stdout.flush()
     print("KVSIDECAR CHECK " + json.dumps(verdict), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,6 +30,8 @@ import pytest
     (["--post-during-claim", "-1"], {},
      "--post-during-claim (env KVSIDECAR_POST_DURING_CLAIM) must be 0..3600 seconds"),
     (["--post-lanes", "0"], {}, "--post-lanes (env KVSIDECAR_POST_LANES) must be 1..8, got 0"),
+    (["--advertise-host", "not_a_host!"], {},
+     "--advertise-host (env KVSIDECAR_ADVERTISE_HOST) must be a host name or an IP address"),
     ([], {"KVSIDECAR_INSECURE_PEERS": "maybe"},
      "argument --insecure-peers: must be 1/true/yes/on (on) or empty/0/false/no/off (off), "
      "any case (env KVSIDECAR_INSECURE_PEERS), got 'maybe'"),

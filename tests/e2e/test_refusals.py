@@ -88,7 +88,7 @@ def _case(name: str, request: pytest.FixtureRequest, tmp_path: Path
                      "kvsidecar serve: error: --post-lanes (env KVSIDECAR_POST_LANES) must be "
                      "1..8, got 9"),
         "unknown flag": (["--no-such-flag", "2", *keys], {},
-                         "kvsidecar: error: unrecognized arguments: --no-such-flag 2"),
+                         "kvsidecar serve: error: unrecognized arguments: --no-such-flag 2"),
         "bad env value": (keys, {"KVSIDECAR_HOLD_TIMEOUT": "soon"},
                           "kvsidecar serve: error: argument --hold-timeout: must be a number "
                           "(flag or env KVSIDECAR_HOLD_TIMEOUT), got 'soon'"),
