@@ -7,8 +7,9 @@ or NIXL worker thread is *reported* rather than making the probe hang.
 - healthz (liveness: restart me if red): the event loop and every NIXL worker
   thread went round their loops within ``bound_s``.
 - readyz (send me traffic): healthz, plus every NIXL agent running, the
-  handshake listener accepting TCP connections, the transport self-check
-  passed, and the daemon not draining.
+  handshake port's socket listening (read from the kernel's socket tables:
+  a probe that connected would be a failed peer handshake), the transport
+  self-check passed, and the daemon not draining.
 
 The bodies are JSON naming each check and which failed, e.g.
 ``{"status": "fail", "failed": ["worker:prefill-0"], "checks": {...}}``.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import os
 import time
 
 from kvsidecar.daemon.d_side.table import ReadTable
@@ -134,6 +134,7 @@ class Health:
         self.table = table
         self.sampler = sampler
         self.transport = transport
+        self._listener = ListenerProbe()
 
     def liveness(self) -> list[Check]:
         """Event loop and NIXL worker threads responsive (any thread may call this)."""
@@ -182,19 +183,75 @@ class Health:
         return checks
 
     def _listener_check(self) -> Check:
-        """Connect to the handshake port: proves it is bound and accepting."""
+        """The handshake port's listening socket is still there.
+
+        Read from the kernel's socket tables, never by connecting: a TCP
+        connection that sends no ZMTP greeting is a failed handshake to libzmq,
+        so a connect per probe made every ``/readyz`` and ``kvsidecar status``
+        a refused peer (``kvsidecar_refused_total{channel="peer"}``, a WARNING
+        line, and the log's budget of refusal lines spent on probes)."""
         bound = self.state.handshake_bound
         if not bound:
             return Check("handshake_listener", False, "not started")
-        host, port = bound.rsplit(":", 1)
-        host = host.strip("[]")
-        if host in ("0.0.0.0", "*", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
+        port = int(bound.rsplit(":", 1)[1])
         try:
-            with socket.create_connection((host, int(port)), timeout=2):
-                pass
+            listening = self._listener.listening(port)
         except OSError as e:
-            return Check("handshake_listener", False, f"{bound}: {e}")
-        return Check("handshake_listener", True, f"accepting on {bound}")
+            return Check("handshake_listener", False, f"{bound}: cannot read the socket "
+                         f"tables ({e})")
+        if not listening:
+            return Check("handshake_listener", False,
+                         f"{bound}: this process has no socket listening on port {port}")
+        return Check("handshake_listener", True, f"listening on {bound}")
+
+
+#: TCP_LISTEN in the ``st`` column of /proc/net/tcp and /proc/net/tcp6
+_TCP_LISTEN = "0A"
+
+
+class ListenerProbe:
+    """Whether this process has a TCP socket listening on a port, from
+    ``/proc/net/tcp{,6}`` (the listening sockets of its network namespace,
+    with their inodes) and ``/proc/self/fd`` (which of those inodes are its
+    own): another process listening on the same port does not count. The
+    inode found is remembered, so the fd table is read again only when the
+    listening socket changed."""
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self.proc = proc
+        self._inode: str | None = None
+
+    def listening(self, port: int) -> bool:
+        inodes = self._listening_inodes(port)
+        if self._inode in inodes:
+            return True
+        self._inode = next(iter(inodes & self._own_socket_inodes()), None) if inodes else None
+        return self._inode is not None
+
+    def _listening_inodes(self, port: int) -> set[str]:
+        out: set[str] = set()
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"{self.proc}/net/{table}") as f:
+                    lines = f.read().splitlines()[1:]  # after the header
+            except FileNotFoundError:  # no IPv6 in this kernel
+                continue
+            for line in lines:
+                fields = line.split()
+                # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+                if (len(fields) > 9 and fields[3] == _TCP_LISTEN
+                        and int(fields[1].rsplit(":", 1)[1], 16) == port):
+                    out.add(fields[9])
+        return out
+
+    def _own_socket_inodes(self) -> set[str]:
+        out: set[str] = set()
+        fds = f"{self.proc}/self/fd"
+        for fd in os.listdir(fds):
+            try:
+                target = os.readlink(f"{fds}/{fd}")
+            except OSError:  # closed since the listing
+                continue
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+        return out

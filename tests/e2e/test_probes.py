@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -120,3 +122,32 @@ def test_idle_tcp_connections_cannot_keep_a_fleet_member_out(tmp_path: Path, flo
     finally:
         d.stop()
         assert p.stop() == 0
+
+
+def test_readiness_probes_are_not_refused_peers(tmp_path: Path) -> None:
+    """/readyz and ``kvsidecar status`` check the handshake listener without
+    connecting to it: no refused peer, no WARNING. Before, each one was a TCP
+    connection that never sent a ZMTP greeting, so 5 probes counted
+    ``kvsidecar_refused_total{channel="peer",reason="handshake_no_detail"}`` 8
+    and the log's refusal lines (10, then every 1000th) went to the kubelet."""
+    side = SidecarProcess(tmp_path, "pr-ready", args=["--metrics-port", "0"]).start()
+    try:
+        port = side.metrics_port
+        deadline = time.monotonic() + 120
+        while _get(port, "/readyz")[0] != 200:
+            assert time.monotonic() < deadline, _get(port, "/readyz")[1]
+            time.sleep(0.5)
+        before = side.metric("kvsidecar_refused_total", channel="peer")
+        assert before == 0  # waiting for ready probed too
+        for _ in range(5):
+            code, body = _get(port, "/readyz", source="127.0.0.9")
+            assert code == 200, body
+        status = subprocess.run(
+            [sys.executable, "-m", "kvsidecar", "status", "--socket", side.socket],
+            capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        time.sleep(1.0)  # the guard's monitor thread would have seen them by now
+        assert side.metric("kvsidecar_refused_total", channel="peer") == before
+        assert "failed its handshake" not in side.read_log()
+    finally:
+        assert side.stop() == 0
