@@ -12,6 +12,13 @@ With ``per_source`` it also caps the connections from one remote address
 (TCP): a flood from one host cannot take every slot from the fleet's other
 members.
 
+A failed handshake is logged with the remote address. libzmq's monitor event
+for it carries an errno, not the connection (and, for a listener, only the
+local endpoint), but libzmq emits the connection's ``DISCONNECTED`` (with its
+fd) right after it, from the same I/O thread: the guard notes each TCP
+connection's remote address when it is accepted and names it when that
+``DISCONNECTED`` comes.
+
 Accounting follows ``ACCEPTED``/``DISCONNECTED`` events, which libzmq emits
 before it closes an fd, so a reused fd number always comes after its old
 connection's end. The receiving pipe is unbounded (``RCVHWM`` 0), so no event
@@ -111,6 +118,10 @@ class ConnectionGuard:
         self.handshake_failures = 0
         self._on_refuse = on_refuse
         self._on_handshake_failure = on_handshake_failure
+        #: remote ``host:port`` of each accepted TCP connection, until it ends
+        self._peer_of: dict[int, str] = {}
+        #: a handshake failure whose log line waits for the connection's end (its fd)
+        self._failed: str | None = None
         self._open: set[int] = set()
         self._lock = threading.Lock()
         self._sock: zmq.Socket[Any] = sock
@@ -156,27 +167,35 @@ class ConnectionGuard:
                     last_sweep = time.monotonic()
                     self._sweep()
         finally:
+            self._log_failure(None)
             mon.close(linger=0)
 
     def _event(self, event: int, fd: int) -> None:
+        """One monitor event; ``fd`` is the event's value (an errno for a failed
+        handshake)."""
+        if self._failed is not None:
+            self._log_failure(fd if event == zmq.EVENT_DISCONNECTED else None)
         if event & _HANDSHAKE_FAILED:
             self.handshake_failures += 1
             kind = _FAILURE_KINDS.get(event, "other")
             if self._on_handshake_failure is not None:
                 self._on_handshake_failure(kind)
             if worth_logging(self.handshake_failures):
-                log.warning("%s socket: a connection failed its handshake (%s; %d so far)",
-                            self.name, kind, self.handshake_failures)
+                self._failed = kind  # logged at the connection's DISCONNECTED, next
             return
         if event == zmq.EVENT_DISCONNECTED:
             with self._lock:
                 self._open.discard(fd)
                 self._forget_source(fd)
+                self._peer_of.pop(fd, None)
             return
         if event != zmq.EVENT_ACCEPTED:
             return
-        source = self._source(fd) if self.per_source is not None else None
+        peer = self._peer(fd) if isinstance(self.local, int) else None
+        source = peer.rsplit(":", 1)[0].strip("[]") if peer and self.per_source else None
         with self._lock:
+            if peer is not None:
+                self._peer_of[fd] = peer
             over_source = (source is not None and self.per_source is not None
                            and self._by_source.get(source, 0) >= self.per_source)
             if len(self._open) < self.limit and not over_source:
@@ -203,6 +222,16 @@ class ConnectionGuard:
                 log.warning("%s socket: refused a connection, %d open is the limit "
                             "(%d refused so far)", self.name, self.limit, self.refused)
 
+    def _log_failure(self, fd: int | None) -> None:
+        """Log the pending handshake failure, naming the connection on ``fd``."""
+        kind, self._failed = self._failed, None
+        if kind is None:
+            return
+        with self._lock:
+            peer = self._peer_of.get(fd) if fd is not None else None
+        log.warning("%s socket: a connection from %s failed its handshake (%s; %d so far)",
+                    self.name, peer or "an unknown address", kind, self.handshake_failures)
+
     def _forget_source(self, fd: int) -> None:
         """(Lock held.) ``fd``'s connection is gone: its source has one less."""
         source = self._source_of.pop(fd, None)
@@ -213,9 +242,9 @@ class ConnectionGuard:
             else:
                 self._by_source.pop(source, None)
 
-    def _source(self, fd: int) -> str | None:
-        """The remote host of the TCP connection on ``fd`` (None: not one of ours,
-        or not TCP)."""
+    def _peer(self, fd: int) -> str | None:
+        """The remote ``host:port`` of the TCP connection on ``fd`` (None: not one
+        of ours, or not TCP)."""
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 return None
@@ -226,7 +255,10 @@ class ConnectionGuard:
             if not self._mine(s):
                 return None
             peer = s.getpeername()
-            return str(peer[0]) if isinstance(peer, tuple) else None
+            if not isinstance(peer, tuple):
+                return None
+            host = str(peer[0])
+            return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
         except OSError:
             return None
         finally:
@@ -257,25 +289,26 @@ class ConnectionGuard:
         finally:
             s.detach()  # the fd is libzmq's: never close it here
 
+    def _is_mine(self, fd: int) -> bool:
+        """Whether ``fd`` is still a socket with this listener's local end."""
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return False
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            return self._mine(s)
+        finally:
+            s.detach()
+
     def _sweep(self) -> None:
         with self._lock:
-            fds = list(self._open)
-        gone = []
-        for fd in fds:
-            try:
-                ok = stat.S_ISSOCK(os.fstat(fd).st_mode)
-                if ok:
-                    s = socket.socket(fileno=fd)
-                    try:
-                        ok = self._mine(s)
-                    finally:
-                        s.detach()
-            except OSError:
-                ok = False
-            if not ok:
-                gone.append(fd)
+            fds = self._open | self._peer_of.keys()
+        gone = [fd for fd in fds if not self._is_mine(fd)]
         if gone:
             with self._lock:
                 self._open.difference_update(gone)
                 for fd in gone:
                     self._forget_source(fd)
+                    self._peer_of.pop(fd, None)

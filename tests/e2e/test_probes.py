@@ -129,7 +129,9 @@ def test_readiness_probes_are_not_refused_peers(tmp_path: Path) -> None:
     connecting to it: no refused peer, no WARNING. Before, each one was a TCP
     connection that never sent a ZMTP greeting, so 5 probes counted
     ``kvsidecar_refused_total{channel="peer",reason="handshake_no_detail"}`` 8
-    and the log's refusal lines (10, then every 1000th) went to the kubelet."""
+    and the log's refusal lines (10, then every 1000th) went to the kubelet.
+    A real peer that fails its handshake is still counted, and logged with the
+    address it came from."""
     side = SidecarProcess(tmp_path, "pr-ready", args=["--metrics-port", "0"]).start()
     try:
         port = side.metrics_port
@@ -149,5 +151,21 @@ def test_readiness_probes_are_not_refused_peers(tmp_path: Path) -> None:
         time.sleep(1.0)  # the guard's monitor thread would have seen them by now
         assert side.metric("kvsidecar_refused_total", channel="peer") == before
         assert "failed its handshake" not in side.read_log()
+
+        # A bare TCP connection to the handshake port is a failed handshake: counted,
+        # logged with its address (noted when it is accepted: one reset at once,
+        # before the guard saw it, is logged as "an unknown address").
+        host, hs_port = side.handshake.rsplit(":", 1)
+        with socket.create_connection((host, int(hs_port)), timeout=10,
+                                      source_address=("127.0.0.3", 0)) as s:
+            peer = f"127.0.0.3:{s.getsockname()[1]}"
+            time.sleep(0.5)
+        line = f"a connection from {peer} failed its handshake (no_detail; 1 so far)"
+        deadline = time.monotonic() + 30
+        while line not in side.read_log():
+            assert time.monotonic() < deadline, side.read_log()[-3000:]
+            time.sleep(0.2)
+        assert side.metric("kvsidecar_refused_total", channel="peer",
+                           reason="handshake_no_detail") == 1
     finally:
         assert side.stop() == 0
