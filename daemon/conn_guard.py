@@ -274,6 +274,16 @@ class ConnectionGuard:
         return bool(here == self.local)
 
     def _shut(self, fd: int) -> bool:
+        """Shut ``fd`` down if it is still a socket with this listener's local end."""
+        return self._on_mine(fd, _shut_down)
+
+    def _is_mine(self, fd: int) -> bool:
+        """Whether ``fd`` is still a socket with this listener's local end."""
+        return self._on_mine(fd)
+
+    def _on_mine(self, fd: int, act: Callable[[socket.socket], None] | None = None) -> bool:
+        """Whether ``fd`` is still a socket with this listener's local end, after
+        ``act`` on it if so (the fd is libzmq's: never closed here)."""
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 return False
@@ -283,22 +293,9 @@ class ConnectionGuard:
         try:
             if not self._mine(s):
                 return False
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+            if act is not None:
+                act(s)
             return True
-        finally:
-            s.detach()  # the fd is libzmq's: never close it here
-
-    def _is_mine(self, fd: int) -> bool:
-        """Whether ``fd`` is still a socket with this listener's local end."""
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                return False
-            s = socket.socket(fileno=fd)
-        except OSError:
-            return False
-        try:
-            return self._mine(s)
         finally:
             s.detach()
 
@@ -312,3 +309,8 @@ class ConnectionGuard:
                 for fd in gone:
                     self._forget_source(fd)
                     self._peer_of.pop(fd, None)
+
+
+def _shut_down(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
