@@ -28,6 +28,8 @@ from kvsidecar.metrics.registry import Metrics
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_IDLE_S = 1.0  # the longest sleep
+#: a pass this late (the event loop was held up) judges no engine by its silence
+STALLED_S = 0.5
 #: engine liveness and stale reservations are checked this often
 LIVENESS_EVERY_S = 1.0
 #: the shortest time between passes, pokes included: with many holds expiring
@@ -69,6 +71,7 @@ async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
             continue  # something is due before the planned pass: plan again
         alarm.event.clear()
         last = now = time.monotonic()
+        stalled = math.isfinite(at) and now - at > STALLED_S
         try:
             _expire(registry, metrics, now)
         except Exception:
@@ -77,7 +80,9 @@ async def housekeeping(registry: Registry, alarm: Alarm, background: Background,
         if now - last_liveness_check >= LIVENESS_EVERY_S - HOUSEKEEPING_MIN_S:
             last_liveness_check = now
             try:
-                registry.check_liveness(now)
+                # After a stall, engines' requests may wait unread in their sockets:
+                # none is taken for dead by silence until the next check.
+                registry.check_liveness(now, by_lease=not stalled)
                 _release_stale_reservations(registry, background, now)
             except Exception:
                 log.exception("housekeeping's liveness check failed; continuing")

@@ -37,12 +37,14 @@ def alive(pid: int) -> bool:
     return True
 
 
-def death(eng: EngineRank, now: float, lease_s: float) -> str:
-    """Why ``eng`` is taken for dead ('' while alive)."""
+def death(eng: EngineRank, now: float, lease_s: float, by_lease: bool = True) -> str:
+    """Why ``eng`` is taken for dead ('' while alive). ``by_lease=False``: by its
+    pid only (the event loop was stalled: requests the engine sent meanwhile
+    may wait unread in its socket, so its silence proves nothing yet)."""
     if eng.pid_visible and not alive(eng.pid):
         return f"its process (pid {eng.pid}) exited"
     idle = now - eng.last_seen
-    if idle > lease_s:
+    if by_lease and idle > lease_s:
         return f"it sent no request for {idle:.1f} s (--engine-lease {lease_s:g} s)"
     return ""
 

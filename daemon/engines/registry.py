@@ -414,12 +414,13 @@ class Registry:
 
     # ------------------------------------------------------------ liveness
 
-    def check_liveness(self, now: float) -> None:
-        """Drop (or, ``keep_on_exit``, orphan) every engine whose process is gone."""
+    def check_liveness(self, now: float, by_lease: bool = True) -> None:
+        """Drop (or, ``keep_on_exit``, orphan) every engine whose process is gone
+        (``by_lease=False``: judged by pid only, see :func:`death`)."""
         for eng in list(self.table.ranks.values()):
             if eng.orphaned or eng.engine_id in self.table.registering:
                 continue
-            why = death(eng, now, self.settings.engine_lease_s)
+            why = death(eng, now, self.settings.engine_lease_s, by_lease)
             if not why:
                 continue
             self.metrics.engines_gone.labels(

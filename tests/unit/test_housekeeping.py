@@ -85,16 +85,21 @@ class _Loop:
         self.ended: dict[str, float] = {}  # request id -> when its hold ended (s since t0)
         self.book = HoldBook(default_timeout_s=60, grace_s=grace_s, on_done=self._done)
         self.liveness: list[float] = []
+        self.by_lease: list[bool] = []
         self.overrun = _Counter()
         eng = types.SimpleNamespace(holds=self.book, engine_id="P")
         self.registry = types.SimpleNamespace(
             table=types.SimpleNamespace(serving=lambda: [eng], ranks={}, registering={}),
-            check_liveness=lambda now: self.liveness.append(now - self.t0),
+            check_liveness=self._liveness,
             settings=types.SimpleNamespace(engine_lease_s=30.0, notif_grace_s=grace_s),
             reservations=types.SimpleNamespace(stale=lambda *a: []))
         self.metrics = types.SimpleNamespace(notifications_received=_Counter(),
                                              hold_overrun=self.overrun)
         self.alarm = Alarm()
+
+    def _liveness(self, now: float, by_lease: bool = True) -> None:
+        self.liveness.append(now - self.t0)
+        self.by_lease.append(by_lease)
 
     def _done(self, outcome: HoldOutcome) -> None:
         self.ended[outcome.request_id] = time.monotonic() - self.t0
@@ -203,3 +208,22 @@ def test_a_cancel_that_meets_a_poke_still_ends_housekeeping() -> None:
         assert hk.task.cancelled()
 
     hk.run(body)
+
+
+def test_after_a_stall_no_engine_is_taken_for_dead_by_its_silence() -> None:
+    """A pass that wakes long after it was planned (the loop was held up) judges
+    engines by pid only: their requests may wait unread in the sockets. The
+    next check, a second later, judges by silence again."""
+    hk = _Loop()
+
+    async def body() -> None:
+        await asyncio.sleep(1.5)  # two checks on time
+        time.sleep(1.2)  # the loop held up past a planned pass
+        await asyncio.sleep(1.3)
+
+    hk.run(body)
+    assert hk.by_lease[:2] == [True, True]
+    stalled = [i for i, b in enumerate(hk.by_lease) if not b]
+    assert len(stalled) == 1 and stalled[0] >= 2, hk.by_lease
+    assert hk.by_lease[stalled[0] + 1:] and all(hk.by_lease[stalled[0] + 1:])
+
