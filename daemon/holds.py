@@ -72,7 +72,7 @@ from typing import Literal
 from kvsidecar.daemon.notifications import ReadDone
 from kvsidecar.daemon.planner import expected_notifications
 from kvsidecar.daemon.recent_keys import RecentKeys
-from kvsidecar.ipc.protocol import MAX_HOLD_S
+from kvsidecar.ipc.hold_token import ENGINE_TOKEN_LIFE_S
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ class _Early:
     member: bytes = b""  # the member whose claim made this entry
     digest: bytes = b""  # the blocks its claims' tokens name
     members: dict[ReaderRank, bytes] = field(default_factory=dict)
+    #: a claim was granted on it (its renewals skip the check for an end)
+    claimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,10 +206,9 @@ class HoldBook:
         self._holds: dict[Key, _Hold] = {}
         self._early: dict[Key, _Early] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()  # why each recent hold ended
-        #: every end within the longest life of an engine-issued token (a hold's
-        #: timeout, up to MAX_HOLD_S, twice as the vLLM connector issues them, or
-        #: max_life_s, plus a lease): what a claim before its hold is checked against
-        self.ended_recently = RecentKeys(max(2 * MAX_HOLD_S, max_life_s) + lease_s)
+        #: every end within the longest life of an engine-issued token (see
+        #: _token_life), plus a lease: what a claim before its hold is checked against
+        self.ended_recently = RecentKeys(self._token_life(default_timeout_s) + lease_s)
         self.unclaimed = 0
         self.duplicates = 0
         #: claims refused with no hold that may have ended (forgotten why, see the module)
@@ -218,6 +219,12 @@ class HoldBook:
 
     def __len__(self) -> int:
         return len(self._holds)
+
+    def _token_life(self, timeout_s: float) -> float:
+        """How long an engine's own token for a hold of ``timeout_s`` may live
+        (:data:`~kvsidecar.ipc.hold_token.ENGINE_TOKEN_LIFE_S`, or twice the
+        timeout), or the sidecar's, ``--hold-max-life``, if longer."""
+        return max(ENGINE_TOKEN_LIFE_S, 2 * timeout_s, self.max_life_s)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._holds
@@ -262,6 +269,9 @@ class HoldBook:
         if key in self._holds:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")
         timeout = timeout_s if timeout_s is not None else self.default_timeout_s
+        horizon = self._token_life(timeout) + self.lease_s
+        if horizon > self.ended_recently.horizon_s:
+            self.ended_recently.widen(horizon)
         h = _Hold(engine_id, request_id, p_tp, readers, now + timeout,
                   cap=now + max(timeout, self.max_life_s), placed=now, block_ids=block_ids,
                   digest=digest)
@@ -362,9 +372,6 @@ class HoldBook:
             if digest and h.digest and digest != h.digest:
                 return Lease(False, reason=f"the hold token names other blocks than the hold "
                                            f"of {request_id!r} pins")
-            refused = self._bind(h.members, reader, member)
-            if refused:
-                return Lease(False, reason=refused)
             if h.released:
                 return Lease(False, reason=f"the hold of {request_id!r} was {h.released}")
             if h.finishing:
@@ -374,6 +381,10 @@ class HoldBook:
             if lease <= 0:
                 return Lease(False, reason=f"the hold of {request_id!r} reached its longest "
                                            f"life ({self.max_life_s:g} s, --hold-max-life)")
+            # Bound only once granted: a refused claimant is no reader the hold waits for.
+            refused = self._bind(h.members, reader, member)
+            if refused:
+                return Lease(False, reason=refused)
             h.deadline = max(h.deadline, now + lease)
             h.lease_until = max(h.lease_until, now + lease)
             return Lease(True, lease)
@@ -384,7 +395,9 @@ class HoldBook:
             self.forgotten_refused += 1
             return Lease(False, reason=f"the hold of {request_id!r} has ended (its token was "
                                        "issued at the hold, and no hold is open)")
-        if key not in self._early and self.ended_recently.may_contain(_key_bytes(key), now):
+        waiting = self._early.get(key)
+        if (waiting is None or not waiting.claimed) and self.ended_recently.may_contain(
+                _key_bytes(key), now):
             self.forgotten_refused += 1
             return Lease(False, reason=(
                 f"the hold of {request_id!r} is not placed and may have ended (this rank "
@@ -404,6 +417,7 @@ class HoldBook:
             return Lease(False, reason=refused)
         early.digest = early.digest or digest
         early.lease_until = max(early.lease_until, now + self.lease_s)
+        early.claimed = True
         return Lease(True, self.lease_s)
 
     def member_of(self, engine_id: str, request_id: str, reader: ReaderRank) -> bytes | None:
@@ -457,8 +471,7 @@ class HoldBook:
         key = (engine_id, request_id)
         h = self._holds.get(key)
         if h is None:
-            if key in self._ended or (key not in self._early and self.ended_recently.may_contain(
-                    _key_bytes(key), now)):
+            if key in self._ended:
                 return  # late news of a hold that already ended: nothing to free
             early = self._early_entry(key, now, member)
             if early is None or len(early.reports) >= MAX_REPORTS_PER_ENTRY:
@@ -582,7 +595,14 @@ class HoldBook:
         """Remember why ``key`` ended; from ``now`` on its tokens' claims are refused
         (None: an engine that went away, whose hold key, and so tokens, went too)."""
         if now is not None:
+            overflows = self.ended_recently.overflows
             self.ended_recently.add(_key_bytes(key), now)
+            if self.ended_recently.overflows != overflows:
+                log.warning("more holds ended within %.0f s than this rank can tell apart: "
+                            "until %.0f s from now, claims with an engine's own token for a "
+                            "request with no hold are refused as possibly ended",
+                            self.ended_recently.horizon_s,
+                            self.ended_recently.saturated_until - now)
         self._ended[key] = why[:200]  # an error text may be long; 65,536 of them are kept
         self._ended.move_to_end(key)
         while len(self._ended) > self.max_ended:

@@ -2,9 +2,10 @@
 
 :class:`RecentKeys` answers :meth:`~RecentKeys.may_contain`: ``False`` means
 the key was not added within the last ``horizon_s`` (exact); ``True`` means it
-may have been (a false positive at most about ``1 %`` of the time while each
-slice holds at most its capacity). Memory is fixed: ``slices`` bit arrays of
-``capacity * BITS_PER_KEY`` bits, allocated on first use.
+may have been (a false positive about ``0.15 %`` of the time for each slice
+checked, up to ``slices``, while each holds at most its capacity). Memory is
+fixed: ``slices`` bit arrays of ``capacity * BITS_PER_KEY`` bits, allocated
+as the keys come. The horizon may only widen (:meth:`RecentKeys.widen`).
 
 Time is cut in slices of ``horizon_s / (slices - 1)``; a key goes into the
 newest slice, and the oldest slice is dropped only once every key in it is
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 __all__ = ["RecentKeys"]
 
-BITS_PER_KEY = 10
-"""Bits per key at capacity: with :data:`HASHES` hashes, about a 1 % false-positive rate."""
+BITS_PER_KEY = 14
+"""Bits per key at capacity: with :data:`HASHES` hashes, about a 0.15 % false-positive
+rate per slice."""
 HASHES = 7
 
 
@@ -55,6 +57,12 @@ class RecentKeys:
         self.saturated_until = -math.inf
         #: how many slices were dropped while their keys were within the horizon
         self.overflows = 0
+
+    def widen(self, horizon_s: float) -> None:
+        """Remember keys for ``horizon_s`` from now on (a longer horizon only)."""
+        if horizon_s > self.horizon_s:
+            self.horizon_s = horizon_s
+            self._span_s = horizon_s / (self.slices - 1)
 
     def _positions(self, key: bytes) -> list[int]:
         h = hashlib.blake2b(key, digest_size=16).digest()

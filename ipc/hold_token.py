@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import msgspec
 
 __all__ = [
+    "ENGINE_TOKEN_LIFE_S",
     "KEY_BYTES",
     "MAX_TOKEN_CHARS",
     "Issued",
@@ -59,6 +60,11 @@ __all__ = [
 ]
 
 VERSION = "1"
+ENGINE_TOKEN_LIFE_S = 600.0
+"""How long an engine's own tokens live (the vLLM connector's scheduler issues
+them so), or twice its holds' timeout when that is longer: how long P must
+remember that a hold ended to refuse a stale token's claim
+(:class:`~kvsidecar.daemon.holds.HoldBook`)."""
 KEY_BYTES = 64
 """A hold key: the issuing half, then the checking half (32 bytes each)."""
 _HALF = KEY_BYTES // 2

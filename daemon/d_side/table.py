@@ -189,7 +189,9 @@ class ReadTable:
         of = (req.engine_id, r.engine_id, req.remote_request_id or req.request_id)
         reading = self._reading.get(of)
         if reading is not None:
-            raise RequestError(DUPLICATE, (
+            # Not DUPLICATE: a client resending a read takes that for "the first
+            # copy was taken", and this one was not.
+            raise RequestError(BAD_REQUEST, (
                 f"engine {req.engine_id[:200]!r} is already reading request {of[2][:200]!r} "
                 f"of engine {r.engine_id[:200]!r} (read {reading[:200]!r}): one read of a "
                 "hold at a time per engine rank"))

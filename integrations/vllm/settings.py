@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...ipc.hold_token import ENGINE_TOKEN_LIFE_S
 from ...ipc.protocol import MAX_HOLD_S, MemoryKind
 from ...ipc.socket_path import default_socket
 from .layout import UnsupportedConfig
@@ -46,8 +47,10 @@ keeps them (``keep_every_s``) until it reads, and a D that is gone lets them
 go one ``--hold-lease`` after its last claim."""
 TOKEN_MINOR = 11
 """The minor that brought hold tokens (a sidecar without them cannot be read from)."""
-TOKEN_LIFE_S = 600.0
-"""How long the hold tokens the scheduler issues are valid (past vLLM's 480 s hold)."""
+TOKEN_LIFE_S = ENGINE_TOKEN_LIFE_S
+"""How long the hold tokens the scheduler issues are valid (past vLLM's 480 s hold;
+twice the hold timeout when that is longer): what P's sidecar expects of an
+engine's own tokens (:data:`~kvsidecar.ipc.hold_token.ENGINE_TOKEN_LIFE_S`)."""
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ def test_ended_holds_stay_refused_after_why_they_ended_is_forgotten() -> None:
     older one is still refused: with a token the sidecar issued (at the hold,
     so no hold means it ended) and with one the engine issued (its request may
     have ended within the tokens' life). A request never held is still claimed
-    early, and a late report opens no early entry."""
+    early; a late report waits as early news, but lets no claim through."""
     b, _ = leased(max_ended=2)
     for rid in ("a", "b", "c"):
         b.add("P", rid, p_tp=1, readers=1, timeout_s=None, now=0)
@@ -223,9 +223,11 @@ def test_ended_holds_stay_refused_after_why_they_ended_is_forgotten() -> None:
     by_sidecar = b.claim("P", "a", now=1, may_precede=False)
     assert not by_sidecar.granted and "issued at the hold" in by_sidecar.reason
     assert b.forgotten_refused == 2
-    b.notify(note("a", "D", 0, 1), now=1)  # late news: dropped, not kept for a hold
-    assert b.early == 0
-    assert b.claim("P", "new", now=1).granted and b.early == 1
+    b.notify(note("a", "D", 0, 1), now=1)  # late news, kept as early (bounded, lapses)
+    assert b.early == 1
+    assert not b.claim("P", "a", now=1).granted  # its entry was no claim's
+    assert b.claim("P", "new", now=1).granted and b.early == 2
+    assert b.claim("P", "new", now=2).granted  # a renewal
     # The sidecar issues a token only once its hold is placed: never early.
     assert not b.claim("P", "newer", now=1, may_precede=False).granted
 
@@ -245,6 +247,8 @@ def test_a_hold_read_by_its_readers_waits_for_another_claimants_lease() -> None:
     for who in (("D1", 0), ("D2", 0), ("D3", 0)):
         refused = b.claim("P", "r", now=3, reader=who)
         assert not refused.granted and "read by its 1 reading engine" in refused.reason
+    for who in (("D3", 0), ("D4", 0)):  # refused claimants are no readers it waits for
+        assert not b.claim("P", "s", now=3, reader=who).granted
     assert b.release("P", "r", now=3) and done == []  # ends as its reader made it
     b.notify(note("s", "D2", 0, 1), now=3)  # the other claimant finished: ends now
     assert [(d.request_id, d.kind) for d in done] == [("s", "sent")]

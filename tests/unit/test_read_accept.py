@@ -15,7 +15,6 @@ from kvsidecar.daemon.d_side.table import ReadTable
 from kvsidecar.ipc.layout import attention_layout
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
-    DUPLICATE,
     Completion,
     Read,
     RemoteEngine,
@@ -74,7 +73,7 @@ def test_a_second_read_of_a_hold_by_the_same_engine_waits_for_the_first_to_end()
     with pytest.raises(RequestError, match="already reading request 'p-req' of engine 'P' "
                                            r"\(read 'a'\)") as e:
         table.accept(eng, again)
-    assert e.value.code == DUPLICATE and len(started) == 1
+    assert e.value.code == BAD_REQUEST and len(started) == 1
     table.accept(eng, Read(id=3, engine_id="D", request_id="c", local_block_ids=[[2]],
                            remote=RemoteEngine("P", 1, ["127.0.0.1:1"]),
                            remote_block_ids=[[3]], remote_tokens=["t"],

@@ -17,12 +17,23 @@ def test_every_key_added_within_the_horizon_is_found_and_forgotten_after() -> No
     assert not keys.may_contain(b"k0", now + 200)  # everything aged out
 
 
-def test_false_positives_stay_near_one_percent_at_capacity() -> None:
-    keys = RecentKeys(100.0, capacity=5000, slices=2)
-    for i in range(5000):
-        keys.add(b"in%d" % i, now=0.0)
-    wrong = sum(keys.may_contain(b"out%d" % i, now=1.0) for i in range(20000))
-    assert wrong / 20000 < 0.03
+def test_false_positives_stay_under_one_percent_with_every_slice_full() -> None:
+    keys = RecentKeys(300.0, capacity=5000, slices=4)
+    for i in range(20000):  # four full slices, all within the horizon
+        keys.add(b"in%d" % i, now=i * 0.005)
+    assert keys.overflows == 0 and not keys.saturated(100.0)
+    wrong = sum(keys.may_contain(b"out%d" % i, now=100.0) for i in range(50000))
+    assert wrong / 50000 < 0.01
+
+
+def test_a_wider_horizon_keeps_keys_longer() -> None:
+    keys = RecentKeys(10.0, capacity=100, slices=3)
+    keys.add(b"k", now=0.0)
+    keys.widen(100.0)
+    keys.widen(50.0)  # never narrower
+    assert keys.horizon_s == 100.0
+    keys.add(b"later", now=60.0)
+    assert keys.may_contain(b"k", now=60.0)
 
 
 def test_a_slice_dropped_while_its_keys_are_recent_saturates_the_set() -> None:
