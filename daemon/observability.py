@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 
 from kvsidecar.daemon.d_side.table import ReadTable
@@ -214,19 +215,47 @@ class ListenerProbe:
     ``/proc/net/tcp{,6}`` (the listening sockets of its network namespace,
     with their inodes) and ``/proc/self/fd`` (which of those inodes are its
     own): another process listening on the same port does not count. The
-    inode found is remembered, so the fd table is read again only when the
-    listening socket changed."""
+    socket found (its fd and inode) is remembered and asked directly next
+    time (still that socket, still listening on the port), so the tables,
+    which grow with every TCP socket of the namespace, are read again only
+    when the listening socket changed."""
 
     def __init__(self, proc: str = "/proc") -> None:
         self.proc = proc
         self._inode: str | None = None
+        self._fd: int | None = None
 
     def listening(self, port: int) -> bool:
-        inodes = self._listening_inodes(port)
-        if self._inode in inodes:
+        if self._fd is not None and self._still_listening(self._fd, port):
             return True
-        self._inode = next(iter(inodes & self._own_socket_inodes()), None) if inodes else None
+        inodes = self._listening_inodes(port)
+        own = self._own_socket_inodes() if inodes else {}
+        self._inode = next((i for i in sorted(inodes) if i in own), None)
+        self._fd = None if self._inode is None else own[self._inode]
         return self._inode is not None
+
+    def _still_listening(self, fd: int, port: int) -> bool:
+        """Whether ``fd`` is still the socket found, listening on ``port`` (asked
+        of the socket itself; only for this process's real /proc)."""
+        try:
+            if os.readlink(f"{self.proc}/self/fd/{fd}") != f"socket:[{self._inode}]":
+                return False
+        except OSError:
+            return False
+        if self.proc != "/proc":  # a stand-in /proc has no real socket behind it
+            return False
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            here = s.getsockname()
+            return (s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+                    and isinstance(here, tuple) and here[1] == port)
+        except OSError:
+            return False
+        finally:
+            s.detach()  # libzmq's fd: never closed here
 
     def _listening_inodes(self, port: int) -> set[str]:
         out: set[str] = set()
@@ -244,14 +273,15 @@ class ListenerProbe:
                     out.add(fields[9])
         return out
 
-    def _own_socket_inodes(self) -> set[str]:
-        out: set[str] = set()
+    def _own_socket_inodes(self) -> dict[str, int]:
+        """This process's sockets: inode -> fd."""
+        out: dict[str, int] = {}
         fds = f"{self.proc}/self/fd"
         for fd in os.listdir(fds):
             try:
                 target = os.readlink(f"{fds}/{fd}")
             except OSError:  # closed since the listing
                 continue
-            if target.startswith("socket:["):
-                out.add(target[8:-1])
+            if target.startswith("socket:[") and fd.isdigit():
+                out[target[8:-1]] = int(fd)
         return out

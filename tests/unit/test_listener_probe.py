@@ -62,3 +62,26 @@ def test_listener_gone_after_it_was_seen(tmp_path: Path) -> None:
     assert probe.listening(PORT)
     (proc / "net" / "tcp").write_text(HEADER)
     assert not probe.listening(PORT)
+
+
+def test_a_real_listener_is_asked_directly_once_found(monkeypatch) -> None:
+    """Once found, the probe asks the socket itself (its fd, still listening on
+    the port) and reads no table; a closed listener is noticed."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    probe = ListenerProbe()
+    assert probe.listening(port)
+    tables: list[int] = []
+    real = probe._listening_inodes
+    monkeypatch.setattr(probe, "_listening_inodes",
+                        lambda p: tables.append(p) or real(p))
+    for _ in range(3):
+        assert probe.listening(port)
+    assert tables == []
+    assert not probe.listening(port + 1 if port < 65535 else port - 1)
+    s.close()
+    assert not probe.listening(port)
