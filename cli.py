@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         except settings_mod.ConfigError as e:
             p_serve.error(str(e))
         try:
-            preflight(s)  # before any thread, server or NIXL: a refusal exits at once
+            preflight(s)  # before any server or agent (a bare NIXL agent lists the
+            # plugins, last): a refusal exits at once
         except Refusal as e:
             print(f"kvsidecar: {e}", file=sys.stderr, flush=True)
             return 2

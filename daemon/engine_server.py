@@ -163,6 +163,9 @@ _LISTEN_BACKLOG = 128
 #: Replies that make a connection an engine's own (exempt from the idle rules
 #: while that engine is live), to requests naming the engine id.
 _REGISTERING = (Registered, Reserved)
+#: a connection's engine ids are pruned of the gone ones when it names this many
+#: (a connection busy enough never to be idle would otherwise only grow them)
+_PRUNE_ENGINES_AT = 64
 _ACCEPT_PAUSE_S = 0.1
 
 
@@ -497,6 +500,8 @@ class EngineServer:
         if isinstance(reply, Error):
             reply = self._error(reply)
         elif type(reply) in _REGISTERING and isinstance(req, (Register, Reserve)):
+            if len(conn.engines) >= _PRUNE_ENGINES_AT:  # a busy connection churning ids
+                self._serves_engine(conn)
             conn.engines.add(req.engine_id)
         conn.reply(reply)
 
