@@ -39,13 +39,19 @@ from collections.abc import Callable, Sequence
 from kvsidecar.daemon.peers.client import ControlAnswer, HandshakeClient
 from kvsidecar.daemon.peers.control import Claim
 from kvsidecar.daemon.peers.messages import HandshakeFailed
-from kvsidecar.ipc.protocol import BAD_REQUEST, UNAVAILABLE, KeepItem, RequestError
+from kvsidecar.ipc.protocol import (
+    BAD_REQUEST,
+    MAX_KEEP_CLAIMS_PER_KEEP,
+    UNAVAILABLE,
+    KeepItem,
+    RequestError,
+)
 
 log = logging.getLogger(__name__)
 
 #: Claims one Keep may ask for (its items times the P ranks this rank keeps of
-#: each): 256 items of a P tp 16 engine kept by one D rank.
-MAX_KEEP_CLAIMS_PER_MESSAGE = 4096
+#: each): 256 items of a P tp 16 engine kept by one D rank (the protocol's bound).
+MAX_KEEP_CLAIMS_PER_MESSAGE = MAX_KEEP_CLAIMS_PER_KEEP
 #: Claims of one engine rank's Keeps in flight at once: two rounds of full Keeps
 #: (a round's claims to a dead P take the handshake timeout, longer than the
 #: connector's 3 s between rounds).

@@ -404,6 +404,10 @@ class Ping(_RequestBase, tag="ping", frozen=True):
 
 
 MAX_BATCH: Final = 256
+MAX_KEEP_CLAIMS_PER_KEEP: Final = 4096
+"""Lease claims one :class:`Keep` may ask for: its items times the P ranks the
+sidecar's rank keeps of each (P rank ``p`` by D rank ``p % D_tp``); more is
+refused ``bad_request``, so a client sends fewer items per Keep."""
 """Most requests one :class:`Batch` may carry."""
 
 

@@ -23,7 +23,15 @@ from ...ipc.client import (
     UnknownEngine,
     refusal_code,
 )
-from ...ipc.protocol import MAX_BATCH, UNKNOWN_ENGINE, Completion, Held, KeepItem, MemoryKind
+from ...ipc.protocol import (
+    MAX_BATCH,
+    MAX_KEEP_CLAIMS_PER_KEEP,
+    UNKNOWN_ENGINE,
+    Completion,
+    Held,
+    KeepItem,
+    MemoryKind,
+)
 from .layout import VllmLayout
 from .link import SidecarLink
 from .messages import HoldJob, KvSidecarMetadata, ReadJob, read_spec
@@ -43,6 +51,7 @@ class Transfers(SidecarLink):
         #: BATCH_MINOR gets them one by one)
         self._batches = batches
         self._keeps = keeps  # the sidecar keeps P's holds for us
+        self._keep_from = 0  # where the next round of keeps starts (see _keep)
         self.one_group = one_group
         self._invalid: set[int] = set()
 
@@ -139,16 +148,23 @@ class Transfers(SidecarLink):
         (best effort: a sidecar that cannot is logged; the read finds out)."""
         if self._down or not self._keeps:
             return
-        for i in range(0, len(items), MAX_BATCH):
+        # A round the sidecar cuts short (claims in flight at their bound) starts
+        # the next one where it stopped, so no waiting request is left out for good.
+        start = self._keep_from % len(items) if items else 0
+        ordered = [*items[start:], *items[:start]]
+        chunks = keep_chunks(ordered)
+        for n, chunk in enumerate(chunks):
             try:
-                self.client.keep(self.engine_id, items[i:i + MAX_BATCH])
+                self.client.keep(self.engine_id, chunk)
             except UnknownEngine as e:
                 self._lose(str(e))
                 return
             except SidecarError as e:
                 log.warning("kvsidecar: keeping %d waiting request(s) alive at the prefill "
-                            "side failed: %s", len(items), e)
+                            "side failed: %s", len(ordered) - n, e)
+                self._keep_from = start + sum(len(c) for c in chunks[:n])
                 return
+        self._keep_from = 0
 
     def _start_reads(self, jobs: Sequence[ReadJob]) -> None:
         """Send the step's reads without waiting for the sidecar's answer (in
@@ -304,3 +320,22 @@ class Transfers(SidecarLink):
             return None
         out: NixlKVConnectorStats = self.stats.clone_and_reset()
         return out
+
+
+def keep_chunks(items: Sequence[KeepItem]) -> list[list[KeepItem]]:
+    """``items`` in Keeps the sidecar takes: at most MAX_BATCH items and at most
+    MAX_KEEP_CLAIMS_PER_KEEP claims each (an item claims at most its P tp size)."""
+    chunks: list[list[KeepItem]] = []
+    cur: list[KeepItem] = []
+    claims = 0
+    for item in items:
+        cost = max(1, item.remote.tp_size)
+        if cur and (len(cur) >= MAX_BATCH or claims + cost > MAX_KEEP_CLAIMS_PER_KEEP):
+            chunks.append(cur)
+            cur, claims = [], 0
+        cur.append(item)
+        claims += cost
+    if cur:
+        chunks.append(cur)
+    return chunks
+

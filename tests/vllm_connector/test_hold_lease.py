@@ -94,3 +94,44 @@ def test_a_queued_request_keeps_p_blocks_and_a_vanished_reader_lets_them_go(
         D.shutdown()
         for s in (p_side, d_side):
             s.stop()
+
+
+def test_keeps_are_cut_by_claims_and_a_round_cut_short_resumes_where_it_stopped() -> None:
+    """A Keep carries at most MAX_BATCH items and MAX_KEEP_CLAIMS_PER_KEEP claims
+    (an item claims up to its P tp size), so a wide P does not get every Keep
+    refused; when the sidecar refuses a Keep (its claims in flight at their
+    bound), the next round starts with the items it did not keep, so the same
+    tail of waiting requests is not left out every round."""
+    from kvsidecar.integrations.vllm.transfers import Transfers, keep_chunks
+    from kvsidecar.ipc.errors import Unavailable
+    from kvsidecar.ipc.protocol import MAX_BATCH, MAX_KEEP_CLAIMS_PER_KEEP, KeepItem, RemoteEngine
+
+    def item(i: int, tp: int) -> KeepItem:
+        return KeepItem(RemoteEngine("P", tp, [f"h:{r}" for r in range(tp)]), f"r{i}",
+                        ["t"] * tp)
+
+    narrow = keep_chunks([item(i, 1) for i in range(600)])
+    assert [len(c) for c in narrow] == [MAX_BATCH, MAX_BATCH, 600 - 2 * MAX_BATCH]
+    wide = keep_chunks([item(i, 32) for i in range(300)])
+    assert all(sum(x.remote.tp_size for x in c) <= MAX_KEEP_CLAIMS_PER_KEEP for c in wide)
+    assert [len(c) for c in wide] == [128, 128, 44]
+
+    sent: list[list[str]] = []
+
+    class Client:
+        refuse_after = 1
+
+        def keep(self, engine_id: str, chunk: list[KeepItem]) -> None:
+            if len(sent) >= self.refuse_after:
+                raise Unavailable("unavailable", "keep claims in flight at their bound")
+            sent.append([x.remote_request_id for x in chunk])
+
+    t = object.__new__(Transfers)
+    t.client, t.engine_id, t._keeps, t._keep_from = Client(), "D", True, 0
+    t._lost = t._unreachable = ""
+    items = [item(i, 1) for i in range(600)]
+    t._keep(items)  # keeps the first 256, refused at the second Keep
+    assert sent == [[f"r{i}" for i in range(256)]]
+    sent.clear()
+    t._keep(items)  # starts with r256
+    assert sent == [[f"r{i}" for i in range(256, 512)]]
