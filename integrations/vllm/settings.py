@@ -115,6 +115,13 @@ class Settings:
 
 
 
+def socket_device(device_type: str, index: int | None) -> str:
+    """The device a worker's default sidecar socket is named for, as ``kvsidecar
+    serve --device`` names it: ``cpu``, or the GPU with its index (``cuda:1``:
+    ``serve --device cuda:1`` listens on ``cuda1.sock``)."""
+    return device_type if device_type == "cpu" or index is None else f"{device_type}:{index}"
+
+
 HOST_MEMORY = ("shm", "memfd")
 GPU_MEMORY = ("cuda_vmm", "cuda_malloc")
 

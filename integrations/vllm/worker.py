@@ -63,6 +63,7 @@ from .settings import (
     TOKEN_MINOR,
     Settings,
     memory_for,
+    socket_device,
 )
 from .specs import group_kind, layout_for
 from .transfers import Transfers
@@ -86,7 +87,9 @@ class WorkerSide(Transfers):
         device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
         memory = memory_for(device, settings.memory)
         vl = layout_for(vllm_config, kv_cache_config, settings.kernel_block_size)
-        socket = settings.socket_for(tp_rank, vllm_config.parallel_config.rank, device)
+        index = torch.cuda.current_device() if device == "cuda" else None
+        socket = settings.socket_for(tp_rank, vllm_config.parallel_config.rank,
+                                     socket_device(device, index))
         client = SidecarClient(socket, timeout_s=settings.client_timeout_s)
         minor = _sidecar_minor(client, socket, tp_rank, memory)
         super().__init__(client, kt.engine_id, tp_rank, socket, settings, memory, vl,

@@ -46,3 +46,16 @@ def test_a_hold_timeout_the_sidecar_would_refuse_is_refused_at_start_up(hold: fl
     with pytest.raises(UnsupportedConfig, match="hold_timeout_s"):
         ConnectorSettings.from_extra({"hold_timeout_s": hold})
     assert ConnectorSettings.from_extra({"hold_timeout_s": 3600}).hold_timeout_s == 3600
+
+
+def test_a_gpu_worker_looks_for_its_own_gpus_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM names a GPU worker's device type only (``cuda``); its default socket
+    is the one ``kvsidecar serve --device cuda:N`` listens on for the worker's
+    own GPU N (it once looked for ``cuda.sock``, which no sidecar serves)."""
+    from kvsidecar.integrations.vllm.settings import socket_device
+
+    for name in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR", "KVSIDECAR_SOCKET", "KVSIDECAR_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    settings = ConnectorSettings.from_extra({})
+    assert settings.socket_for(0, 0, socket_device("cuda", 1)) == _serve_default("cuda:1")
+    assert settings.socket_for(0, 0, socket_device("cpu", None)) == _serve_default("cpu")
