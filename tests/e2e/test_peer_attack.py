@@ -124,8 +124,11 @@ def test_by_default_an_outsider_gets_nothing_to_build_an_agent_from(
         victim: tuple[SidecarProcess, ShmRegion], tmp_path: Path) -> None:
     side, region = victim
     assert _ask(side.handshake, "victim-engine") is None  # plain ZMQ: no reply at all
-    # logged with the address it came from (a protocol failure: no CURVE)
-    _wait_for_log(side, "handshake socket: a connection from 127.0.0.1:")
+    # logged as a protocol failure (no CURVE). Its address is named only when the
+    # guard saw the connection accepted before libzmq closed it, which a failure
+    # at the greeting does not wait for (tests/e2e/test_probes.py names one that
+    # stays open).
+    _wait_for_log(side, "failed its handshake (protocol;")
     generate_keys(tmp_path / "thief-keys")
     thief = load_keys(tmp_path / "thief-keys")
     fleet_public = load_keys(fleet_keys()).public  # public keys are not secrets

@@ -159,7 +159,7 @@ def test_readiness_probes_are_not_refused_peers(tmp_path: Path) -> None:
         with socket.create_connection((host, int(hs_port)), timeout=10,
                                       source_address=("127.0.0.3", 0)) as s:
             peer = f"127.0.0.3:{s.getsockname()[1]}"
-            time.sleep(0.5)
+            time.sleep(2.0)  # open until the guard's thread has surely seen it accepted
         line = f"a connection from {peer} failed its handshake (no_detail; 1 so far)"
         deadline = time.monotonic() + 30
         while line not in side.read_log():
