@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +55,14 @@ class Raw:
         self.ch.close()
 
 
+def _peak_rss_mb(side: SidecarProcess) -> int:
+    """The sidecar's peak resident memory so far (VmHWM), in MB."""
+    assert side.proc is not None
+    with open(f"/proc/{side.proc.pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb // 1024
+
+
 def _one_byte_segments(n: int, regions: int, *, overlap: bool) -> dict[str, Any]:
     segs = [{"name": f"s{i}", "offset": i, "nbytes_local": 1, "units_total": 1}
             for i in range(n)]
@@ -75,20 +82,20 @@ def test_a_costly_layout_is_refused_at_once_and_others_are_served(
     other, bad = Raw(sidecar.socket), Raw(sidecar.socket)
     try:
         assert other.call({"op": "ping", "id": 1, "v": 1})["op"] == "pong"
-        t0 = time.monotonic()
+        peak = _peak_rss_mb(sidecar)
         bad.send({"op": "register", "id": 7, "v": 1, "engine_id": f"costly{segments}",
                   "tp_rank": 0, "layout": _one_byte_segments(segments, MAX_REGIONS,
                                                              overlap=True),
                   "mode": "allocate", "memory": "memfd"})
-        t1 = time.monotonic()
         assert other.call({"op": "ping", "id": 2, "v": 1})["op"] == "pong"
-        ping_s = time.monotonic() - t1
         reply = bad.recv()
-        took = time.monotonic() - t0
         assert (reply["op"], reply["code"]) == ("error", "bad_request"), reply
         assert reply["message"].startswith("invalid layout: "), reply
         assert says in reply["message"], reply
-        assert took < 1.0 and ping_s < 1.0, (took, ping_s)
+        # Checked without a span per region: the old check took ~5 MB a segment
+        # (300 MB for 63 segments, 1.5 GB for 301) at its peak.
+        grew = _peak_rss_mb(sidecar) - peak
+        assert grew < 100, f"the daemon's peak memory grew {grew} MB"
     finally:
         bad.close()
         other.close()
