@@ -99,6 +99,11 @@ def goes_alone(eng: EngineRank, job: ReadJob) -> bool:
 _ANY_INT64_ID = 1 << 63
 
 
+def _hold_read(req: Read) -> tuple[str, str, str]:
+    """Which hold ``req`` reads, for whom: (engine, remote engine, remote request)."""
+    return req.engine_id, req.remote.engine_id, req.remote_request_id or req.request_id
+
+
 def duplicate_read(request_id: str) -> RequestError:
     """The refusal of a read whose request id is already reading."""
     return RequestError(DUPLICATE, f"read {request_id!r} is already in progress")
@@ -186,7 +191,7 @@ class ReadTable:
                 f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
                 f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
                 "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
-        of = (req.engine_id, r.engine_id, req.remote_request_id or req.request_id)
+        of = _hold_read(req)
         reading = self._reading.get(of)
         if reading is not None:
             # Not DUPLICATE: a client resending a read takes that for "the first
@@ -403,9 +408,8 @@ class ReadTable:
         if job.tracing is not None:
             job.tracing.end(job.span, outcome=c.kind, bytes=c.nbytes)
         key = (eng.engine_id, job.req.request_id)
-        req = job.req
-        of = (req.engine_id, req.remote.engine_id, req.remote_request_id or req.request_id)
-        if self._reading.get(of) == req.request_id:
+        of = _hold_read(job.req)
+        if self._reading.get(of) == job.req.request_id:
             del self._reading[of]
         if self._jobs.get(key) is job:
             del self._jobs[key]
