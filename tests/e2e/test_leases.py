@@ -330,7 +330,8 @@ def test_a_hold_waits_for_every_claimants_lease_before_it_ends(tmp_path) -> None
     blocks. The hold then refuses the other engine's read as read already (not
     as ended: nothing was freed), and ends ``sent`` when that lease runs out
     (``--hold-lease 10``)."""
-    p = SidecarProcess(tmp_path, "two-p", args=["--hold-lease", "10", "--metrics-port", "0"]).start()
+    p = SidecarProcess(tmp_path, "two-p",
+                       args=["--hold-lease", "10", "--metrics-port", "0"]).start()
     ds = [SidecarProcess(tmp_path, f"two-d{i}").start() for i in range(2)]
     P = SimEngine("two-P", attn(8), 1, 96, [p])
     D1, D2 = (SimEngine(f"two-D{i}", attn(8), 1, 96, [d]) for i, d in enumerate(ds, 1))
