@@ -154,6 +154,7 @@ class Sidecar:
             access=AccessPolicy.of(settings.allow_uids, settings.allow_gids),
             max_message_bytes=settings.max_message_bytes,
             max_connections=fd_budget(settings.max_engine_connections, 0.25),
+            max_connections_per_uid=settings.max_engine_connections_per_uid,
             max_assembling_bytes=settings.max_assembling_bytes or None,
             long_message_timeout_s=settings.long_message_timeout_s,
             idle_timeout_s=settings.engine_idle_timeout_s,

@@ -49,6 +49,12 @@ metric) and answered with one clear error:
   is closed without a word to make room (reason ``idle_evicted``; the
   clients reconnect on their next call); when there is none, the new one
   gets one ``unavailable`` reply and is closed (reason ``connection_limit``);
+* connections of one uid beyond ``max_connections_per_uid``, where the
+  policy admits more than the daemon's own uid (:func:`uid_cap`): that uid's
+  own connection idle longest makes room as above, else the new one gets one
+  ``unavailable`` reply naming the uid and is closed (reason
+  ``uid_connection_limit``), checked before the total so one uid can neither
+  hold every slot nor evict the others' idle connections for more of its own;
 * a connection that serves no live engine and is idle for ``idle_timeout_s``
   is closed (reason ``idle_timeout``): idle connections cannot hold the slots.
   A connection serves an engine from the ``Registered``/``Reserved`` reply
@@ -131,7 +137,7 @@ from .engine_access import (
 )
 from .message_limit import SizeLimit
 
-__all__ = ["EngineServer", "RequestError", "RequestHandler"]
+__all__ = ["EngineServer", "RequestError", "RequestHandler", "uid_cap"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +147,8 @@ _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, including the NUL
 MAX_ERROR_CHARS = 1024
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 DEFAULT_MAX_CONNECTIONS = 256
+#: Connections one uid may hold where several uids are admitted (see uid_cap).
+DEFAULT_MAX_CONNECTIONS_PER_UID = 64
 #: Requests one connection may have in flight (a waiting poll holds one for
 #: its wait); far above what one engine's scheduler step issues.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -169,6 +177,23 @@ _PRUNE_ENGINES_AT = 64
 _ACCEPT_PAUSE_S = 0.1
 
 
+def uid_cap(access: AccessPolicy, per_uid: int, total: int) -> int | None:
+    """The most engine connections one uid may hold; None: only ``total`` bounds it.
+
+    ``per_uid`` where ``access`` admits anyone besides the daemon's own uid (an
+    ``--allow-uid``/``--allow-gid``), for every admitted uid, the daemon's own
+    and root included: one of them must not take every slot and lock the
+    others' engines out. None where only the daemon's own uid is admitted
+    (there is nobody to lock out: a cap would only shrink the total) or
+    ``per_uid`` is at least ``total`` (it could never bind).
+    """
+    if per_uid < 1:
+        raise ValueError(f"per_uid must be >= 1, got {per_uid}")
+    if not access.shared or per_uid >= total:
+        return None
+    return per_uid
+
+
 class RequestHandler(Protocol):
     """What the engine server calls for each decoded request.
 
@@ -187,7 +212,8 @@ class EngineServer:
     ``errors`` (error replies of any kind), ``bad_messages`` (undecodable
     input), ``internal_errors`` (handler bugs), ``forbidden`` (connections
     from processes the access policy refuses), ``refused_connections``
-    (over ``max_connections``), ``refused_in_flight``, ``refused_assembling``
+    (over ``max_connections``), ``refused_uid_connections`` (over
+    ``max_connections_per_uid``), ``refused_in_flight``, ``refused_assembling``
     (over ``max_assembling_bytes``) and ``slow_messages`` (long messages not
     whole in time); ``connections`` is how many are open and
     ``assembling_bytes`` what the long messages under way announced.
@@ -197,6 +223,7 @@ class EngineServer:
                  access: AccessPolicy | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_connections_per_uid: int = DEFAULT_MAX_CONNECTIONS_PER_UID,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                  max_assembling_bytes: int | None = None,
                  long_message_timeout_s: float = DEFAULT_LONG_MESSAGE_TIMEOUT_S,
@@ -220,6 +247,10 @@ class EngineServer:
         self.max_message_bytes = max_message_bytes
         self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
         self.max_connections = max_connections
+        #: the most connections one uid may hold (None: max_connections alone)
+        self.uid_cap = uid_cap(self.access, max_connections_per_uid, max_connections)
+        #: open connections per peer uid
+        self._by_uid: dict[int, int] = {}
         self.max_in_flight = max_in_flight
         self.max_assembling_bytes = (max_assembling_bytes if max_assembling_bytes is not None
                                      else ASSEMBLING_FACTOR * self.size_limit.hard_cap)
@@ -238,6 +269,7 @@ class EngineServer:
         self.internal_errors = 0
         self.forbidden = 0
         self.refused_connections = 0
+        self.refused_uid_connections = 0
         self.refused_in_flight = 0
         self.refused_assembling = 0
         self.slow_messages = 0
@@ -351,6 +383,14 @@ class EngineServer:
                 loop.call_later(_ACCEPT_PAUSE_S, self._resume_accepting, listener)
                 return
             sock.setblocking(False)
+            cred = peer_cred(sock)
+            if not self.access.allows(cred):
+                _say_and_close(sock, self._refusal(cred))
+                continue
+            assert cred is not None  # allows() admits no peer without credentials
+            if not self._room_for_uid(cred, loop.time()):
+                _say_and_close(sock, self._uid_refusal(cred))
+                continue
             if len(self._conns) >= self.max_connections and not self._evict_idlest(loop.time()):
                 self.refused_connections += 1
                 self._refuse("connection_limit")
@@ -362,13 +402,31 @@ class EngineServer:
                     f"this sidecar already serves {self.max_connections} engine connections, "
                     "its limit (--max-engine-connections); close idle clients")))
                 continue
-            cred = peer_cred(sock)
-            if not self.access.allows(cred):
-                _say_and_close(sock, self._refusal(cred))
-                continue
             conn = _Connection(self, sock, cred, loop)
             self._conns[conn.fd] = conn
+            self._by_uid[cred.uid] = self._by_uid.get(cred.uid, 0) + 1
             conn.resume()
+
+    def _room_for_uid(self, cred: PeerCred, now: float) -> bool:
+        """Whether ``cred``'s uid may open one more connection: under its cap, or
+        at it with one of its own idle connections closed to make room."""
+        cap = self.uid_cap
+        if cap is None or self._by_uid.get(cred.uid, 0) < cap:
+            return True
+        return self._evict_idlest(now, uid=cred.uid)
+
+    def _uid_refusal(self, cred: PeerCred) -> Error:
+        """The reply to a connection over its uid's cap (counted, logged)."""
+        self.refused_uid_connections += 1
+        self.errors += 1
+        self._refuse("uid_connection_limit")
+        if worth_logging(self.refused_uid_connections):
+            log.warning("engine socket: refused a connection of uid %d (pid %d): it holds %d, "
+                        "the limit per uid (--max-engine-connections-per-uid; %d refused so "
+                        "far)", cred.uid, cred.pid, self.uid_cap, self.refused_uid_connections)
+        return Error(UNAVAILABLE, (
+            f"uid {cred.uid} already holds {self.uid_cap} connections to this sidecar, the "
+            "limit per uid (--max-engine-connections-per-uid); close idle clients"))
 
     def _idle(self, conn: _Connection, now: float, after_s: float) -> bool:
         return (conn.in_flight == 0 and not conn.assembling
@@ -382,10 +440,12 @@ class EngineServer:
             conn.engines = {e for e in conn.engines if self.engine_live(e)}
         return bool(conn.engines)
 
-    def _evict_idlest(self, now: float) -> bool:
+    def _evict_idlest(self, now: float, uid: int | None = None) -> bool:
         """Close the connection idle longest (at least ``idle_grace_s``) that serves
-        no live engine, to make room for a new one; False when there is none."""
-        idle = [c for c in self._conns.values() if self._idle(c, now, self.idle_grace_s)]
+        no live engine, of ``uid`` if given, to make room for a new one; False
+        when there is none."""
+        idle = [c for c in self._conns.values()
+                if (uid is None or _uid_of(c) == uid) and self._idle(c, now, self.idle_grace_s)]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c.last_seen)
@@ -393,9 +453,10 @@ class EngineServer:
         self.idle_evicted += 1
         self._refuse("idle_evicted")
         if worth_logging(self.idle_evicted):
-            log.warning("engine socket: %d connections open (the limit): closed one idle for "
-                        "%.1f s that serves no live engine (%d so far)", self.max_connections,
-                        now - victim.last_seen, self.idle_evicted)
+            full = (f"{self.max_connections} connections open (the limit)" if uid is None
+                    else f"uid {uid} holds {self.uid_cap} connections (its limit)")
+            log.warning("engine socket: %s: closed one idle for %.1f s that serves no live "
+                        "engine (%d so far)", full, now - victim.last_seen, self.idle_evicted)
         return True
 
     def _sweep_period(self) -> float:
@@ -422,6 +483,12 @@ class EngineServer:
     def _closed(self, conn: _Connection) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
+            uid = _uid_of(conn)
+            left = self._by_uid.get(uid, 1) - 1
+            if left > 0:
+                self._by_uid[uid] = left
+            else:
+                self._by_uid.pop(uid, None)
 
     def _refuse(self, reason: str) -> None:
         if self._on_refuse is not None:
@@ -790,3 +857,8 @@ def _salvage_id(data: Buffer) -> int:
 
 def _always(_engine_id: str) -> bool:
     return True
+
+
+def _uid_of(conn: _Connection) -> int:
+    """The uid a connection counts against (-1: none known; never admitted)."""
+    return conn.cred.uid if conn.cred is not None else -1

@@ -310,6 +310,12 @@ OPTIONS: Final[tuple[Option, ...]] = (
            LIMITS, kind="int", shown="`0` (8x `--max-message-bytes`: 128 MiB)"),
     _limit("--max-engine-connections", 256, "engine socket connections kept (fewer when the "
            "fd limit is low); more are shut", positive),
+    _limit("--max-engine-connections-per-uid", 64, "engine socket connections one uid may "
+           "hold where other uids are allowed in (--allow-uid, --allow-gid; the sidecar's own "
+           "uid counts too); past it that uid's idlest is closed or the new one gets "
+           "`unavailable` naming the uid, counted as "
+           "kvsidecar_refused_total{channel=\"engine\",reason=\"uid_connection_limit\"}",
+           positive),
     _limit("--max-peer-connections", 1024, "handshake port connections kept (fewer when the "
            "fd limit is low); more are shut", positive),
     # -- data path

@@ -62,6 +62,7 @@ class Settings:
     allow_gids: tuple[int, ...] = ()
     max_message_bytes: int = 16 << 20
     max_engine_connections: int = 256
+    max_engine_connections_per_uid: int = 64
     max_peer_connections: int = 1024
     max_assembling_bytes: int = 0
     long_message_timeout_s: float = 30.0

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -28,7 +31,7 @@ from kvsidecar.daemon.engine_access import (
     peer_cred,
     prepare_socket_dir,
 )
-from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer
+from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer, uid_cap
 from kvsidecar.ipc.client import AsyncSidecarClient, Forbidden
 from kvsidecar.ipc.protocol import (
     Error,
@@ -246,6 +249,119 @@ async def test_connections_beyond_the_limit_are_shut_and_the_first_stay(
     finally:
         for f in flood:
             f.close()
+        await s.stop()
+
+
+NOBODY = 65534
+
+
+def _ping_as(uid: int, path: str) -> dict[str, str]:
+    """Connect to ``path`` from a child running as ``uid`` (gid ``uid``), send one
+    ping and return its reply's type and message (or the error met)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+                    c.settimeout(10)
+                    c.connect(path)
+                    c.send(encode_request(Ping(id=1)))
+                    reply = decode_reply(c.recv(MAX_PACKET))
+                out = {"type": type(reply).__name__, "message": getattr(reply, "message", "")}
+            except Exception as e:
+                out = {"type": "exception", "message": repr(e)}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    got: dict[str, str] = json.loads(data)
+    return got
+
+
+def test_the_per_uid_cap_applies_only_where_other_uids_are_admitted() -> None:
+    me = os.geteuid()
+    assert uid_cap(AccessPolicy.own_uid(), 4, 8) is None  # nobody else to lock out
+    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 4, 8) == 4
+    assert uid_cap(AccessPolicy.of(gids=[12345]), 4, 8) == 4
+    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 8, 8) is None  # could never bind
+    with pytest.raises(ValueError, match="per_uid must be >= 1"):
+        uid_cap(AccessPolicy.of(uids=[me + 1]), 0, 8)
+
+
+async def test_one_uid_cannot_take_every_connection_from_another(handler: Handler) -> None:
+    """One admitted uid (this process) holds busy connections until it reaches its
+    per-uid cap: the next is refused with one ``unavailable`` naming the uid and
+    counted; another admitted uid (nobody, from a child) still gets in and is
+    served. Before the cap, the first uid took all 8 slots and nobody was shut out."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the other user (nobody) is made by setuid in a child")
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-uid-", dir="/tmp"))
+    os.chmod(workdir, 0o755)  # nobody must reach the socket's directory
+    refused: list[str] = []
+    # idle_grace_s: the connections count as busy (a flood that keeps pinging)
+    s = EngineServer(str(workdir / "run" / "e.sock"), handler,
+                     access=AccessPolicy.of(uids=[NOBODY]), max_connections=8,
+                     max_connections_per_uid=4, idle_grace_s=3600, on_refuse=refused.append)
+    await s.start()
+    mine: list[socket.socket] = []
+    try:
+        for _ in range(8):
+            c = new_socket()
+            c.connect(s.socket_path)
+            mine.append(c)
+        while s.refused_uid_connections < 4:
+            await asyncio.sleep(0.01)
+        assert s.connections == 4 and refused == ["uid_connection_limit"] * 4
+        last = mine[-1]  # refused: one error that says why, then the end
+        last.settimeout(30)
+        err = decode_reply(last.recv(4096))
+        assert isinstance(err, Error) and err.code == "unavailable"
+        assert (f"uid {os.geteuid()} already holds 4 connections to this sidecar, the limit "
+                "per uid (--max-engine-connections-per-uid)") in err.message
+        assert last.recv(4096) == b""
+        got = await asyncio.to_thread(_ping_as, NOBODY, s.socket_path)
+        assert got["type"] == "Pong", got
+        assert handler.peers[-1] is not None and handler.peers[-1].uid == NOBODY
+        assert s.refused_connections == 0 and s.forbidden == 0
+    finally:
+        for c in mine:
+            c.close()
+        await s.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_at_its_cap_a_uid_makes_room_from_its_own_idle_connections(
+        tmp_path: Path, handler: Handler) -> None:
+    """At its cap, a uid's own connection idle longest is closed for its new one
+    (counted idle_evicted); nothing of another uid is touched."""
+    refused: list[str] = []
+    s = EngineServer(str(tmp_path / "e.sock"), handler,
+                     access=AccessPolicy.of(uids=[os.geteuid() + 4242]), max_connections=8,
+                     max_connections_per_uid=2, idle_grace_s=0.0, on_refuse=refused.append)
+    await s.start()
+    mine: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            c = new_socket()
+            c.connect(s.socket_path)
+            mine.append(c)
+        while len(refused) < 1:
+            await asyncio.sleep(0.01)
+        assert refused == ["idle_evicted"] and s.connections == 2
+        assert s.refused_uid_connections == 0
+        mine[0].settimeout(30)
+        assert mine[0].recv(4096) == b""  # the first, idle longest, was closed
+    finally:
+        for c in mine:
+            c.close()
         await s.stop()
 
 
