@@ -16,7 +16,12 @@ deregister), so three layers guard it, none trusting the others:
 
 A second sidecar on the same socket is stopped by an ``flock`` on
 ``<socket>.lock``, held for the daemon's lifetime, so a stale socket can be
-removed without any risk of removing a live one.
+removed without any risk of removing a live one. A clean stop removes the
+lock file too, while it still holds the lock; a claimer that opened the file
+before that removal checks, once it holds the lock, that the name still
+leads to the file it locked, and starts again if not (:func:`lock_socket`),
+so two daemons never both hold "the" lock. A daemon killed outright leaves
+the file, but the kernel drops its lock: the next start takes it.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ __all__ = [
     "claim_socket",
     "current_peer",
     "grant_uids",
+    "lock_socket",
     "open_to",
     "peer_cred",
     "prepare_socket_dir",
     "restricted_umask",
+    "unlock_socket",
 ]
 
 
@@ -235,27 +242,78 @@ def restricted_umask(mask: int = 0o177) -> Iterator[None]:
         os.umask(old)
 
 
+#: Times :func:`lock_socket` opens the lock file again after finding it
+#: replaced under it; each replacement is a sidecar stopping and another
+#: starting meanwhile, so a few are plenty.
+_LOCK_TRIES = 8
+
+
+def lock_socket(path: str) -> int:
+    """Take the flock on ``<path>.lock`` (created if missing) and return its fd.
+
+    Raises :class:`SocketInUse` when another process holds it, OSError when the
+    file cannot be opened. After locking, the name must still lead to the file
+    locked: a sidecar stopping removes the file (still holding the lock) right
+    before it closes it, and the file this call opened before that removal is
+    then locked by nobody else but no longer the one others find, so it is let
+    go and the name opened again.
+    """
+    lock = path + ".lock"
+    for _ in range(_LOCK_TRIES):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SocketInUse(f"another sidecar is serving {path} (it holds {lock}); "
+                                  "not starting a second one") from None
+            raise
+        if _names(lock, fd):
+            return fd
+        os.close(fd)
+    raise SocketInUse(f"{lock} was replaced {_LOCK_TRIES} times while this sidecar took it: "
+                      "sidecars keep starting and stopping on this socket")
+
+
+def unlock_socket(path: str, fd: int) -> None:
+    """Release the lock :func:`lock_socket` returned as ``fd``, removing
+    ``<path>.lock`` first if it is still the file locked (so a clean stop leaves
+    no file behind). Removed while locked: nobody that follows this protocol
+    can remove or replace the name meanwhile, and whoever locks the removed
+    file afterwards finds it gone from its name and opens the name again."""
+    try:
+        if _names(path + ".lock", fd):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + ".lock")
+    finally:
+        os.close(fd)
+
+
+def _names(name: str, fd: int) -> bool:
+    """Whether ``name`` (not followed if a symlink) is the file open as ``fd``."""
+    try:
+        st = os.lstat(name)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
 def claim_socket(path: str) -> int:
     """Take ``<path>.lock`` for this daemon's lifetime and clear a stale socket.
 
-    Returns the lock's fd (closing it releases the claim). Raises
-    :class:`SocketInUse` when another process holds the lock or answers on the
-    socket, and FileExistsError when ``path`` is something other than a socket;
-    in both cases nothing is removed.
+    Returns the lock's fd (give it to :func:`unlock_socket` to release the
+    claim). Raises :class:`SocketInUse` when another process holds the lock or
+    answers on the socket, and FileExistsError when ``path`` is something other
+    than a socket; in both cases ``path`` is left as it is (and the lock
+    released as :func:`unlock_socket` does).
     """
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise SocketInUse(f"another sidecar is serving {path} (it holds {path}.lock); "
-                              "not starting a second one") from None
-        raise
+    fd = lock_socket(path)
     try:
         _remove_stale_socket(path)
     except BaseException:
-        os.close(fd)
+        unlock_socket(path, fd)
         raise
     return fd
 

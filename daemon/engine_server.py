@@ -134,6 +134,7 @@ from .engine_access import (
     peer_cred,
     prepare_socket_dir,
     restricted_umask,
+    unlock_socket,
 )
 from .message_limit import SizeLimit
 
@@ -362,9 +363,10 @@ class EngineServer:
             os.unlink(self.socket_path)
 
     def _release_lock(self) -> None:
+        """Release the socket's lock, removing ``<socket>.lock`` (see unlock_socket)."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)
+            unlock_socket(self.socket_path, fd)
 
     # ---- connections
 

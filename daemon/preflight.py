@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import socket
 import stat
@@ -88,7 +87,13 @@ def _transport(s: Settings) -> None:
 
 def _socket(s: Settings) -> None:
     """The socket's directory is usable and no other sidecar holds the socket."""
-    from kvsidecar.daemon.engine_access import AccessPolicy, prepare_socket_dir
+    from kvsidecar.daemon.engine_access import (
+        AccessPolicy,
+        SocketInUse,
+        lock_socket,
+        prepare_socket_dir,
+        unlock_socket,
+    )
 
     path = s.socket
     if len(os.fsencode(path)) > _UNIX_PATH_MAX:
@@ -102,20 +107,14 @@ def _socket(s: Settings) -> None:
     except OSError as e:  # not ours, not a directory, a read-only file system...
         raise Refusal(f"cannot serve {path}: {e}") from None
     try:
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        fd = lock_socket(path)
+    except SocketInUse:
+        raise Refusal(f"another sidecar is serving {path} (it holds {path}.lock); stop it "
+                      "or pass another --socket") from None
     except OSError as e:
         raise Refusal(f"cannot serve {path}: {path}.lock: {e.strerror}; pass a --socket in "
                       "a directory the sidecar owns") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise Refusal(f"another sidecar is serving {path} (it holds {path}.lock); stop it "
-                          "or pass another --socket") from None
-        raise
-    finally:
-        os.close(fd)  # releases the lock: the start-up takes it for good
+    unlock_socket(path, fd)  # the start-up takes it for good
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise Refusal(f"{path} exists and is not a socket; remove it or pass another "

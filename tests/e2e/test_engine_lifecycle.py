@@ -256,3 +256,21 @@ def test_a_keepalive_keeps_an_idle_engine_and_its_death_still_releases_it(sideca
         for r in reg.regions:
             with contextlib.suppress(Exception):
                 os.unlink(f"/dev/shm/{r.name}")
+
+
+def test_a_killed_sidecar_restarts_and_a_clean_stop_leaves_no_socket_files(
+        tmp_path: Path) -> None:
+    """SIGKILL leaves the socket and its lock file; the next start takes both over
+    (the kernel dropped the lock); SIGTERM then removes everything the sidecar
+    made beside its socket: the socket, the fd socket and ``<socket>.lock``."""
+    s = SidecarProcess(tmp_path, "relock").start()
+    try:
+        s.kill()
+        left = sorted(os.listdir(tmp_path))
+        assert {"relock.sock", "relock.sock.lock"} <= set(left), left
+        s.start()
+        with SidecarClient(s.socket, timeout_s=10) as c:
+            c.ping()
+    finally:
+        assert s.stop() == 0
+    assert sorted(os.listdir(tmp_path)) == ["relock.log"]

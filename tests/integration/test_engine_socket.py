@@ -23,13 +23,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvsidecar.daemon import engine_access
 from kvsidecar.daemon.engine_access import (
     AccessPolicy,
     PeerCred,
     SocketInUse,
     current_peer,
+    lock_socket,
     peer_cred,
     prepare_socket_dir,
+    unlock_socket,
 )
 from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer, uid_cap
 from kvsidecar.ipc.client import AsyncSidecarClient, Forbidden
@@ -150,6 +153,80 @@ async def test_a_second_server_on_a_live_socket_leaves_it_alone(server: EngineSe
     assert Path(server.socket_path).exists()
     async with AsyncSidecarClient(server.socket_path, timeout_s=10) as c:
         assert isinstance(await c.ping(), Pong)
+
+
+async def test_a_clean_stop_leaves_neither_socket_nor_lock(tmp_path: Path,
+                                                           handler: Handler) -> None:
+    """What the server made goes with it: the socket and ``<socket>.lock``."""
+    s = EngineServer(str(tmp_path / "e.sock"), handler)
+    await s.start()
+    assert sorted(os.listdir(tmp_path)) == ["e.sock", "e.sock.lock"]
+    await s.stop()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_lock_file_left_by_a_killed_server_does_not_stop_a_start(
+        tmp_path: Path, handler: Handler) -> None:
+    """A process killed outright (SIGKILL) while holding the lock leaves the file;
+    the kernel dropped its lock, so the next server takes it (and removes it at
+    its stop)."""
+    path = str(tmp_path / "e.sock")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: takes the lock, then waits to be killed
+        try:
+            os.close(r)
+            lock_socket(path)
+            os.write(w, b"locked")
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            assert await asyncio.to_thread(f.read, 6) == b"locked"
+        with pytest.raises(SocketInUse):  # the child holds it...
+            lock_socket(path)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert os.path.exists(path + ".lock")  # ...and left it, killed
+    s = EngineServer(path, handler)
+    await s.start()
+    async with AsyncSidecarClient(s.socket_path, timeout_s=10) as c:
+        assert isinstance(await c.ping(), Pong)
+    await s.stop()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_claimer_that_opened_a_lock_file_being_removed_starts_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B opens the lock file A holds; A stops (removes the file, then releases it)
+    and C starts (a new file, locked) before B's flock: B gets the old file's
+    lock, finds its name leads elsewhere, opens the name again and is refused
+    by C's lock. One holder at every moment."""
+    path = str(tmp_path / "e.sock")
+    fd_a = lock_socket(path)
+    held: list[int] = []
+    real_flock = engine_access.fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if not held:  # B's first flock: A stops and C starts meanwhile
+            held.append(-1)
+            unlock_socket(path, fd_a)
+            held.append(lock_socket(path))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(engine_access.fcntl, "flock", flock)
+    with pytest.raises(SocketInUse, match="another sidecar is serving"):
+        lock_socket(path)  # B
+    monkeypatch.undo()
+    fd_c = held[-1]
+    assert os.stat(path + ".lock").st_ino == os.fstat(fd_c).st_ino  # C's file, C's lock
+    with pytest.raises(SocketInUse):
+        lock_socket(path)
+    unlock_socket(path, fd_c)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
