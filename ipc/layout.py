@@ -47,6 +47,7 @@ import bisect
 import hashlib
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -348,11 +349,47 @@ def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int) -> 
             seen.add(r)
 
 
+class AllRegions:
+    """The regions of a segment that names none (it lives in every region) as a
+    fingerprint fact, without building the ``n``-long tuple it stands for.
+
+    Equal to an ``AllRegions`` of the same ``n`` (O(1)) and to a tuple naming
+    exactly ``0 .. n-1`` (O(the tuple), which is input already there), so a
+    segment naming every region still matches one naming none, as before.
+    :meth:`expanded` is the tuple's repr, what fingerprints hash (they stay
+    what they were); ``repr`` is short, for error messages.
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, AllRegions):
+            return self.n == other.n
+        if isinstance(other, tuple):
+            return len(other) == self.n and other == tuple(range(self.n))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(range(self.n)))  # equal to that tuple, so hashed alike
+
+    def __repr__(self) -> str:
+        return f"<all {self.n} regions>"
+
+    def expanded(self) -> str:
+        """``repr(tuple(range(n)))``: what a fingerprint hashes for this fact (O(n))."""
+        return repr(tuple(range(self.n)))
+
+
 def fingerprint_fields(layout: Layout) -> dict[str, object]:
     """The model-level facts two peers must share, flat and named.
 
     Cache size, tp size, page size, kernel blocks per page and per-rank byte
-    counts are left out: they legitimately differ between P and D.
+    counts are left out: they legitimately differ between P and D. Costs
+    O(groups + segments + the regions segments name), never O(``num_regions``):
+    a segment in every region has an :class:`AllRegions` fact.
     """
     out: dict[str, object] = {"version": layout.version, "family": layout.family}
     for k in sorted(layout.model):
@@ -370,25 +407,72 @@ def fingerprint_fields(layout: Layout) -> dict[str, object]:
             out[f"{p}.units_total"] = s.units_total
             out[f"{p}.sharding"] = s.sharding
             out[f"{p}.unit_bytes"] = unit_bytes(s, layout.tp_size)
-            out[f"{p}.regions"] = segment_regions(s, layout.num_regions)
+            out[f"{p}.regions"] = s.regions if s.regions else AllRegions(layout.num_regions)
     return out
+
+
+def fingerprint_of(fields: dict[str, object]) -> str:
+    """The fingerprint of :func:`fingerprint_fields`' facts: a short hash of their
+    sorted reprs (an :class:`AllRegions` hashed as the tuple it stands for, so
+    the value is the same as when the tuple was built). O(``num_regions``)
+    where a segment is in every region: computed once per registration
+    (:class:`Fingerprinted`), not per handshake."""
+    facts = sorted((k, v.expanded() if isinstance(v, AllRegions) else repr(v))
+                   for k, v in fields.items())
+    return hashlib.sha256(msgspec.json.encode(facts)).hexdigest()[:16]
 
 
 def fingerprint(layout: Layout) -> str:
     """A short hash of :func:`fingerprint_fields`, cheap to compare first."""
-    blob = msgspec.json.encode(sorted((k, repr(v)) for k, v in fingerprint_fields(layout).items()))
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return fingerprint_of(fingerprint_fields(layout))
 
 
-def check_compatible(local: Layout, remote: Layout) -> None:
-    """Raise :class:`IncompatibleLayout` naming the first differing model fact."""
-    a, b = fingerprint_fields(local), fingerprint_fields(remote)
-    for key in list(a) + [k for k in b if k not in a]:
-        if a.get(key) != b.get(key):
-            raise IncompatibleLayout(key, a.get(key), b.get(key))
-    big, small = max(local.tp_size, remote.tp_size), min(local.tp_size, remote.tp_size)
+@dataclass(frozen=True, eq=False)
+class Fingerprinted:
+    """A layout with its :func:`fingerprint_fields` and :func:`fingerprint`,
+    computed once (:func:`fingerprinted`, at registration): every handshake
+    compares a peer against them (:func:`check_compatible`) at a cost that does
+    not grow with ``num_regions``. Build it with :func:`fingerprinted` only, so
+    the three cannot disagree."""
+
+    layout: Layout
+    fields: dict[str, object]
+    fingerprint: str
+
+
+def fingerprinted(layout: Layout) -> Fingerprinted:
+    """``layout`` with its fingerprint facts and fingerprint (O(``num_regions``) once)."""
+    fields = fingerprint_fields(layout)
+    return Fingerprinted(layout, fields, fingerprint_of(fields))
+
+
+def check_compatible(local: Layout | Fingerprinted, remote: Layout | Fingerprinted) -> None:
+    """Raise :class:`IncompatibleLayout` naming the first differing model fact.
+
+    Either side may come :class:`Fingerprinted` (its facts are not built again).
+    """
+    compare_facts(_facts(local), _facts(remote), _layout(local).tp_size,
+                  _layout(remote).tp_size)
+
+
+def compare_facts(local: dict[str, object], remote: dict[str, object], local_tp: int,
+                  remote_tp: int) -> None:
+    """:func:`check_compatible` on facts already built (:func:`fingerprint_fields`)
+    and the two tp sizes: O(the facts), an :class:`AllRegions` compared in O(1)."""
+    for key in list(local) + [k for k in remote if k not in local]:
+        if local.get(key) != remote.get(key):
+            raise IncompatibleLayout(key, local.get(key), remote.get(key))
+    big, small = max(local_tp, remote_tp), min(local_tp, remote_tp)
     if big % small:
-        raise IncompatibleLayout("tp_size", local.tp_size, remote.tp_size)
+        raise IncompatibleLayout("tp_size", local_tp, remote_tp)
+
+
+def _facts(x: Layout | Fingerprinted) -> dict[str, object]:
+    return x.fields if isinstance(x, Fingerprinted) else fingerprint_fields(x)
+
+
+def _layout(x: Layout | Fingerprinted) -> Layout:
+    return x.layout if isinstance(x, Fingerprinted) else x
 
 
 # --------------------------------------------------------------------------

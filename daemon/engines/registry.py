@@ -49,7 +49,7 @@ from kvsidecar.daemon.settings import Settings
 from kvsidecar.daemon.state import DaemonState
 from kvsidecar.daemon.transport.worker import AgentReset
 from kvsidecar.ipc import hold_token
-from kvsidecar.ipc.layout import Layout, LayoutError, validate
+from kvsidecar.ipc.layout import Layout, LayoutError, fingerprinted, validate
 from kvsidecar.ipc.protocol import (
     BAD_REQUEST,
     DUPLICATE,
@@ -179,7 +179,10 @@ class Registry:
         bases = [r.address for r in regions]
         key = hold_token.new_key()
         m, e = self.metrics, req.engine_id
-        peers = PeerLinks(worker, layout, self.hs_client, on_link=self._count_link,
+        # The layout's fingerprint facts, once per registration: the handshake info
+        # carries the fingerprint, and every link's handshake compares against them.
+        facts = fingerprinted(layout)
+        peers = PeerLinks(worker, facts, self.hs_client, on_link=self._count_link,
                           lanes=lanes.workers,
                           on_unload_failed=m.cleanup_failures.labels(what="remote_agent").inc,
                           reader=(e, req.tp_rank),
@@ -189,7 +192,7 @@ class Registry:
                           on_refused=m.limit_refusals.labels(e, "peer_links").inc)
         info = make_handshake_info(
             engine_id=e, tp_rank=req.tp_rank, agent_name=worker.agent_name,
-            agent_metadata=lanes.metadata, layout=layout, bases=bases,
+            agent_metadata=lanes.metadata, layout=facts, bases=bases,
             daemon_id=self.state.daemon_id, mem_type=mem_type, dev_id=device.index,
             device_uuid=device.uuid, notif_batch_reads=self.settings.notif_batch_reads,
             hold_key=hold_token.checking_key(key))

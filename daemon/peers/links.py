@@ -54,7 +54,7 @@ from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, Reader, check_peer
 from kvsidecar.daemon.transport.errors import NixlAgentReset
 from kvsidecar.daemon.transport.worker import NixlWorker
-from kvsidecar.ipc.layout import Layout, LayoutError, validate
+from kvsidecar.ipc.layout import Fingerprinted, Layout, LayoutError, fingerprinted, validate
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
 
@@ -97,7 +97,8 @@ class PeerLinkLimit(RuntimeError):
 class PeerLinks:
     """The remote ranks one local engine rank has linked to."""
 
-    def __init__(self, worker: NixlWorker, layout: Layout, client: HandshakeClient, *,
+    def __init__(self, worker: NixlWorker, layout: Layout | Fingerprinted,
+                 client: HandshakeClient, *,
                  on_link: Callable[[bool], None] | None = None,
                  on_unload_failed: Callable[[], None] | None = None,
                  reader: tuple[str, int] | None = None,
@@ -134,7 +135,9 @@ class PeerLinks:
         self._on_unload_failed = on_unload_failed
         #: told True/False once per link attempt (handshake + add_remote), for metrics
         self._on_link = on_link
-        self._layout = layout
+        #: the local engine rank's layout with its fingerprint facts, built once per
+        #: registration: each handshake compares a peer against them (check_peer)
+        self._layout = layout if isinstance(layout, Fingerprinted) else fingerprinted(layout)
         self._client = client
         self._links: OrderedDict[Key, asyncio.Task[Peer]] = OrderedDict()  # LRU first
         #: reads awaiting each link being made (the last to give up cancels it)

@@ -31,7 +31,15 @@ import msgspec
 from kvsidecar import __version__
 from kvsidecar.daemon.notifications import MAX_NOTIF_READS
 from kvsidecar.daemon.peers.control import MAX_BATCH_ITEMS, ControlBatchReply, ControlReply
-from kvsidecar.ipc.layout import IncompatibleLayout, Layout, check_compatible, fingerprint
+from kvsidecar.ipc.layout import (
+    Fingerprinted,
+    IncompatibleLayout,
+    Layout,
+    compare_facts,
+    fingerprint_fields,
+    fingerprint_of,
+    fingerprinted,
+)
 
 HANDSHAKE_VERSION = 1
 
@@ -205,7 +213,7 @@ def make_handshake_info(
     tp_rank: int,
     agent_name: str,
     agent_metadata: bytes,
-    layout: Layout,
+    layout: Layout | Fingerprinted,
     bases: list[int],
     daemon_id: str,
     mem_type: str = "DRAM",
@@ -217,19 +225,21 @@ def make_handshake_info(
     hold_key: bytes = b"",
 ) -> HandshakeInfo:
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
-    from ``layout``, so they cannot drift from the layout actually sent."""
+    from ``layout``, so they cannot drift from the layout actually sent (a
+    :class:`Fingerprinted` one brings its fingerprint, computed once)."""
+    facts = layout if isinstance(layout, Fingerprinted) else fingerprinted(layout)
     return HandshakeInfo(
         engine_id=engine_id,
         tp_rank=tp_rank,
-        tp_size=layout.tp_size,
+        tp_size=facts.layout.tp_size,
         agent_name=agent_name,
         agent_metadata=agent_metadata,
-        layout=layout,
+        layout=facts.layout,
         bases=list(bases),
         mem_type=mem_type,
         dev_id=dev_id,
         device_uuid=device_uuid,
-        fingerprint=fingerprint(layout),
+        fingerprint=facts.fingerprint,
         daemon_id=daemon_id,
         control_batch_items=control_batch_items,
         sidecar_version=sidecar_version,
@@ -259,7 +269,7 @@ def check_peer(
     info: HandshakeInfo,
     expected_engine_id: str,
     expected_tp_size: int,
-    local_layout: Layout,
+    local_layout: Layout | Fingerprinted,
     *,
     address: str = "",
     readable: Collection[str] = ("DRAM",),
@@ -267,7 +277,12 @@ def check_peer(
     """Refuse a peer that is not the engine we were told about, or holds another model.
 
     Called once per peer rank, before any NIXL setup, because a mismatch found
-    later shows up as silently wrong KV bytes rather than an error.
+    later shows up as silently wrong KV bytes rather than an error. With
+    ``local_layout`` :class:`Fingerprinted` (the registration's), a peer that
+    fits costs O(groups + segments + the regions its segments name + its
+    bases), never a fingerprint: equal facts hash alike, so the peer's claimed
+    fingerprint is checked against the local one. Only a peer that does not
+    fit has its layout hashed, to say which of the two it got wrong.
     """
 
     def fail(fld: str, reason: str) -> HandshakeFailed:
@@ -294,18 +309,22 @@ def check_peer(
         raise fail("device_uuid", "peer serves VRAM without naming its GPU")
     if not 0 <= info.tp_rank < info.tp_size:
         raise fail("tp_rank", f"rank {info.tp_rank} outside tp_size {info.tp_size}")
-    remote_fp = fingerprint(info.layout)
-    if info.fingerprint != remote_fp:
-        raise fail(
-            "fingerprint",
-            f"peer sent fingerprint {info.fingerprint} but its layout hashes to {remote_fp}",
-        )
-    # check_compatible names the field; it also checks tp divisibility, which
+    local = (local_layout if isinstance(local_layout, Fingerprinted)
+             else fingerprinted(local_layout))
+    remote = fingerprint_fields(info.layout)
+    remote_fp = info.fingerprint
+    if remote_fp != local.fingerprint:  # it does not fit: find out how, at any cost
+        remote_fp = fingerprint_of(remote)
+        if info.fingerprint != remote_fp:
+            raise fail(
+                "fingerprint",
+                f"peer sent fingerprint {info.fingerprint} but its layout hashes to {remote_fp}",
+            )
+    # compare_facts names the field; it also checks tp divisibility, which
     # the fingerprint deliberately leaves out, so it runs even on a match.
-    check_compatible(local_layout, info.layout)
-    local_fp = fingerprint(local_layout)
-    if local_fp != remote_fp:  # pragma: no cover - only if the two functions disagree
-        raise IncompatibleLayout("fingerprint", local_fp, remote_fp)
+    compare_facts(local.fields, remote, local.layout.tp_size, info.layout.tp_size)
+    if local.fingerprint != remote_fp:  # pragma: no cover - equal facts, unequal reprs
+        raise IncompatibleLayout("fingerprint", local.fingerprint, remote_fp)
     if len(info.bases) != info.layout.num_regions:
         raise fail(
             "bases",
