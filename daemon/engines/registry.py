@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from kvsidecar.daemon import memory_kinds, region_budget
@@ -323,11 +324,11 @@ class Registry:
                     if r.worker.agent_name == reset.agent_name), None)
         if eng is None:  # the agent of a rank already freed
             return
-        eng.info = make_handshake_info(
-            engine_id=engine_id, tp_rank=eng.tp_rank, agent_name=reset.agent_name,
-            agent_metadata=reset.metadata, layout=eng.layout, bases=[int(b) for b in eng.bases],
-            daemon_id=self.state.daemon_id, notif_batch_reads=self.settings.notif_batch_reads,
-        )
+        # Only the agent changed: the memory's kind and device, the hold key and the
+        # layout's fingerprint stay (rebuilt from scratch they were lost, and readers
+        # refused every read from this rank until it registered again).
+        eng.info = msgspec.structs.replace(eng.info, agent_name=reset.agent_name,
+                                           agent_metadata=reset.metadata)
         self.invalidate(engine_id)
         self._unlink_after_reset(eng, reset)
 

@@ -237,6 +237,7 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
     P = SimEngine("stall-P", stall_layout, 1, 100, [p], timeout_s=60)
     Q = SimEngine("stall-Q", stall_layout, 1, 100, [q], timeout_s=60)
     D = SimEngine("stall-D", stall_layout, 1, 100, [d], timeout_s=60)
+    X = SimEngine("stall-X", stall_layout, 1, 100, [q], timeout_s=60)
     try:
         D.start_read(P.prefill("warm", Request(seed=1, prompt_tokens=8)))
         assert D.wait_for(["warm"])["warm"][0].kind == "received"
@@ -275,7 +276,14 @@ def test_no_byte_lands_after_a_read_is_reported_failed(tmp_path) -> None:
         # The held-back read is counted where operators look (exactly this one read).
         assert d.metric("kvsidecar_late_completions_quarantined_total", engine="stall-D") == 1
         assert d.metric("kvsidecar_agent_resets_total", engine="stall-D") == 1
+        # The reset engine still serves as a source: its handshake kept the hold key
+        # (rebuilt from scratch it had none, and every read from it was refused).
+        X.start_read(D.prefill("back", Request(seed=4, prompt_tokens=8)))
+        back = X.wait_for(["back"])["back"][0]
+        assert back.kind == "received", back
+        assert not X.verify("back")
     finally:
+        X.close()
         D.close()
         Q.close()
         if p.alive():
