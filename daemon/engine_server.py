@@ -181,18 +181,19 @@ _ACCEPT_PAUSE_S = 0.1
 def uid_cap(access: AccessPolicy, per_uid: int, total: int) -> int | None:
     """The most engine connections one uid may hold; None: only ``total`` bounds it.
 
-    ``per_uid`` where ``access`` admits anyone besides the daemon's own uid (an
-    ``--allow-uid``/``--allow-gid``), for every admitted uid, the daemon's own
-    and root included: one of them must not take every slot and lock the
-    others' engines out. None where only the daemon's own uid is admitted
-    (there is nobody to lock out: a cap would only shrink the total) or
-    ``per_uid`` is at least ``total`` (it could never bind).
+    Where ``access`` admits anyone besides the daemon's own uid (an
+    ``--allow-uid``/``--allow-gid``), every admitted uid, the daemon's own and
+    root included, may hold ``per_uid``, and never more than three quarters of
+    ``total``: one of them must not take every slot and lock the others'
+    engines out, also when a low fd limit shrank ``total`` to ``per_uid`` or
+    below. None where only the daemon's own uid is admitted (there is nobody
+    to lock out: a cap would only shrink the total).
     """
     if per_uid < 1:
         raise ValueError(f"per_uid must be >= 1, got {per_uid}")
-    if not access.shared or per_uid >= total:
+    if not access.shared:
         return None
-    return per_uid
+    return max(1, min(per_uid, total - total // 4))
 
 
 class RequestHandler(Protocol):

@@ -312,7 +312,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "fd limit is low); more are shut", positive),
     _limit("--max-engine-connections-per-uid", 64, "engine socket connections one uid may "
            "hold where other uids are allowed in (--allow-uid, --allow-gid; the sidecar's own "
-           "uid counts too); past it that uid's idlest is closed or the new one gets "
+           "uid counts too), and at most three quarters of the socket's total; past it that "
+           "uid's idlest is closed or the new one gets "
            "`unavailable` naming the uid, counted as "
            "kvsidecar_refused_total{channel=\"engine\",reason=\"uid_connection_limit\"}",
            positive),

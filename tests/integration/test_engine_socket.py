@@ -368,7 +368,11 @@ def test_the_per_uid_cap_applies_only_where_other_uids_are_admitted() -> None:
     assert uid_cap(AccessPolicy.own_uid(), 4, 8) is None  # nobody else to lock out
     assert uid_cap(AccessPolicy.of(uids=[me + 1]), 4, 8) == 4
     assert uid_cap(AccessPolicy.of(gids=[12345]), 4, 8) == 4
-    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 8, 8) is None  # could never bind
+    # a total shrunk to the per-uid cap or below (a low fd limit) still leaves
+    # the other uids a quarter of it
+    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 8, 8) == 6
+    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 64, 16) == 12
+    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 64, 1) == 1
     with pytest.raises(ValueError, match="per_uid must be >= 1"):
         uid_cap(AccessPolicy.of(uids=[me + 1]), 0, 8)
 
