@@ -81,9 +81,7 @@ metric) and answered with one clear error:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -116,13 +114,8 @@ from ..ipc.protocol import (
 )
 from ..ipc.seqpacket import (
     RECV_BYTES,
-    Assembler,
     Buffer,
-    FramingError,
-    MessageTooLong,
     new_socket,
-    packets,
-    peer_closed,
 )
 from .eager import carried_on
 from .engine_access import (
@@ -136,6 +129,7 @@ from .engine_access import (
     restricted_umask,
     unlock_socket,
 )
+from .engine_connection import Connection
 from .message_limit import SizeLimit
 
 __all__ = ["EngineServer", "RequestError", "RequestHandler", "uid_cap"]
@@ -163,11 +157,6 @@ DEFAULT_LONG_MESSAGE_TIMEOUT_S = 30.0
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 #: At the connection limit, one idle at least this long may be closed for a new one.
 DEFAULT_IDLE_GRACE_S = 1.0
-#: Unsent reply packets after which the server stops reading that connection.
-_MAX_UNSENT = 64
-#: Packets read per wake-up of one connection, so one busy engine cannot
-#: starve the others (level-triggered: the rest is read on the next turn).
-_READ_BURST = 64
 _LISTEN_BACKLOG = 128
 #: Replies that make a connection an engine's own (exempt from the idle rules
 #: while that engine is live), to requests naming the engine id.
@@ -276,7 +265,7 @@ class EngineServer:
         self.refused_assembling = 0
         self.slow_messages = 0
         #: times a connection stopped being read because its engine left
-        #: ``_MAX_UNSENT`` reply packets unread (bounded and lossless, but an
+        #: ``MAX_UNSENT`` reply packets unread (bounded and lossless, but an
         #: engine that does it is stuck or misbehaving: counted, for metrics)
         self.paused_unread = 0
         self._on_refuse = on_refuse
@@ -284,7 +273,7 @@ class EngineServer:
         self._inode: tuple[int, int] | None = None
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conns: dict[int, _Connection] = {}
+        self._conns: dict[int, Connection] = {}
         self._answering: set[asyncio.Task[None]] = set()
         #: the receive buffer every connection reads into (one thread, one at a time)
         self._buf = bytearray(RECV_BYTES)
@@ -405,7 +394,7 @@ class EngineServer:
                     f"this sidecar already serves {self.max_connections} engine connections, "
                     "its limit (--max-engine-connections); close idle clients")))
                 continue
-            conn = _Connection(self, sock, cred, loop)
+            conn = Connection(self, sock, cred, loop)
             self._conns[conn.fd] = conn
             self._by_uid[cred.uid] = self._by_uid.get(cred.uid, 0) + 1
             conn.resume()
@@ -431,11 +420,11 @@ class EngineServer:
             f"uid {cred.uid} already holds {self.uid_cap} connections to this sidecar, the "
             "limit per uid (--max-engine-connections-per-uid); close idle clients"))
 
-    def _idle(self, conn: _Connection, now: float, after_s: float) -> bool:
+    def _idle(self, conn: Connection, now: float, after_s: float) -> bool:
         return (conn.in_flight == 0 and not conn.assembling
                 and now - conn.last_seen >= after_s and not self._serves_engine(conn))
 
-    def _serves_engine(self, conn: _Connection) -> bool:
+    def _serves_engine(self, conn: Connection) -> bool:
         """Whether an engine registered or reserved over ``conn`` is still live;
         the engine ids no longer live are forgotten (so the set stays bounded
         by the live engines and reservations)."""
@@ -483,7 +472,7 @@ class EngineServer:
         if self._listener is listener and self._loop is not None:
             self._loop.add_reader(listener.fileno(), self._accept)
 
-    def _closed(self, conn: _Connection) -> None:
+    def _closed(self, conn: Connection) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
             uid = _uid_of(conn)
@@ -512,7 +501,7 @@ class EngineServer:
 
     # ---- messages
 
-    def _message(self, conn: _Connection, data: Buffer) -> None:
+    def _message(self, conn: Connection, data: Buffer) -> None:
         """One whole message from ``conn`` (``data`` may be a view into the receive
         buffer: everything that reads it runs before this returns)."""
         self.messages += 1
@@ -558,7 +547,7 @@ class EngineServer:
             conn.waiting.add(task)
             task.add_done_callback(conn.waiting.discard)
 
-    async def _answer(self, conn: _Connection, req: Request) -> None:
+    async def _answer(self, conn: Connection, req: Request) -> None:
         # The handler sees its sender. Set in the connection's own context (its
         # reader callback's, which a task that carries this on copies): every
         # request of a connection comes from the same peer.
@@ -609,231 +598,6 @@ class EngineServer:
         return reply
 
 
-class _Connection:
-    """One engine's connection: its reads (a loop reader callback), its
-    long-message assembly, its unsent replies and its requests in flight."""
-
-    def __init__(self, server: EngineServer, sock: socket.socket, cred: PeerCred | None,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.server = server
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.cred = cred
-        self.in_flight = 0
-        self.waiting: set[asyncio.Task[None]] = set()  # its waiting polls
-        self._loop = loop
-        #: loop time of the last whole message (or of the accept)
-        self.last_seen = loop.time()
-        #: engine ids a Registered or Reserved reply went over this connection
-        #: for: while one is live (EngineServer.engine_live), the connection is
-        #: an engine's own, never closed for being idle
-        self.engines: set[str] = set()
-        self._assembler = Assembler(server.size_limit.hard_cap)
-        #: what this connection's long message under way counts in server.assembling_bytes
-        self._reserved = 0
-        self._deadline: asyncio.TimerHandle | None = None
-        self._unsent: collections.deque[Buffer] = collections.deque()
-        self._reading = False
-        self._writing = False
-        self._closing = False
-        self._closed = False
-
-    def loop_time(self) -> float:
-        return self._loop.time()
-
-    @property
-    def assembling(self) -> bool:
-        """A long message is under way (its own deadline bounds it)."""
-        return self._reserved > 0
-
-    def resume(self) -> None:
-        if not self._reading and not self._closed:
-            self._loop.add_reader(self.fd, self._on_readable)
-            self._reading = True
-
-    def pause(self) -> None:
-        if self._reading:
-            self._loop.remove_reader(self.fd)
-            self._reading = False
-
-    def pause_unread(self) -> None:
-        """Stop reading: the engine leaves its replies unread (counted once per
-        pause; reading resumes when the queue drains, see :meth:`_flush`)."""
-        if self._reading:
-            self.server.paused_unread += 1
-            self.pause()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self.pause()
-        if self._writing:
-            self._loop.remove_writer(self.fd)
-            self._writing = False
-        self._closed = True
-        self._unsent.clear()
-        self._end_long()
-        self.sock.close()
-        for task in list(self.waiting):
-            task.cancel()
-        self.server._closed(self)
-
-    def _on_readable(self) -> None:
-        with self.server.burst():
-            self._read_burst()
-
-    def _read_burst(self) -> None:
-        """Read and answer up to ``_READ_BURST`` queued messages."""
-        server = self.server
-        view = server._view
-        for _ in range(_READ_BURST):
-            if not self._reading:
-                return  # paused (replies piling up) or closed by a message
-            try:
-                n = self.sock.recv_into(server._buf, 0, socket.MSG_TRUNC)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # ECONNRESET: the engine went away with replies unread
-                if e.errno not in (errno.ECONNRESET, errno.EPIPE):
-                    log.info("engine socket: a connection failed: %s", e)
-                self.close()
-                return
-            if n == 0 and peer_closed(self.sock):
-                self.close()
-                return
-            assembler = self._assembler
-            try:
-                message = assembler.feed(view[:n])
-            except MessageTooLong as e:
-                self._too_long(e)
-                return
-            except FramingError as e:
-                self._end_long()
-                server.messages += 1
-                server.bad_messages += 1
-                self.reply(server._error(Error(BAD_MESSAGE, f"{e}; closing the connection")))
-                self.close_after_replies()
-                return
-            if message is not None:
-                if self._reserved:
-                    self._end_long()
-                server._message(self, message)
-            elif (not self._reserved and assembler.assembling
-                  and not self._start_long(assembler.announced)):
-                return  # refused: the connection is closing
-
-    def _start_long(self, length: int) -> bool:
-        """A header announced a long message: count it against the server's budget
-        (False: refused, the connection closing) and start its deadline."""
-        server = self.server
-        if server.assembling_bytes + length > server.max_assembling_bytes:
-            self._assembler.reset()
-            server.messages += 1
-            server.refused_assembling += 1
-            server._refuse("assembly_limit")
-            if worth_logging(server.refused_assembling):
-                log.warning("engine socket: refused a message of %d bytes, long messages "
-                            "under way already announce %d bytes, the limit %d (%d refused "
-                            "so far)", length, server.assembling_bytes,
-                            server.max_assembling_bytes, server.refused_assembling)
-            self.reply(server._error(Error(UNAVAILABLE, (
-                f"long messages being received already announce {server.assembling_bytes} "
-                f"bytes; a message of {length} more is over this sidecar's limit of "
-                f"{server.max_assembling_bytes} bytes at once; closing the connection, try "
-                "again"))))
-            self.close_after_replies()
-            return False
-        self._reserved = length
-        server.assembling_bytes += length
-        self._deadline = self._loop.call_later(server.long_message_timeout_s, self._too_slow)
-        return True
-
-    def _end_long(self) -> None:
-        """The long message under way is whole, refused or gone: give its budget back."""
-        self.server.assembling_bytes -= self._reserved
-        self._reserved = 0
-        self._assembler.reset()
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _too_slow(self) -> None:
-        """A long message was not whole in time: refused, counted, connection closed."""
-        self._deadline = None
-        server = self.server
-        got, length = self._assembler.received, self._reserved
-        self._end_long()
-        server.messages += 1
-        server.bad_messages += 1
-        server.slow_messages += 1
-        server._refuse("slow_message")
-        if worth_logging(server.slow_messages):
-            log.warning("engine socket: a message of %d bytes was not whole %.0f s after its "
-                        "header (%d bytes came); closing its connection (%d so far)", length,
-                        server.long_message_timeout_s, got, server.slow_messages)
-        self.reply(server._error(Error(BAD_MESSAGE, (
-            f"a message of {length} bytes did not arrive whole within "
-            f"{server.long_message_timeout_s:g} s of its header ({got} bytes came); closing "
-            "the connection"))))
-        self.close_after_replies()
-
-    def _too_long(self, e: MessageTooLong) -> None:
-        """Over twice the limit: refused, counted, and the connection closed, so its
-        chunks are never buffered."""
-        server = self.server
-        server.messages += 1
-        server.bad_messages += 1
-        too_large = server.size_limit.refuse(e.length)
-        self.reply(server._error(Error(BAD_MESSAGE, f"{too_large} (--max-message-bytes); "
-                                                    "closing the connection")))
-        self.close_after_replies()
-
-    def close_after_replies(self) -> None:
-        """Stop reading; close once what is queued was sent (or could not be)."""
-        self.pause()
-        self._closing = True
-        if not self._unsent:
-            self.close()
-
-    def reply(self, reply: Reply) -> None:
-        if self._closed:
-            return  # the engine went away: nobody to tell
-        self._unsent.extend(packets(self.server._encode(reply)))
-        if not self._writing:
-            self._flush()
-        elif len(self._unsent) > _MAX_UNSENT:
-            # Checked here too, not only when a flush is stuck: the kernel takes
-            # nothing more while the engine reads nothing, so no flush runs, and
-            # the replies to what is read meanwhile would pile up without bound.
-            self.pause_unread()
-
-    def _flush(self) -> None:
-        unsent = self._unsent
-        try:
-            while unsent:
-                self.sock.send(unsent[0], socket.MSG_NOSIGNAL)
-                unsent.popleft()
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:  # the engine closed its end: its replies have no reader
-            self.close()
-            return
-        if unsent:
-            if not self._writing:
-                self._loop.add_writer(self.fd, self._flush)
-                self._writing = True
-            if len(unsent) > _MAX_UNSENT:
-                self.pause_unread()  # the engine does not read its replies: stop reading it
-            return
-        if self._writing:
-            self._loop.remove_writer(self.fd)
-            self._writing = False
-        if self._closing:
-            self.close()
-        elif not self._reading and self.server._listener is not None:
-            self.resume()
-
-
 def _say_and_close(sock: socket.socket, reply: Error) -> None:
     """One error reply to a connection refused at the door, then the end (a fresh
     socket's buffer always takes one short message)."""
@@ -862,6 +626,6 @@ def _always(_engine_id: str) -> bool:
     return True
 
 
-def _uid_of(conn: _Connection) -> int:
+def _uid_of(conn: Connection) -> int:
     """The uid a connection counts against (-1: none known; never admitted)."""
     return conn.cred.uid if conn.cred is not None else -1
