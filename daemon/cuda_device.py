@@ -22,6 +22,7 @@ Nothing here runs without a GPU; no test here has one.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,19 +126,20 @@ class CudaDevice:
             "cuMemGetAllocationGranularity"))
         size = vmm_alloc_bytes(nbytes, gran)
         handle = check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size})")
+        fd, ptr = -1, 0
         try:
             fd = int(check(drv.cuMemExportToShareableHandle(handle, fd_type, 0),
                            "cuMemExportToShareableHandle(POSIX_FD)"))
-        except CudaError:
-            drv.cuMemRelease(handle)
-            raise
-        try:
             ptr = map_vmm(drv, handle, size, self.ordinal)
             check(drv.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
-        except CudaError:
-            import os
-
-            os.close(fd)
+        except BaseException:
+            # Give back every step that succeeded, last first: a failure after
+            # map_vmm must not leave the range mapped and reserved.
+            if ptr:
+                drv.cuMemUnmap(ptr, size)
+                drv.cuMemAddressFree(ptr, size)
+            if fd >= 0:
+                os.close(fd)
             drv.cuMemRelease(handle)
             raise
 

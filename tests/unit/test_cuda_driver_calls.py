@@ -1,0 +1,59 @@
+"""The GPU path's driver calls, against a fake of ``cuda.bindings.driver``
+(``fake_cuda_driver``): what each allocation, import and release calls, in
+which order, and that a failure at any step gives back everything the steps
+before it took. No GPU here; what only a GPU can show is in
+``tests/integration/test_gpu.py`` and ``benchmarks/gpu_e2e.py``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvsidecar.daemon.cuda_device import CudaDevice
+from kvsidecar.ipc import cuda
+
+from .fake_cuda_driver import CUresult, FakeCudaDriver
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def drv(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudaDriver]:
+    """The fake, as ``cuda.driver()`` returns it. Each test closes what it made
+    (fds closed here after the fact could by then be numbers reused by others)."""
+    fake = FakeCudaDriver()
+    monkeypatch.setattr(cuda, "driver", lambda: fake)
+    yield fake
+
+
+def _gpu(drv: FakeCudaDriver) -> CudaDevice:
+    gpu = CudaDevice(0)
+    gpu.open()
+    drv.calls.clear()
+    return gpu
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_vmm_failure_after_mapping_gives_back_mapping_reservation_handle_and_fd(
+        drv: FakeCudaDriver) -> None:
+    """Zeroing fails once the allocation is mapped: the mapping and the address
+    reservation go too, not only the handle and the exported fd."""
+    gpu = _gpu(drv)
+    drv.fail["cuMemsetD8"] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(cuda.CudaError, match="cuMemsetD8"):
+        gpu.allocate("cuda_vmm", 1, 3 * MIB)
+    assert drv.held() == cuda_nothing()
+    assert not any(_fd_open(fd) for fd in drv.exported_fds)
+
+
+def cuda_nothing() -> dict[str, object]:
+    return {"allocs": {}, "handles": {}, "reserved": {}, "mapped": {}, "opened": {}}
