@@ -57,3 +57,25 @@ def test_vmm_failure_after_mapping_gives_back_mapping_reservation_handle_and_fd(
 
 def cuda_nothing() -> dict[str, object]:
     return {"allocs": {}, "handles": {}, "reserved": {}, "mapped": {}, "opened": {}}
+
+
+@pytest.mark.parametrize("kind", ["cuda_malloc", "cuda_vmm"])
+def test_zeroing_has_finished_before_the_memory_is_handed_out(drv: FakeCudaDriver,
+                                                               kind: str) -> None:
+    """``cuMemsetD8`` on device memory is asynchronous with respect to the host
+    (CUDA driver API, "API synchronization behavior"): the allocation waits for
+    it, so the engine never writes before a late memset, and an error of the
+    memset itself fails the allocation (with nothing kept)."""
+    gpu = _gpu(drv)
+    (region,) = gpu.allocate(kind, 1, 3 * MIB)
+    names = drv.names()
+    assert "cuCtxSynchronize" in names[names.index("cuMemsetD8"):]
+    region.close()
+    assert drv.held() == cuda_nothing()
+
+    drv.calls.clear()
+    drv.fail["cuCtxSynchronize"] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(cuda.CudaError, match="cuCtxSynchronize"):
+        gpu.allocate(kind, 1, 3 * MIB)
+    assert drv.held() == cuda_nothing()
+    assert not any(_fd_open(fd) for fd in drv.exported_fds)
