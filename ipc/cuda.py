@@ -224,11 +224,15 @@ class ExportedVmmRegion(CudaRegion):
                           self._alloc_bytes)
 
     def close(self) -> None:
-        super().close()
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Unmap and release the allocation, and close the exported fd (also
+        when the release failed: the fd would otherwise keep it alive)."""
+        try:
+            super().close()
+        finally:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def open_ipc(ref: CudaIpcRef) -> CudaRegion:
@@ -273,9 +277,25 @@ def map_vmm(drv: Any, handle: Any, alloc_bytes: int, ordinal: int) -> int:
 
 
 def unmap_vmm(drv: Any, ptr: int, handle: Any, alloc_bytes: int) -> None:
-    check(drv.cuMemUnmap(ptr, alloc_bytes), "cuMemUnmap")
-    check(drv.cuMemAddressFree(ptr, alloc_bytes), "cuMemAddressFree")
-    check(drv.cuMemRelease(handle), "cuMemRelease")
+    """Undo :func:`map_vmm` and drop ``handle``: unmap, free the range, release.
+
+    Every step is tried even when one before it failed, and the first
+    failure is raised afterwards: releasing the handle is valid while the
+    range is still mapped (the driver frees the memory once the last mapping
+    and reference are gone), so a failed unmap never also leaks the handle.
+    """
+    first: CudaError | None = None
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("cuMemUnmap", lambda: drv.cuMemUnmap(ptr, alloc_bytes)),
+        ("cuMemAddressFree", lambda: drv.cuMemAddressFree(ptr, alloc_bytes)),
+        ("cuMemRelease", lambda: drv.cuMemRelease(handle))]
+    for what, call in steps:
+        try:
+            check(call(), what)
+        except CudaError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def import_vmm(ref: CudaVmmRef, fd: int) -> CudaRegion:

@@ -79,3 +79,32 @@ def test_zeroing_has_finished_before_the_memory_is_handed_out(drv: FakeCudaDrive
         gpu.allocate(kind, 1, 3 * MIB)
     assert drv.held() == cuda_nothing()
     assert not any(_fd_open(fd) for fd in drv.exported_fds)
+
+
+def test_vmm_release_goes_on_past_a_failed_step_and_closes_the_fd(drv: FakeCudaDriver) -> None:
+    """A failed ``cuMemUnmap`` at close still releases the handle (the driver
+    frees the memory once the last mapping goes: releasing while mapped is
+    allowed) and closes the exported fd; the first error is raised."""
+    gpu = _gpu(drv)
+    (region,) = gpu.allocate("cuda_vmm", 1, 3 * MIB)
+    (fd,) = drv.exported_fds
+    drv.fail["cuMemUnmap"] = CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(cuda.CudaError, match="cuMemUnmap"):
+        region.close()
+    assert "cuMemRelease" in drv.names()
+    assert drv.handles == {}
+    assert not _fd_open(fd)
+
+
+def test_imported_vmm_release_goes_on_past_a_failed_step(drv: FakeCudaDriver) -> None:
+    """The engine's side: a failed unmap still releases the imported handle."""
+    from kvsidecar.ipc.protocol import CudaVmmRef
+
+    fd = os.open(os.devnull, os.O_RDONLY)
+    uuid = cuda.device_uuid(0)
+    region = cuda.import_vmm(CudaVmmRef("0" * 32, 0, uuid, 3 * MIB, 4 * MIB), fd)
+    assert not _fd_open(fd)  # closed once imported
+    drv.fail["cuMemUnmap"] = CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(cuda.CudaError, match="cuMemUnmap"):
+        region.close()
+    assert drv.handles == {}
