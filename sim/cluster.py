@@ -310,7 +310,9 @@ class SimEngine:
                 for group in ids:
                     for b in group:
                         t[b * pb:(b + 1) * pb].fill_(POISON)
-            torch.cuda.synchronize()
+            # synchronize() alone waits for the current device only
+            for index in sorted({r.device.index for r in gpu}):
+                torch.cuda.synchronize(index)
         self.release_blocks(ids)
 
     def blocks_for(self, tokens: int, mamba_pages: int = 1) -> list[list[int]]:
@@ -556,7 +558,7 @@ class SimEngine:
                 import torch
 
                 r.torch().copy_(torch.from_numpy(b))  # type: ignore[attr-defined]
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(r.device.index)  # the region's GPU, not the current
 
     def _pull(self, rank: int) -> None:
         for r, b in zip(self.registrations[rank].regions, self.buffers[rank]):
