@@ -108,3 +108,16 @@ def test_imported_vmm_release_goes_on_past_a_failed_step(drv: FakeCudaDriver) ->
     with pytest.raises(cuda.CudaError, match="cuMemUnmap"):
         region.close()
     assert drv.handles == {}
+
+
+def test_raw_nixl_gpu_fill_has_finished_when_it_returns(drv: FakeCudaDriver) -> None:
+    """The raw-NIXL baseline's target fills its GPU buffer, then serves READs of it
+    from other streams (UCX's): the fill must be done, not only queued."""
+    from kvsidecar.sim.raw_nixl import _GpuBuffer
+
+    buf = _GpuBuffer(MIB, 0)
+    drv.calls.clear()
+    buf.fill(7)
+    assert drv.names() == ["cuMemsetD8", "cuCtxSynchronize"]
+    buf.close()
+    assert drv.held() == cuda_nothing()
