@@ -199,6 +199,9 @@ class _Buffers:
         self.dst = int(cuda.check(drv.cuMemAlloc(self.n), "cuMemAlloc"))
         cuda.check(drv.cuMemcpyHtoD(self.src, self.src_host.ctypes.data, self.n), "HtoD")
         cuda.check(drv.cuMemsetD8(self.dst, 0, self.n), "cuMemsetD8")
+        # Both writes may still run when their calls return (pageable HtoD,
+        # memset); the READ runs on UCX's streams, unordered with them.
+        cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def same(self) -> bool:
         import numpy as np

@@ -213,6 +213,14 @@ class FakeCudaDriver:
     def cuMemsetD8(self, ptr: int, value: int, n: int) -> tuple[CUresult]:
         return (self._call("cuMemsetD8", ptr, value, n),)
 
+    def cuMemcpyHtoD(self, dst: int, src: int, n: int) -> tuple[CUresult]:
+        err = self._call("cuMemcpyHtoD", dst, src, n)
+        return (err,)
+
+    def cuMemcpyDtoH(self, dst: int, src: int, n: int) -> tuple[CUresult]:
+        err = self._call("cuMemcpyDtoH", dst, src, n)
+        return (err,)
+
     def cuIpcGetMemHandle(self, ptr: int) -> tuple[CUresult, CUipcMemHandle]:
         h = CUipcMemHandle()
         err = self._call("cuIpcGetMemHandle", ptr)

@@ -121,3 +121,17 @@ def test_raw_nixl_gpu_fill_has_finished_when_it_returns(drv: FakeCudaDriver) -> 
     assert drv.names() == ["cuMemsetD8", "cuCtxSynchronize"]
     buf.close()
     assert drv.held() == cuda_nothing()
+
+
+def test_vram_self_check_buffers_are_ready_before_nixl_reads_them(
+        drv: FakeCudaDriver) -> None:
+    """The start-up VRAM check copies its source from pageable host memory (the
+    DMA may still run when ``cuMemcpyHtoD`` returns) and zeroes its destination
+    (``cuMemsetD8``: asynchronous); NIXL's READ runs on UCX's streams, unordered
+    with both, so the buffers are waited for before the READ."""
+    from kvsidecar.daemon.transport.check import _Buffers
+
+    _Buffers(1 << 16, 0)
+    names = drv.names()
+    last_write = max(names.index("cuMemcpyHtoD"), names.index("cuMemsetD8"))
+    assert "cuCtxSynchronize" in names[last_write:]
