@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .cuda_handles import check_ipc_handle, uuid_from_bytes
@@ -39,7 +39,8 @@ from .regions import Device, MemType
 if TYPE_CHECKING:
     import torch as _torch
 
-__all__ = ["CudaError", "CudaRegion", "device_uuid", "driver", "import_vmm", "make_current",
+__all__ = ["CudaError", "CudaRegion", "current_device", "device_uuid", "driver",
+           "import_vmm", "make_current",
            "open_ipc", "ordinal_for_uuid"]
 
 
@@ -100,6 +101,26 @@ def make_current(ordinal: int) -> None:
     dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
     ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+@contextlib.contextmanager
+def current_device(ordinal: int) -> Iterator[None]:
+    """The device's primary context current on the calling thread for the
+    block, and the thread's previous context current again after it (also
+    when the block raised).
+
+    The engine's side maps and unmaps regions on its own threads, where torch
+    follows the thread's current context: :func:`make_current` alone would
+    leave the region's GPU current, so a model thread of one GPU would go on
+    allocating on another. (The sidecar's own threads use
+    :func:`make_current`: they keep their GPU.)"""
+    drv = driver()
+    previous = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    make_current(ordinal)
+    try:
+        yield
+    finally:
+        check(drv.cuCtxSetCurrent(previous), "cuCtxSetCurrent (restoring the caller's)")
 
 
 def handle_bytes(handle: Any) -> bytes:
@@ -182,9 +203,15 @@ class CudaRegion:
         return t
 
     def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            make_current(self._device.index)  # release may run on an executor thread
+        """Unmap or free the region with its GPU's context current (on whatever
+        thread calls: an executor's too), the caller's context current again
+        after; the release runs at most once, and a close whose context could
+        not be set may be called again."""
+        release = self._release
+        if release is None:
+            return
+        with current_device(self._device.index):
+            self._release = None
             release()
 
     def unlink(self) -> None:
@@ -239,10 +266,10 @@ def open_ipc(ref: CudaIpcRef) -> CudaRegion:
     """Open a legacy CUDA IPC handle (engine side of ``cuda_malloc``)."""
     drv = driver()
     ordinal = ordinal_for_uuid(ref.device_uuid)
-    make_current(ordinal)
     flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-    base = int(check(drv.cuIpcOpenMemHandle(handle_from_bytes(ref.handle), flags),
-                     "cuIpcOpenMemHandle"))
+    with current_device(ordinal):
+        base = int(check(drv.cuIpcOpenMemHandle(handle_from_bytes(ref.handle), flags),
+                         "cuIpcOpenMemHandle"))
 
     def release() -> None:
         check(drv.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
@@ -306,18 +333,18 @@ def import_vmm(ref: CudaVmmRef, fd: int) -> CudaRegion:
     try:
         drv = driver()
         ordinal = ordinal_for_uuid(ref.device_uuid)
-        make_current(ordinal)
-        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        handle = check(drv.cuMemImportFromShareableHandle(fd, kind),
-                       "cuMemImportFromShareableHandle")
+        with current_device(ordinal):
+            kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            handle = check(drv.cuMemImportFromShareableHandle(fd, kind),
+                           "cuMemImportFromShareableHandle")
+            try:
+                ptr = map_vmm(drv, handle, ref.alloc_bytes, ordinal)
+            except CudaError:
+                drv.cuMemRelease(handle)
+                raise
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
-    try:
-        ptr = map_vmm(drv, handle, ref.alloc_bytes, ordinal)
-    except CudaError:
-        drv.cuMemRelease(handle)
-        raise
 
     def release() -> None:
         unmap_vmm(drv, ptr, handle, ref.alloc_bytes)

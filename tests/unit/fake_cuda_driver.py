@@ -29,6 +29,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
 
 
@@ -185,10 +186,16 @@ class FakeCudaDriver:
             self.retained[dev] -= 1
         return (err,)
 
+    def cuCtxGetCurrent(self) -> tuple[CUresult, int]:
+        """The thread's current context (one thread here): 0 for none, as the
+        binding's null ``CUcontext``."""
+        err = self._call("cuCtxGetCurrent")
+        return err, 0 if self.current is None else 1000 + self.current
+
     def cuCtxSetCurrent(self, ctx: int) -> tuple[CUresult]:
         err = self._call("cuCtxSetCurrent", ctx)
         if err == 0:
-            self.current = ctx - 1000
+            self.current = None if not ctx else ctx - 1000
         return (err,)
 
     def cuCtxSynchronize(self) -> tuple[CUresult]:

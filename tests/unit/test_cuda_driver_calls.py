@@ -135,3 +135,44 @@ def test_vram_self_check_buffers_are_ready_before_nixl_reads_them(
     names = drv.names()
     last_write = max(names.index("cuMemcpyHtoD"), names.index("cuMemsetD8"))
     assert "cuCtxSynchronize" in names[last_write:]
+
+
+def test_the_engines_side_leaves_its_threads_context_as_it_found_it() -> None:
+    """Importing, opening and closing a region make its GPU's context current only
+    while they run: an engine thread of GPU 1 (torch follows the current context)
+    still has GPU 1's current after mapping and unmapping a region of GPU 0, and a
+    thread with none has none again."""
+    from kvsidecar.ipc.protocol import CudaIpcRef, CudaVmmRef
+
+    drv = FakeCudaDriver(devices=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda, "driver", lambda: drv)
+        uuid0 = cuda.device_uuid(0)
+        for before in (1, None):
+            drv.current = before
+            vmm = cuda.import_vmm(CudaVmmRef("0" * 32, 0, uuid0, 3 * MIB, 4 * MIB),
+                                  os.open(os.devnull, os.O_RDONLY))
+            assert drv.current == before
+            vmm.close()
+            assert drv.current == before
+            ipc = cuda.open_ipc(CudaIpcRef(bytes(range(1, 65)), uuid0, MIB))
+            assert drv.current == before
+            ipc.close()
+            assert drv.current == before
+        assert drv.held() == cuda_nothing()
+
+
+def test_a_close_whose_context_could_not_be_set_can_be_retried(drv: FakeCudaDriver) -> None:
+    """The release is kept until it runs: a close that could not make the GPU's
+    context current frees nothing and leaves it for the next close."""
+    from kvsidecar.ipc.protocol import CudaVmmRef
+
+    region = cuda.import_vmm(CudaVmmRef("0" * 32, 0, cuda.device_uuid(0), 3 * MIB, 4 * MIB),
+                             os.open(os.devnull, os.O_RDONLY))
+    drv.fail["cuCtxSetCurrent"] = CUresult.CUDA_ERROR_INVALID_CONTEXT
+    with pytest.raises(cuda.CudaError, match="cuCtxSetCurrent"):
+        region.close()
+    assert drv.handles  # nothing released
+    del drv.fail["cuCtxSetCurrent"]
+    region.close()
+    assert drv.held() == cuda_nothing()
