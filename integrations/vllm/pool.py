@@ -42,11 +42,16 @@ from torch.overrides import TorchFunctionMode
 from ...ipc.memory import RegionError, ShmRegion, unique_name
 from ...ipc.regions import Region, RegionView
 
-__all__ = ["ReservationTooSmall", "ShmKVPool", "SidecarKVPool"]
+__all__ = ["ReservationOnAnotherGpu", "ReservationTooSmall", "ShmKVPool", "SidecarKVPool"]
 
 
 class ReservationTooSmall(RegionError):
     """The engine asked for more KV memory than the sidecar reserved."""
+
+
+class ReservationOnAnotherGpu(RegionError):
+    """The engine allocates its KV cache on another GPU than the sidecar's
+    reservation lives on (the connector talks to another GPU's sidecar)."""
 
 
 class _Tensorable(Protocol):
@@ -80,6 +85,7 @@ class SidecarKVPool(TorchFunctionMode):
         if (func in (torch.zeros, torch.empty) and self.tensor is None
                 and self._is_kv_buffer(args, kwargs)):
             n = _size(args, kwargs)
+            self._check_gpu(kwargs.get("device"))
             if n > self.region.nbytes:
                 raise ReservationTooSmall(
                     f"the engine allocates {n} B of KV cache but the sidecar reservation is "
@@ -89,6 +95,22 @@ class SidecarKVPool(TorchFunctionMode):
             self.tensor = whole[:n].view(kwargs.get("dtype", torch.int8))
             return self.tensor
         return func(*args, **kwargs)
+
+    def _check_gpu(self, device: Any) -> None:
+        """A GPU reservation serves only an allocation on its own GPU (the
+        requested index, or the thread's current device): any other is refused
+        with both named, never served from memory on another GPU."""
+        if self.device_type != "cuda":
+            return
+        index = torch.device(device).index
+        if index is None:
+            index = torch.cuda.current_device()
+        if index != self.region.device.index:
+            raise ReservationOnAnotherGpu(
+                f"the engine allocates its KV cache on cuda:{index} but the sidecar "
+                f"reservation is on cuda:{self.region.device.index} "
+                f"({self.region.device.uuid}): point the connector at the sidecar of this "
+                "worker's GPU (kv_connector_extra_config sidecar_socket)")
 
     def _is_kv_buffer(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         n = _size(args, kwargs)

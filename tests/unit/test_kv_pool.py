@@ -61,3 +61,28 @@ def test_views_are_reserved_refs(region: MemfdRegion) -> None:
     assert views[1].address == region.address + 8192 and views[1].mem_type == "DRAM"
     views[1].numpy()[:] = 3
     assert region.numpy()[8192] == 3 and region.numpy()[8191] == 0
+
+
+class _FakeGpuRegion:
+    """A fake VRAM region (no GPU here): the pool only reads its kind, device
+    and size before it would map it."""
+
+    mem_type = "VRAM"
+    nbytes = 1 << 20
+
+    def __init__(self, index: int) -> None:
+        from kvsidecar.ipc.regions import Device
+
+        self.device = Device(index, f"GPU-{index:08d}")
+
+    def torch(self) -> torch.Tensor:
+        raise AssertionError("a refused allocation maps nothing")
+
+
+def test_a_gpu_reservation_refuses_an_allocation_on_another_gpu() -> None:
+    from kvsidecar.integrations.vllm.pool import ReservationOnAnotherGpu
+
+    with SidecarKVPool(_FakeGpuRegion(0)), pytest.raises(  # type: ignore[arg-type]
+            ReservationOnAnotherGpu, match=r"on cuda:1 but the sidecar reservation is on "
+                                           r"cuda:0 \(GPU-00000000\).*sidecar_socket"):
+        torch.zeros(4096, dtype=torch.int8, device="cuda:1")
