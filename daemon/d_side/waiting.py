@@ -166,7 +166,14 @@ async def post_and_wait(a: Attempt, plan: ReadPlan, posts: list[PostList],
     renewing = _Renewing(job.leases, claiming, job.book.renew_until)
     generations = [w.generation for w in eng.lanes]
     try:
-        results: list[Any] = await outcomes(ops)
+        try:
+            results: list[Any] = await outcomes(ops)
+        except BaseException:
+            # Cancelled with transfers maybe in flight. Past this point every
+            # transfer has ended (a refused claim, below): the caller releases
+            # the areas, as nothing writes there any more.
+            _quarantine(eng, areas, shape.lanes, generations)
+            raise
         if shape.split is not None:
             results = joined(results, shape.split[1], len(posts))
         if asked is not None:
@@ -175,9 +182,6 @@ async def post_and_wait(a: Attempt, plan: ReadPlan, posts: list[PostList],
         elif not shape.notify:
             results = await notify_after_grant(eng, job, claiming, posts, agents, note, merge,
                                                results, a.metrics)
-    except BaseException:
-        _quarantine(eng, areas, shape.lanes, generations)
-        raise
     finally:
         renewing.stop()
     check_results(eng, job, a.metrics, posts, results, notified=shape.notify)

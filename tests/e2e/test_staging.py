@@ -159,3 +159,38 @@ def test_failed_staged_read_never_writes_engine_blocks(tmp_path: Path) -> None:
             P.close()
         d.stop()
         p.stop()
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_staged_read_refused_after_posting_gives_its_area_back(staged, verify: bool) -> None:
+    """A staged read posted during its claim (links P confirmed just now) whose
+    claim P then refuses (the hold was released before the read) fails, and its
+    staging area goes back to the pool: its transfer had ended, so nothing can
+    write there any more. It was quarantined instead (until an agent reset
+    that never comes), 28 KiB of the pool lost per refused read."""
+    ps, ds = staged
+    d = ds[0]
+    with engines(ps, ds, lambda p: f"refused{p}{next(_ids)}", attn(2), 1, 1) as (P, (D,)):
+        eid = D.engine_id
+        for i in range(3):
+            D.start_read(P.prefill(f"ok-{i}", Request(seed=60 + i, prompt_tokens=30)),
+                         verify=verify)
+            assert D.wait_for([f"ok-{i}"])[f"ok-{i}"][0].kind == "received"
+            posted = d.metric("kvsidecar_reads_posted_during_claim_total", engine=eid)
+            sent = P.prefill(f"gone-{i}", Request(seed=70 + i, prompt_tokens=30))
+            P.clients[0].release(P.engine_id, f"gone-{i}")  # no lease yet: ends at once
+            rec = D.start_read(sent, verify=verify)
+            got = D.wait_for([f"gone-{i}"])[f"gone-{i}"][0]
+            assert got.kind == "failed" and "refused the lease" in got.reason, got
+            assert got.invalid_block_ids == rec.block_ids
+            D.finish(f"gone-{i}")
+            if d.metric("kvsidecar_reads_posted_during_claim_total", engine=eid) > posted:
+                break  # this one was posted before its refusal came
+        else:
+            pytest.fail("no refused read was posted during its claim")
+        assert d.metric("kvsidecar_staging_bytes_quarantined", engine=eid) == 0
+        assert d.metric("kvsidecar_staging_bytes_in_use", engine=eid) == 0
+        # the pool still stages: a read after it is staged and exact
+        before = d.metric("kvsidecar_staged_transfers_total", engine=eid)
+        D.read_exactly(P, "after-refusal", 80, tokens=(40,))
+        assert d.metric("kvsidecar_staged_transfers_total", engine=eid) == before + 1
