@@ -117,9 +117,28 @@ class StagedPlan:
         return int(self.length.sum())
 
 
+def run_starts(remote: I64, length: I64, gap: int, region: I64 | None = None
+               ) -> NDArray[np.bool_]:
+    """Which pieces (sorted by ``remote`` address) begin a run: the first, each
+    that begins more than ``gap`` bytes past everything before it, and each
+    whose remote region differs from the previous piece's (``region``, when
+    given: a run reads one region only). Pure."""
+    n = int(remote.size)
+    starts = np.empty(n, dtype=bool)
+    if n == 0:
+        return starts
+    end = np.maximum.accumulate(remote + length)
+    starts[0] = True
+    starts[1:] = remote[1:] > end[:-1] + gap
+    if region is not None:
+        starts[1:] |= region[1:] != region[:-1]
+    return starts
+
+
 def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
                  model: CostModel | None = None,
-                 merge_gap: int | None = None) -> StagedPlan | None:
+                 merge_gap: int | None = None,
+                 region: I64 | None = None) -> StagedPlan | None:
     """The staged plan for one post, or None to post it scattered.
 
     ``auto`` stages when the model says it is cheaper and the runs carry at
@@ -127,6 +146,12 @@ def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
     every piece (tests, and the property "a failed read never wrote engine memory").
     Whether ``staging_bytes`` fits is the caller's question (its pool).
     ``merge_gap`` overrides the model's gap threshold (tests).
+
+    ``region``: the remote region (registration) of each piece. A run never
+    spans two: one READ descriptor must lie inside one registered region
+    (NIXL refuses it otherwise, NIXL_ERR_NOT_FOUND), and regions may sit
+    next to each other in P's address space (mappings placed one below the
+    other, or views of one reservation a page apart). None: one region.
     """
     if mode not in MODES:
         raise ValueError(f"staging mode must be one of {MODES}, got {mode!r}")
@@ -138,16 +163,11 @@ def plan_staging(local: I64, remote: I64, length: I64, *, mode: str = "auto",
     order = np.argsort(remote, kind="stable")
     r = remote[order]
     ln = length[order]
-    end = np.maximum.accumulate(r + ln)
-    starts = np.empty(n, dtype=bool)
-    starts[0] = True
-    # A new run where this piece begins more than ``gap`` past everything before it.
-    starts[1:] = r[1:] > end[:-1] + gap
+    starts = run_starts(r, ln, gap, None if region is None else region[order])
     run_id = np.cumsum(starts) - 1
     first = np.flatnonzero(starts)
     run_start = r[first]
-    last = np.append(first[1:], n) - 1
-    run_end = end[last]
+    run_end = np.maximum.reduceat(r + ln, first)
     run_len = run_end - run_start
     pieces = np.diff(np.append(first, n))
     staged_run = np.ones(first.size, dtype=bool) if mode == "always" else pieces > 1

@@ -115,7 +115,10 @@ def _address(plan: ReadPlan, local_bases: I64, remote_bases: dict[int, I64],
              ) -> tuple[ReadPlan, list[PostList], list[StagedPlan | None]]:
     posts = build_posts(plan, local_bases, remote_bases)
     modes = staging or {}
-    return plan, posts, [plan_staging(p.local, p.remote, p.length, mode=modes[p.rank])
+    # a staged run reads inside one remote region (each is its own registration)
+    regions = {rr.remote_rank: rr.region.astype(np.int64) for rr in plan.reads}
+    return plan, posts, [plan_staging(p.local, p.remote, p.length, mode=modes[p.rank],
+                                      region=regions[p.rank])
                          if p.length.size and modes.get(p.rank, "off") != "off" else None
                          for p in posts]
 

@@ -194,3 +194,24 @@ def test_staged_read_refused_after_posting_gives_its_area_back(staged, verify: b
         before = d.metric("kvsidecar_staged_transfers_total", engine=eid)
         D.read_exactly(P, "after-refusal", 80, tokens=(40,))
         assert d.metric("kvsidecar_staged_transfers_total", engine=eid) == before + 1
+
+
+def test_staged_read_across_a_region_boundary_is_exact(staged) -> None:
+    """P's blocks are its last one and its first ones, and P's regions are views
+    of one reservation a page apart (the vLLM pool's layout): pieces of
+    adjacent regions lie a few KiB apart. A staged run merged them into one
+    READ over two registrations, which NIXL refused (NIXL_ERR_NOT_FOUND) on
+    every attempt: the read failed, retried, failed. Each run reads one region now."""
+    ps, ds = staged
+    with engines(ps, ds, lambda p: f"edge{p}{next(_ids)}", attn(2), 1, 1,
+                 reserve=True) as (P, (D,)):
+        last = P.layout.num_blocks - 1
+        P._free = [last] + [b for b in P._free if b != last]  # the next prefill's first block
+        sent = P.prefill("edge", Request(seed=90, prompt_tokens=30))
+        assert sent.block_ids == [[last, 0, 1, 2]]
+        before = ds[0].metric("kvsidecar_staged_transfers_total", engine=D.engine_id)
+        D.start_read(sent)
+        got = D.wait_for(["edge"])["edge"][0]
+        assert got.kind == "received", got
+        assert not D.verify("edge")
+        assert ds[0].metric("kvsidecar_staged_transfers_total", engine=D.engine_id) > before

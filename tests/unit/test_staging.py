@@ -279,3 +279,47 @@ def test_auto_leaves_big_pieces_scattered() -> None:
     # and 8 KiB pieces with 8 KiB gaps, the measured tie (bench_staging 1.00x): scattered
     remote = np.arange(n, dtype=np.int64) * 2 * 8192
     assert plan_staging(local // 8, remote, np.full(n, 8192, np.int64)) is None
+
+
+@pytest.mark.parametrize("gap", [0, 4096], ids=["adjacent", "a-page-apart"])
+def test_a_staged_run_never_spans_two_remote_regions(gap: int) -> None:
+    """P's regions are separate registrations, but may lie next to each other
+    (anonymous mappings placed one below the other; the views of one
+    reservation a page apart). A read of P's last block and its first ones
+    then has pieces a few bytes apart across a region boundary: a staged run
+    merging them was one READ descriptor over two registrations, which NIXL
+    refuses (NIXL_ERR_NOT_FOUND) on every attempt. Each run reads one region,
+    and the staged plan still delivers exactly the scattered post's bytes."""
+    from kvsidecar.daemon.d_side.addresses import plan_and_address
+    from kvsidecar.ipc.layout import attention_layout
+    from kvsidecar.ipc.protocol import Read, RemoteEngine
+
+    layout = attention_layout(model="edge", num_layers=3, total_kv_heads=2, head_dim=16,
+                              block_tokens=8, tp_size=1, num_blocks=64)
+    rb = layout.region_bytes
+    top = 1 << 30
+    # region i just below region i - 1, as mmap places fresh mappings
+    remote_bases = np.array([top - i * (rb + gap) for i in range(layout.num_regions)], np.int64)
+    local_bases = np.array([i * (rb + 8192) for i in range(layout.num_regions)], np.int64)
+    req = Read(id=1, engine_id="D", request_id="edge", local_block_ids=[[0, 1, 2, 3]],
+               remote=RemoteEngine(engine_id="P", tp_size=1, handshake=["h:1"]),
+               remote_block_ids=[[63, 0, 1, 2]], num_tokens=30)
+    _, posts, staged = plan_and_address(layout, 0, layout, req, local_bases, {0: remote_bases},
+                                        {0: "always"})
+    sp = staged[0]
+    assert sp is not None
+    for start, n in zip(sp.remote.tolist(), sp.length.tolist()):
+        inside = [b for b in remote_bases.tolist() if b <= start and start + n <= b + rb]
+        assert inside, f"a staged READ of {n} B at {start:#x} spans two remote regions"
+    # the staged plan moves exactly what the scattered post does (addresses rebased)
+    lo, hi = int(remote_bases.min()), int(remote_bases.max()) + rb
+    mem = np.random.default_rng(5).integers(0, 255, hi - lo, dtype=np.uint8)
+    post = posts[0]
+    want = {int(a): mem[r - lo:r - lo + n].tobytes()
+            for a, r, n in zip(post.local.tolist(), post.remote.tolist(), post.length.tolist())}
+    stage = np.zeros(sp.staging_bytes, np.uint8)
+    for off, r, n in zip(sp.post_local(0).tolist(), sp.remote.tolist(), sp.length.tolist()):
+        stage[off:off + n] = mem[r - lo:r - lo + n]
+    got = {int(d): stage[s:s + n].tobytes()
+           for s, d, n in zip(sp.src.tolist(), sp.dst.tolist(), sp.size.tolist())}
+    assert got == want
