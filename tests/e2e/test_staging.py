@@ -206,7 +206,7 @@ def test_staged_read_across_a_region_boundary_is_exact(staged) -> None:
     with engines(ps, ds, lambda p: f"edge{p}{next(_ids)}", attn(2), 1, 1,
                  reserve=True) as (P, (D,)):
         last = P.layout.num_blocks - 1
-        P._free = [last] + [b for b in P._free if b != last]  # the next prefill's first block
+        P.release_blocks([P.alloc(last)])  # free list now: the last block, then 0, 1, ...
         sent = P.prefill("edge", Request(seed=90, prompt_tokens=30))
         assert sent.block_ids == [[last, 0, 1, 2]]
         before = ds[0].metric("kvsidecar_staged_transfers_total", engine=D.engine_id)
