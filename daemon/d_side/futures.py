@@ -57,3 +57,16 @@ def retrieve(f: asyncio.Future[Any]) -> None:
     """Mark an abandoned future's outcome as seen (no 'never retrieved' noise)."""
     if not f.cancelled():
         f.exception()
+
+
+async def ended(fut: asyncio.Future[Any]) -> None:
+    """Return once ``fut`` ended, its outcome left to whoever wants it (marked
+    seen). Cancelled meanwhile, this still waits for it, then raises: what
+    ``fut`` does (hashing a read's memory) must not outlive the wait on it."""
+    if not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+    retrieve(fut)

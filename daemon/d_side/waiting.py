@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsidecar.daemon.d_side.addresses import I64, PostList
-from kvsidecar.daemon.d_side.futures import in_executor, outcomes, retrieve
+from kvsidecar.daemon.d_side.futures import ended, in_executor, outcomes, retrieve
 from kvsidecar.daemon.d_side.job import Attempt, ReadJob, ReadOutcome, Settle
 from kvsidecar.daemon.d_side.parts import joined, lane_of, pipeline, split_post
 from kvsidecar.daemon.d_side.posting import (
@@ -166,31 +166,52 @@ async def post_and_wait(a: Attempt, plan: ReadPlan, posts: list[PostList],
     renewing = _Renewing(job.leases, claiming, job.book.renew_until)
     generations = [w.generation for w in eng.lanes]
     try:
-        try:
-            results: list[Any] = await outcomes(ops)
-        except BaseException:
-            # Cancelled with transfers maybe in flight. Past this point every
-            # transfer has ended (a refused claim, below): the caller releases
-            # the areas, as nothing writes there any more.
-            _quarantine(eng, areas, shape.lanes, generations)
-            raise
-        if shape.split is not None:
-            results = joined(results, shape.split[1], len(posts))
-        if asked is not None:
-            if claiming is not None:
-                await claiming  # notified once verified, below
-        elif not shape.notify:
-            results = await notify_after_grant(eng, job, claiming, posts, agents, note, merge,
-                                               results, a.metrics)
-    finally:
+        # Cancelled with transfers maybe in flight: areas quarantined, the
+        # landing left alone (it waits for parts that may never end).
+        results: list[Any] = await _transfers(eng, ops, areas, shape.lanes, generations)
+    except BaseException:
         renewing.stop()
-    check_results(eng, job, a.metrics, posts, results, notified=shape.notify)
-    if job.abort_reason is None and any(area is not None for area in areas):
-        await _scatter(a, staged, areas)
-    if asked is not None and job.abort_reason is None:
-        await verified(eng, job, asked, a.metrics, landed)
-        notify_ended(eng, job, posts, agents, note, merge, results, a.metrics)
-    return outcome_of(plan, posts, results)
+        raise
+    # Every transfer ended (past this point the caller releases the areas:
+    # nothing writes there any more, a refused claim below included).
+    try:
+        try:
+            if shape.split is not None:
+                results = joined(results, shape.split[1], len(posts))
+            if asked is not None:
+                if claiming is not None:
+                    await claiming  # notified once verified, below
+            elif not shape.notify:
+                results = await notify_after_grant(eng, job, claiming, posts, agents, note,
+                                                   merge, results, a.metrics)
+        finally:
+            renewing.stop()
+        check_results(eng, job, a.metrics, posts, results, notified=shape.notify)
+        if job.abort_reason is None and any(area is not None for area in areas):
+            await _scatter(a, staged, areas)
+        if asked is not None and job.abort_reason is None:
+            await verified(eng, job, asked, a.metrics, landed)
+            notify_ended(eng, job, posts, agents, note, merge, results, a.metrics)
+        return outcome_of(plan, posts, results)
+    finally:
+        if landed is not None:
+            # Not compared (aborted, a part failed): its hashes of the parts that
+            # landed may still be starting. The read's task ends after them, so
+            # an engine's drop (which waits for this task, then for its hashing,
+            # then unmaps) never unmaps memory under a hash.
+            await ended(landed)
+
+
+async def _transfers(eng: ReaderRank, ops: list[asyncio.Future[Any]],
+                     areas: list[Area | None], lanes: list[int] | None,
+                     generations: list[int]) -> list[Any]:
+    """Every transfer's outcome (:func:`outcomes`). Cancelled meanwhile, with
+    transfers maybe in flight, the staged areas are quarantined."""
+    try:
+        return await outcomes(ops)
+    except BaseException:
+        _quarantine(eng, areas, lanes, generations)
+        raise
 
 
 def _quarantine(eng: ReaderRank, areas: list[Area | None], lanes: list[int] | None,
