@@ -11,8 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsidecar.daemon.d_side.addresses import plan_and_address
 from kvsidecar.daemon.staging import Extents, scatter, strided_runs
 from kvsidecar.daemon.staging_plan import MAX_WIRE_OVERHEAD, CostModel, plan_staging
+from kvsidecar.ipc.layout import attention_layout
+from kvsidecar.ipc.protocol import Read, RemoteEngine
 
 REMOTE = 1 << 20
 LOCAL = 1 << 20
@@ -290,10 +293,6 @@ def test_a_staged_run_never_spans_two_remote_regions(gap: int) -> None:
     merging them was one READ descriptor over two registrations, which NIXL
     refuses (NIXL_ERR_NOT_FOUND) on every attempt. Each run reads one region,
     and the staged plan still delivers exactly the scattered post's bytes."""
-    from kvsidecar.daemon.d_side.addresses import plan_and_address
-    from kvsidecar.ipc.layout import attention_layout
-    from kvsidecar.ipc.protocol import Read, RemoteEngine
-
     layout = attention_layout(model="edge", num_layers=3, total_kv_heads=2, head_dim=16,
                               block_tokens=8, tp_size=1, num_blocks=64)
     rb = layout.region_bytes
