@@ -141,8 +141,9 @@ class Metrics:
             "gave no digest)", (*ENGINE, "reason"))
         self.staging_fallbacks = c(
             "kvsidecar_staging_fallbacks_total", "Transfers the cost model wanted staged but "
-            "that posted scattered descriptors, by reason (full: no room in the pool; "
-            "preparing: the pool is still being mapped, right after the engine rank registered; "
+            "that posted scattered descriptors, by reason (full: no room in the pool now; "
+            "too_large: more than the whole pool (--staging-bytes); preparing: the pool is "
+            "still being mapped, right after the engine rank registered; "
             "unavailable: the pool could not be mapped or registered)", (*ENGINE, "reason"))
         self.staging_bytes_in_use = g(
             "kvsidecar_staging_bytes_in_use", "Staging memory held by transfers in flight "

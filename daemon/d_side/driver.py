@@ -402,5 +402,7 @@ async def _take_areas(a: Attempt, staged: list[StagedPlan | None]) -> list[Area 
             continue
         areas[i] = pool.acquire(sp.staging_bytes) if ok else None
         if areas[i] is None and metrics is not None:
-            metrics.staging_fallbacks.labels(eng.engine_id, "full" if ok else why).inc()
+            reason = (why if not ok else
+                      "too_large" if sp.staging_bytes > pool.capacity else "full")
+            metrics.staging_fallbacks.labels(eng.engine_id, reason).inc()
     return areas

@@ -93,6 +93,28 @@ def test_auto_pool_is_mapped_at_registration_and_first_reads_stage(staged,
         assert d.stop() == 0
 
 
+
+def test_a_transfer_larger_than_the_whole_pool_falls_back_as_too_large(
+        staged, tmp_path: Path) -> None:
+    """A staged run that could never fit (more than --staging-bytes) posts
+    scattered, exact, and is counted as ``too_large``, not as ``full`` (a busy
+    pool), so an operator knows to raise the pool rather than wait it out."""
+    ps, _ = staged
+    d = SidecarProcess(tmp_path, "stl-d", args=["--staging", "always", "--staging-bytes",
+                                                 "4096", "--metrics-port", "0"]).start()
+    try:
+        with engines(ps, [d], lambda p: f"tl{p}{next(_ids)}", attn(2), 2, 1) as (P, (D,)):
+            D.start_read(P.prefill("too-large", Request(seed=71, prompt_tokens=64)))
+            got = D.wait_for(["too-large"])["too-large"]
+            assert {c.kind for c in got.values()} == {"received"}, got
+            assert not D.verify("too-large")
+            m = "kvsidecar_staging_fallbacks_total"
+            assert d.metric(m, engine=D.engine_id, reason="too_large") == 2  # one per P rank
+            assert d.metric(m, engine=D.engine_id, reason="full") == 0
+    finally:
+        assert d.stop() == 0
+
+
 SENTINEL = 0x5A
 
 
