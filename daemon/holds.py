@@ -112,6 +112,7 @@ class _Hold:
     lease_until: float = 0.0  # the latest lease granted to any reader
     cap: float = math.inf  # no lease reaches past this (placed + max(timeout, max life))
     released: str = ""  # the engine released it while a lease still ran: ends at lease_until
+    cut: str = ""  # why it ends early (cut_all): it expires once its readers' leases ran out
     #: its readers finished while another claimant's lease still ran: the outcome
     #: it ends with, at lease_until or once every claimant finished
     finishing: tuple[Literal["sent", "aborted"], str] | None = None
@@ -341,6 +342,19 @@ class HoldBook:
         so): gone without a completion, as if never placed."""
         self._holds.pop((engine_id, request_id), None)
 
+    def cut_all(self, why: str, now: float) -> int:
+        """End every open hold as soon as no reader may rely on it any more (the
+        sidecar stops: ``--drain-timeout`` passed): no new claim or renewal is
+        granted (its cap is ``now``), and :meth:`expire` ends it ``expired``,
+        ``why`` in its reason, once the leases already granted ran out (at once
+        where none runs). Each hold so ends once, with a completion its engine
+        can poll, never dropped in silence. Returns how many it cut."""
+        for h in self._holds.values():
+            h.cap = min(h.cap, now)
+            h.deadline = max(now, h.lease_until)
+            h.cut = h.cut or why
+        return len(self._holds)
+
     def drop_engine(self, engine_id: str) -> int:
         """Forget every hold of an engine that went away (no completions: nobody polls)."""
         keys = [k for k in self._holds if k[0] == engine_id]
@@ -510,8 +524,9 @@ class HoldBook:
                 self.max_overrun = max(self.max_overrun, now - h.deadline)
                 got = {e: len(r) for e, r in h.seen.items()}
                 self._end(h, now, "expired",
-                          f"{len(h.done_engines)} of {h.readers} reading engines finished "
-                          f"before the deadline (reports per engine: {got or 'none'})")
+                          f"{h.cut + ': ' if h.cut else ''}{len(h.done_engines)} of "
+                          f"{h.readers} reading engines finished before the deadline "
+                          f"(reports per engine: {got or 'none'})")
         for key, e in list(self._early.items()):
             if now >= e.arrived + self.grace_s and now >= e.lease_until:
                 self._pop_early(key)

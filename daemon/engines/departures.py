@@ -212,14 +212,36 @@ class Departures:
 
     async def drain_holds(self, timeout_s: float) -> None:
         """SIGTERM: let every open hold (registered engines' and draining ones') end,
-        for at most ``timeout_s``; new holds are refused meanwhile."""
+        for at most ``timeout_s``; new holds are refused meanwhile. Holds still
+        open then are cut (:meth:`~kvsidecar.daemon.holds.HoldBook.cut_all`): each
+        ends ``expired`` once the leases its readers hold ran out (at most
+        ``--hold-lease`` later), so its engine polls one completion for it
+        instead of losing it in silence when the sidecar stops."""
         left = self.table.open_holds()
-        if not left or timeout_s <= 0:
+        if not left:
             return
-        log.info("draining %d open hold(s) for up to %g s (--drain-timeout)", left, timeout_s)
-        deadline = time.monotonic() + timeout_s
+        if timeout_s > 0:
+            log.info("draining %d open hold(s) for up to %g s (--drain-timeout)", left,
+                     timeout_s)
+            left = await self._holds_end_by(time.monotonic() + timeout_s)
+            (log.warning if left else log.info)(
+                "drain %s: %d hold(s) still open", "cut short" if left else "done", left)
+        if not left:
+            return
+        now = time.monotonic()
+        why = (f"the sidecar is shutting down (--drain-timeout {timeout_s:g} s passed "
+               "before its readers finished)")
+        cut = sum(e.holds.cut_all(why, now) for e in self.table.serving())
+        self.alarm.poke()  # housekeeping ends them as their leases run out
+        left = await self._holds_end_by(now + self.settings.hold_lease_s + 1.0)
+        log.warning("drain timeout: %d open hold(s) ended expired once their readers' "
+                    "leases ran out%s", cut - left,
+                    f"; {left} still open are dropped" if left else "")
+
+    async def _holds_end_by(self, deadline: float) -> int:
+        """Wait until no hold is open or ``deadline`` passed; the holds still open."""
+        left = self.table.open_holds()
         while left and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             left = self.table.open_holds()
-        (log.warning if left else log.info)(
-            "drain %s: %d hold(s) still open", "cut short" if left else "done", left)
+        return left

@@ -306,6 +306,33 @@ def test_sigterm_drains_open_holds_within_the_drain_timeout(pool, tmp_path) -> N
         bounded.stop()
 
 
+def test_holds_cut_at_the_drain_timeout_each_end_with_one_completion(pool, tmp_path) -> None:
+    """SIGTERM with holds nobody reads within --drain-timeout: the engine, still
+    polling, gets exactly one ``expired`` completion for each, naming the
+    shutdown, before the sidecar goes (never silence, then a dead socket)."""
+    from kvsidecar.sim.models import hybrid
+    side = SidecarProcess(tmp_path, "dr-cut", args=["--drain-timeout", "1"]).start()
+    try:
+        P = SimEngine(pool.uid("P"), hybrid, 1, 96, [side])
+        rids = [f"cut-{i}" for i in range(2)]
+        for i, rid in enumerate(rids):
+            P.prefill(rid, Request(seed=60 + i, prompt_tokens=TOKENS))
+        (client,) = P.clients
+        client.timeout_s = 10.0
+        side.terminate()
+        got: list[Any] = []
+        while {c.request_id for c in got} != set(rids):
+            got += client.poll(P.engine_id, wait_s=0.5)  # raises once the socket went
+        assert sorted((c.request_id, c.kind) for c in got) == [(r, "expired") for r in rids]
+        assert all("--drain-timeout 1 s passed" in c.reason for c in got), got
+        assert side.proc is not None and side.proc.wait(60) == 0
+        assert "2 open hold(s) ended expired once their readers' leases ran out" in (
+            side.read_log())
+        client.close()
+    finally:
+        side.stop()
+
+
 def test_ended_engines_drain_at_most_max_engines_at_once(pool, tmp_path) -> None:
     """Each draining generation keeps an agent and its memory: at most --max-engines
     drain at once. Past it an ended engine's holds end at once (counted), and the

@@ -415,3 +415,26 @@ def test_next_due_of_a_hold_released_under_a_lease_is_the_lease_s_end() -> None:
     assert b.next_due() == 4  # not its deadline (10): the lease ends first
     b.expire(now=4)
     assert [d.kind for d in done] == ["aborted"]
+
+
+def test_a_cut_ends_every_hold_expired_once_no_reader_relies_on_it() -> None:
+    """SIGTERM's drain timeout: a hold nobody claimed ends at once, one a reader
+    holds a lease of ends when that lease runs out (never sooner: the engine
+    reuses the blocks on the completion), no lease is granted or renewed after
+    the cut, and each hold ends exactly once, its reason naming the cut."""
+    b, done = leased(lease_s=3)
+    b.add("P", "unread", p_tp=1, readers=1, timeout_s=100, now=0)
+    b.add("P", "reading", p_tp=1, readers=1, timeout_s=100, now=0)
+    assert b.claim("P", "reading", now=1).granted  # leased until 4
+    assert b.cut_all("shutting down", now=2) == 2
+    assert not b.claim("P", "reading", now=2).granted  # no renewal past the cut
+    assert not b.claim("P", "unread", now=2).granted
+    b.expire(now=2)
+    assert [(d.request_id, d.kind) for d in done] == [("unread", "expired")]
+    assert done[0].reason.startswith("shutting down: ")
+    b.expire(now=3.9)
+    assert len(done) == 1  # its reader may still be copying the blocks
+    b.expire(now=4)
+    assert [(d.request_id, d.kind) for d in done][1:] == [("reading", "expired")]
+    b.expire(now=50)
+    assert len(b) == 0 and len(done) == 2
