@@ -49,6 +49,17 @@ def death(eng: EngineRank, now: float, lease_s: float, by_lease: bool = True) ->
     return ""
 
 
+def drains_when_gone(by_pid: bool) -> bool:
+    """Whether a rank taken for dead keeps serving its open holds (a drain, see
+    :mod:`~kvsidecar.daemon.drain`): only when its process is proven gone
+    (``by_pid``). One released by ``--engine-lease`` alone may be alive (stopped,
+    frozen, paused), and once continued it learns its registration is gone and
+    may reuse the blocks its holds pin: serving them from that memory would hand
+    readers other requests' bytes. Its holds end with the registration instead
+    (readers' reads fail and are recomputed; the engine hears ``UnknownEngine``)."""
+    return by_pid
+
+
 def pid_visible(req: Register, pid_ns: str, lease_s: float) -> bool:
     """Whether ``req.pid`` can serve as a liveness signal: a pid of this
     sidecar's own PID namespace (``pid_ns``).

@@ -28,7 +28,12 @@ from kvsidecar.daemon.background import Background
 from kvsidecar.daemon.engine_access import current_peer
 from kvsidecar.daemon.engines.departures import Departures
 from kvsidecar.daemon.engines.lanes import Lanes, make_lanes, start_lanes
-from kvsidecar.daemon.engines.liveness import death, own_pid_namespace, pid_visible
+from kvsidecar.daemon.engines.liveness import (
+    death,
+    drains_when_gone,
+    own_pid_namespace,
+    pid_visible,
+)
 from kvsidecar.daemon.engines.memory import (
     attach_staging,
     map_regions,
@@ -427,8 +432,8 @@ class Registry:
             why = death(eng, now, self.settings.engine_lease_s, by_lease)
             if not why:
                 continue
-            self.metrics.engines_gone.labels(
-                signal="pid" if why.startswith("its process") else "lease").inc()
+            by_pid = why.startswith("its process")
+            self.metrics.engines_gone.labels(signal="pid" if by_pid else "lease").inc()
             if eng.keep_on_exit:
                 eng.orphaned = True
                 log.warning("engine %r is gone (%s); its registration is kept for a restart",
@@ -437,7 +442,7 @@ class Registry:
                 log.warning("engine %r is gone (%s); releasing its resources", eng.engine_id,
                             why)
                 self.background.spawn(self.departures.drop_engine(
-                    eng.engine_id, f"engine gone: {why}", drain=True))
+                    eng.engine_id, f"engine gone: {why}", drain=drains_when_gone(by_pid)))
 
 
 def _layout_of(req: Register) -> Layout:
