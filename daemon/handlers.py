@@ -366,7 +366,8 @@ class Handlers:
         """Version, this uid's engines, and the keepalive of ``req.engines``: each
         of them registered here by this uid has its liveness lease renewed (an
         engine idle between requests stays alive for as long as its process
-        pings; one that is gone is simply not listed back)."""
+        pings; one that is gone is simply not listed back, once nothing of its
+        registration can still write into its memory)."""
         ranks = self.ctx.table.ranks
         if req.engines:
             now = time.monotonic()
@@ -375,7 +376,7 @@ class Handlers:
                 if eng is not None and mine(eng):
                     eng.last_seen = now
         return Pong(version=PROTOCOL_VERSION, minor=PROTOCOL_MINOR,
-                    engines=sorted(e for e, eng in ranks.items() if mine(eng)),
+                    engines=self.ctx.table.listed(),
                     engine_lease_s=self.ctx.settings.engine_lease_s)
 
     async def status(self, req: Status) -> Reply:

@@ -72,16 +72,24 @@ class Departures:
         eng = self.table.ranks.pop(engine_id, None)
         if eng is None:
             return
-        eng.wake_pollers()
-        self.invalidate(engine_id)
-        gen = self._start_drain(eng, why) if drain else None
-        if gen is not None:
-            await self.reads.abort_all(eng.engine_id, why, self.drain_timeout)
-            gen.quiet = True  # nothing of its own reads writes into its memory any more
-            self._maybe_free(gen)
-            return
-        await self.quiesce(eng, why)
-        await self._free_rank(eng, self.reservations.pop(engine_id), why)
+        # Until its reads ended and its agent stopped (no reader copies its blocks)
+        # the engine hears "releasing", not unknown_engine, which tells it that
+        # nothing of this registration touches its memory any more.
+        self.table.releasing[engine_id] = (eng, why)
+        try:
+            eng.wake_pollers()
+            self.invalidate(engine_id)
+            gen = self._start_drain(eng, why) if drain else None
+            if gen is not None:
+                await self.reads.abort_all(eng.engine_id, why, self.drain_timeout)
+                gen.quiet = True  # nothing of its own reads writes into its memory any more
+                self._maybe_free(gen)
+                return
+            await self.quiesce(eng, why)
+            await self._free_rank(eng, self.reservations.pop(engine_id), why)
+        finally:
+            if self.table.releasing.get(engine_id, (None,))[0] is eng:
+                del self.table.releasing[engine_id]
 
     async def drop_reservation(self, engine_id: str) -> None:
         """Free a reservation whose engine never registered (or is gone)."""

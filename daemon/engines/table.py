@@ -20,7 +20,14 @@ from kvsidecar.daemon.engine_access import current_peer
 from kvsidecar.daemon.engines.rank import EngineRank
 from kvsidecar.daemon.peers.messages import HandshakeInfo
 from kvsidecar.daemon.reservations import Reservation
-from kvsidecar.ipc.protocol import UNKNOWN_ENGINE, Completion, Register, Reply, RequestError
+from kvsidecar.ipc.protocol import (
+    UNAVAILABLE,
+    UNKNOWN_ENGINE,
+    Completion,
+    Register,
+    Reply,
+    RequestError,
+)
 
 
 class EngineTable:
@@ -33,6 +40,9 @@ class EngineTable:
         #: engine id -> (the registration in progress, its reply), so that a
         #: client retrying after a timeout joins the registration it started
         self.registering: dict[str, tuple[Register, asyncio.Future[Reply]]] = {}
+        #: engine id -> (the rank being released, why): no longer registered, but
+        #: its own reads may still write into its memory (see :meth:`engine`)
+        self.releasing: dict[str, tuple[EngineRank, str]] = {}
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -44,6 +54,10 @@ class EngineTable:
     def engine(self, engine_id: str) -> EngineRank:
         """The engine a request names; any request renews its liveness lease."""
         eng = self.ranks.get(engine_id)
+        if eng is None:
+            going = self.releasing.get(engine_id)
+            if going is not None and mine(going[0]):
+                raise RequestError(UNAVAILABLE, releasing_reason(engine_id, going[1]))
         if eng is None or not mine(eng):
             # Neither the other engines' names nor whether another user's engine
             # of that name exists: both are other tenants' business.
@@ -51,6 +65,13 @@ class EngineTable:
                                f"engine {engine_id[:200]!r} is not registered here")
         eng.last_seen = time.monotonic()
         return eng
+
+    def listed(self) -> list[str]:
+        """The engine ids a ping lists to the asking uid: registered ones, and ones
+        being released (their memory may still be written; only once it cannot
+        does an id go unlisted, which an engine takes for "nothing of mine runs")."""
+        return sorted({e for e, eng in self.ranks.items() if mine(eng)}
+                      | {e for e, (eng, _) in self.releasing.items() if mine(eng)})
 
     def serving(self) -> list[EngineRank]:
         """Every rank with holds to serve: registered ones, then draining ones."""
@@ -91,6 +112,14 @@ class EngineTable:
     def open_holds(self) -> int:
         """Holds open on every rank, registered and draining."""
         return sum(len(e.holds) for e in self.serving())
+
+
+def releasing_reason(engine_id: str, why: str) -> str:
+    """What a request naming a rank being released is told (``unavailable``):
+    not yet ``unknown_engine``, which promises that nothing of the registration
+    can still touch the engine's memory."""
+    return (f"engine {engine_id[:200]!r} is releasing ({why[:200]}): its reads are still "
+            "ending and may write into its memory; it is unknown here once they ended")
 
 
 def mine(eng: EngineRank) -> bool:

@@ -356,3 +356,60 @@ def test_an_ack_past_the_newest_completion_is_refused_and_drops_nothing(pool) ->
                 assert "past the newest completion" in err.message and "nothing" in err.message
         assert [x.kind for x in c.poll(P.engine_id)] == ["expired"]
         assert c.poll(P.engine_id) == []
+
+
+def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_reads_ended(
+        tmp_path) -> None:
+    """A D engine silent past --engine-lease (frozen) while its read is in the middle
+    of a transfer (P's sidecar stopped, over TCP). ``unknown_engine`` tells an engine
+    that nothing of its registration can still touch its memory (the vLLM connector
+    then reuses the read's blocks), so the sidecar must not say it while that
+    transfer may still land: until it ended the engine is told ``unavailable``
+    (releasing), and blocks it reuses after ``unknown_engine`` stay as it wrote them."""
+    from kvsidecar.ipc.client import Unavailable, UnknownEngine
+    env = {"UCX_TLS": "tcp,self"}
+    p = SidecarProcess(tmp_path, "lease-p", env=env).start()
+    d = SidecarProcess(tmp_path, "lease-d", env=env, args=[
+        "--engine-lease", "2", "--read-timeout", "8", "--metrics-port", "0"]).start()
+    P = SimEngine("lease-P", stall_layout, 1, 100, [p], timeout_s=60)
+    D = SimEngine("lease-D", stall_layout, 1, 100, [d], timeout_s=60)
+    try:
+        sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 96), fill=False)
+        assert p.proc is not None
+        D.start_read(sent)
+        stop_once_posted(d, p, "lease-D", 1)
+        try:
+            deadline = time.monotonic() + 60
+            while "'lease-D' is gone" not in d.read_log():  # D's engine stays silent
+                assert time.monotonic() < deadline, "D's sidecar never released D"
+                time.sleep(0.1)
+            (client,) = D.clients
+            refused: list[str] = []
+            while True:  # the engine continued: it polls until told its fate
+                try:
+                    client.poll(D.engine_id)
+                except Unavailable as e:
+                    refused.append(str(e))
+                    time.sleep(0.2)
+                    continue
+                except UnknownEngine:
+                    break
+                raise AssertionError("a released engine's poll was answered")
+            pages = [buf[b * D.layout.page_bytes:(b + 1) * D.layout.page_bytes]
+                     for buf in D.buffers[0] for g in D.receiving["stuck"].block_ids
+                     for b in g]
+            for page in pages:  # lost: the engine reuses the read's blocks at once
+                page[:] = SENTINEL
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        assert refused and all("is releasing" in r for r in refused), refused
+        time.sleep(8)  # whatever P still had to send goes out now
+        landed = sum(int(np.count_nonzero(page != SENTINEL)) for page in pages)
+        assert landed == 0, f"{landed} bytes landed in blocks after unknown_engine"
+        assert d.alive()
+    finally:
+        D.close()
+        if p.alive():
+            P.close()
+        assert d.stop() == 0
+        p.stop()

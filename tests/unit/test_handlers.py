@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 
 from kvsidecar.daemon.background import Alarm
+from kvsidecar.daemon.engines.table import EngineTable
 from kvsidecar.daemon.handlers import Handlers
 from kvsidecar.daemon.holds import HoldBook
 from kvsidecar.daemon.state import DaemonState
@@ -40,7 +41,7 @@ def _handlers(stopping: bool) -> tuple[Handlers, Metrics]:
     metrics = Metrics()
     ctx = SimpleNamespace(
         registry=SimpleNamespace(register=never, reserve=never), metrics=metrics,
-        state=DaemonState(stopping=stopping), table=SimpleNamespace(ranks={}),
+        state=DaemonState(stopping=stopping), table=EngineTable(),
         settings=SimpleNamespace(engine_lease_s=5.0))
     return Handlers(cast(Any, ctx)), metrics
 
