@@ -54,6 +54,9 @@ class Transfers(SidecarLink):
         self._keep_from = 0  # where the next round of keeps starts (see _keep)
         self.one_group = one_group
         self._invalid: set[int] = set()
+        #: why the last poll was refused ('' once one brings completions, or the
+        #: rank is lost): the same refusal again is logged at DEBUG
+        self._poll_refused = ""
 
     def preempted(self, meta: KvSidecarMetadata) -> None:
         """Preemption frees a request's blocks for reuse at once, so no transfer
@@ -220,13 +223,20 @@ class Transfers(SidecarLink):
                 # parked there), an empty step's poll costing no round trip.
                 items = self.client.poll_nowait(self.engine_id)
             except UnknownEngine as e:
+                self._poll_refused = ""
                 self._lose(str(e))
             except SidecarTimeout as e:  # its completions come again with a later poll
                 self._unanswered(e)
             except SidecarError as e:
-                log.error("kvsidecar: engine %s rank %d: the sidecar at %s refused a poll "
-                          "(%s); trying again next step", self.engine_id, self.tp_rank,
-                          self.socket, e)
+                # A rank being released is refused each step until its reads end:
+                # said once (ERROR), its repeats at DEBUG, not one ERROR per step.
+                level = logging.DEBUG if str(e) == self._poll_refused else logging.ERROR
+                self._poll_refused = str(e)
+                log.log(level, "kvsidecar: engine %s rank %d: the sidecar at %s refused a "
+                        "poll (%s); trying again next step", self.engine_id, self.tp_rank,
+                        self.socket, e)
+            if items:  # answered (an empty list may only mean no answer yet)
+                self._poll_refused = ""
         # A read sent without waiting that reached the sidecar only after it lost
         # the rank (sent again on a new connection to a restarted sidecar) is
         # refused unknown_engine: the registration is gone, so is all in flight.
