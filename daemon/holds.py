@@ -392,6 +392,8 @@ class HoldBook:
                 return Lease(False, reason=f"the hold of {request_id!r} was read by its "
                                            f"{h.readers} reading engine(s) already")
             lease = min(self.lease_s, h.cap - now)
+            if lease <= 0 and h.cut:
+                return Lease(False, reason=f"the hold of {request_id!r} ends: {h.cut}")
             if lease <= 0:
                 return Lease(False, reason=f"the hold of {request_id!r} reached its longest "
                                            f"life ({self.max_life_s:g} s, --hold-max-life)")

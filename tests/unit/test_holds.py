@@ -427,7 +427,8 @@ def test_a_cut_ends_every_hold_expired_once_no_reader_relies_on_it() -> None:
     b.add("P", "reading", p_tp=1, readers=1, timeout_s=100, now=0)
     assert b.claim("P", "reading", now=1).granted  # leased until 4
     assert b.cut_all("shutting down", now=2) == 2
-    assert not b.claim("P", "reading", now=2).granted  # no renewal past the cut
+    renewal = b.claim("P", "reading", now=2)  # no renewal past the cut
+    assert not renewal.granted and renewal.reason.endswith("ends: shutting down"), renewal
     assert not b.claim("P", "unread", now=2).granted
     b.expire(now=2)
     assert [(d.request_id, d.kind) for d in done] == [("unread", "expired")]
