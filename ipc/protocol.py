@@ -300,6 +300,9 @@ class Deregister(_RequestBase, tag="deregister", frozen=True):
     hold's deadline and ``--hold-max-life``), then frees it; the reply comes at
     once and the engine may exit. Memory the engine allocated itself on the GPU
     (``cuda_ipc`` attach) cannot outlive it: its holds end at once either way.
+    With ``drain`` the engine hears nothing more of those holds, so it must not
+    write attached memory (``shm``) they pin again, nor register it again, while
+    they may be read: it exits, or deregisters with ``drop``.
     """
 
     engine_id: EngineId
