@@ -333,6 +333,36 @@ def test_holds_cut_at_the_drain_timeout_each_end_with_one_completion(pool, tmp_p
         side.stop()
 
 
+def test_an_engine_stopped_past_its_lease_does_not_drain(pool, tmp_path) -> None:
+    """A P engine SIGSTOPped past --engine-lease with a hold open is alive: once
+    continued it may reuse the held blocks (it hears its registration is gone), so
+    the sidecar must not keep serving the hold from its memory. The hold ends with
+    the registration (nothing drains) and D's read of it fails, never received."""
+    side = SidecarProcess(tmp_path, "dr-stop", args=["--metrics-port", "0",
+                                                     "--engine-lease", "2"]).start()
+    engine_id = pool.uid("drain-stop-")
+    rids = [f"{engine_id}-r0"]
+    proc, info = _start_p([side], engine_id, 1, "memfd", rids, "kill")  # then sleeps
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        _until("the stopped engine was never released", lambda: (
+            engine_id not in _engines(side) and f"engine {engine_id!r} released" in
+            side.read_log()))
+        assert side.metric("kvsidecar_engines_draining") == 0
+        assert side.metric("kvsidecar_drain_bytes") == 0
+        assert not _mapped(side, f"-{engine_id}-")
+        proc.send_signal(signal.SIGCONT)
+        (sent,) = _sents(engine_id, 1, info, rids)
+        with _d_engine(pool, 1) as D:
+            D.start_read(sent)
+            (got,) = D.wait_for(rids)[rids[0]].values()
+            assert got.kind == "failed", got
+    finally:
+        proc.kill()
+        proc.wait()
+        assert side.stop() == 0
+
+
 def test_ended_engines_drain_at_most_max_engines_at_once(pool, tmp_path) -> None:
     """Each draining generation keeps an agent and its memory: at most --max-engines
     drain at once. Past it an ended engine's holds end at once (counted), and the
