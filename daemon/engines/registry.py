@@ -102,6 +102,7 @@ class Registry:
 
     async def register(self, req: Register) -> Reply:
         """Answer a ``Register`` (see the module docstring)."""
+        self.table.refuse_releasing(req.engine_id)  # its old memory may still be written
         registering = self.table.registering
         inflight = registering.get(req.engine_id)
         if inflight is not None:

@@ -55,9 +55,7 @@ class EngineTable:
         """The engine a request names; any request renews its liveness lease."""
         eng = self.ranks.get(engine_id)
         if eng is None:
-            going = self.releasing.get(engine_id)
-            if going is not None and mine(going[0]):
-                raise RequestError(UNAVAILABLE, releasing_reason(engine_id, going[1]))
+            self.refuse_releasing(engine_id)
         if eng is None or not mine(eng):
             # Neither the other engines' names nor whether another user's engine
             # of that name exists: both are other tenants' business.
@@ -65,6 +63,14 @@ class EngineTable:
                                f"engine {engine_id[:200]!r} is not registered here")
         eng.last_seen = time.monotonic()
         return eng
+
+    def refuse_releasing(self, engine_id: str) -> None:
+        """Refuse (``unavailable``) a request naming a rank of the asker's that is
+        being released: its reads may still write into its memory, so it is
+        neither unknown yet nor to be registered again until they ended."""
+        going = self.releasing.get(engine_id)
+        if going is not None and mine(going[0]):
+            raise RequestError(UNAVAILABLE, releasing_reason(engine_id, going[1]))
 
     def listed(self) -> list[str]:
         """The engine ids a ping lists to the asking uid: registered ones, and ones

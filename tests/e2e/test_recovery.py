@@ -365,7 +365,8 @@ def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_rea
     that nothing of its registration can still touch its memory (the vLLM connector
     then reuses the read's blocks), so the sidecar must not say it while that
     transfer may still land: until it ended the engine is told ``unavailable``
-    (releasing), and blocks it reuses after ``unknown_engine`` stay as it wrote them."""
+    (releasing), a registration of its id is refused so too, and blocks it reuses
+    after ``unknown_engine`` stay as it wrote them."""
     from kvsidecar.ipc.client import Unavailable, UnknownEngine
     env = {"UCX_TLS": "tcp,self"}
     p = SidecarProcess(tmp_path, "lease-p", env=env).start()
@@ -390,6 +391,9 @@ def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_rea
                     client.poll(D.engine_id)
                 except Unavailable as e:
                     refused.append(str(e))
+                    if len(refused) == 1:  # nor may it register again meanwhile
+                        with pytest.raises(Unavailable, match="is releasing"):
+                            client.register(D.engine_id, 0, D.layout, allocate=True)
                     time.sleep(0.2)
                     continue
                 except UnknownEngine:
