@@ -133,9 +133,14 @@ async def _watchdog(notifier: Notifier, sidecar: Sidecar, interval: float) -> No
 
 
 def serve(s: settings_mod.Settings) -> int:
-    from kvsidecar.daemon import logs
+    from kvsidecar.daemon import cpu_policy, logs
 
     logs.setup(s.log_level, s.log_format)
+    # Before the loop and its threads start: they inherit the policy.
+    refused = cpu_policy.apply(s.cpu_policy)
+    if refused is not None:
+        log.warning("--cpu-policy %s not applied (%s); running under the kernel's default",
+                    s.cpu_policy, refused)
     try:
         import uvloop
 

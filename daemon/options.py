@@ -338,6 +338,11 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "mapped and registered in the background when the engine rank registers; a read "
            "that finds no room posts scattered descriptors", DATA_PATH, kind="int",
            check=at_least(0)),
+    Option("--cpu-policy", "cpu_policy", "batch", "Linux scheduling policy of every "
+           "sidecar thread: batch (SCHED_BATCH: a woken sidecar thread never preempts the one "
+           "running, the engine's or its own; more reads/s for less CPU, latency unchanged in "
+           "measurements, docs/performance.md), normal (the kernel's default)", DATA_PATH,
+           choices=("batch", "normal"), check=one_of(("batch", "normal"))),
     Option("--post-during-claim", "post_during_claim_s", 2.0, "D side: post a read's transfers "
            "while its lease claim is still on its way to P when P granted a claim over the same "
            "links within this many seconds (the notification waits for the grant; a refusal "

@@ -77,6 +77,7 @@ class Settings:
     cuda_attach: str = "warn"
     staging: str = "off"
     staging_bytes: int = 256 << 20
+    cpu_policy: str = "batch"
     post_during_claim_s: float = 2.0
     notif_batch_reads: int = 64
     post_lanes: int = 1
