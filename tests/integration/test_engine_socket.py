@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -19,6 +18,7 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -48,6 +48,8 @@ from kvsidecar.ipc.protocol import (
     encode_request,
 )
 from kvsidecar.ipc.seqpacket import MAX_PACKET, Assembler, BlockingChannel, new_socket, packets
+
+from .as_user import NOBODY, run_as
 
 
 class Handler:
@@ -329,37 +331,21 @@ async def test_connections_beyond_the_limit_are_shut_and_the_first_stay(
         await s.stop()
 
 
-NOBODY = 65534
-
-
 def _ping_as(uid: int, path: str) -> dict[str, str]:
     """Connect to ``path`` from a child running as ``uid`` (gid ``uid``), send one
     ping and return its reply's type and message (or the error met)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
-                    c.settimeout(10)
-                    c.connect(path)
-                    c.send(encode_request(Ping(id=1)))
-                    reply = decode_reply(c.recv(MAX_PACKET))
-                out = {"type": type(reply).__name__, "message": getattr(reply, "message", "")}
-            except Exception as e:
-                out = {"type": "exception", "message": repr(e)}
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    got: dict[str, str] = json.loads(data)
+
+    def ping() -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.settimeout(10)
+            c.connect(path)
+            c.send(encode_request(Ping(id=1)))
+            reply = decode_reply(c.recv(MAX_PACKET))
+        return {"type": type(reply).__name__, "message": getattr(reply, "message", "")}
+
+    got = run_as(uid, ping)
+    if "exception" in got:
+        return {"type": "exception", "message": got["exception"]}
     return got
 
 

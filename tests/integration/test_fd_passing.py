@@ -5,7 +5,6 @@ tests/e2e/test_memfd.py for transfers through real sidecars)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -33,7 +32,8 @@ from kvsidecar.ipc.memfd import MemfdRegion
 from kvsidecar.ipc.memory import RegionError
 from kvsidecar.ipc.protocol import MemfdRef
 
-NOBODY = 65534
+from .as_user import NOBODY, run_as
+
 TOKEN = "ab" * 16
 
 
@@ -144,28 +144,13 @@ def test_memfd_mapping_checks_the_size() -> None:
 
 
 def _fetch_as_nobody(path: str, token: str) -> dict[str, Any]:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
+    def fetch() -> dict[str, Any]:
         try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                fds = fetch_fds(path, token, 1, timeout_s=10)
-                out = {"fds": len(fds)}
-            except FdPassError as e:
-                out = {"error": str(e)}
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    got: dict[str, Any] = json.loads(data)
-    return got
+            return {"fds": len(fetch_fds(path, token, 1, timeout_s=10))}
+        except FdPassError as e:
+            return {"error": str(e)}
+
+    return run_as(NOBODY, fetch)
 
 
 @pytest.mark.parametrize(("allow_nobody", "refusal"), [
