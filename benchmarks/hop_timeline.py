@@ -39,8 +39,8 @@ POINTS: dict[str, tuple[str, str, str]] = {
                                    "entry"),
     # at entry: the engine a send wakes may run (and stamp its end) before
     # the send returns to D
-    "reply to the engine leaving (D loop)": ("kvsidecar.daemon.engine_server",
-                                             "_Connection._flush", "entry"),
+    "reply to the engine leaving (D loop)": ("kvsidecar.daemon.engine_connection",
+                                             "Connection._flush", "entry"),
     "read task's first step (D loop)": ("kvsidecar.daemon.d_side.driver", "_link", "entry"),
     "lease claim sent (D loop)": ("kvsidecar.daemon.peers.client",
                                   "HandshakeClient.control_soon", "exit"),
