@@ -350,6 +350,7 @@ class Handlers:
     async def deregister(self, req: Deregister) -> Reply:
         ctx = self.ctx
         peer = current_peer.get()
+        ctx.table.refuse_releasing(req.engine_id)  # its reads may still land in it
         if (req.engine_id not in ctx.table.ranks
                 and ctx.registry.reservations.of(req.engine_id, peer.uid if peer else None)):
             await ctx.departures.drop_reservation(req.engine_id)  # reserved, never registered

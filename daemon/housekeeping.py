@@ -130,7 +130,8 @@ def _expire(registry: Registry, metrics: Metrics, now: float) -> None:
 def _release_stale_reservations(registry: Registry, background: Background,
                                 now: float) -> None:
     lease_s = registry.settings.engine_lease_s
-    busy = set(registry.table.ranks) | set(registry.table.registering)
+    table = registry.table
+    busy = set(table.ranks) | set(table.registering) | set(table.releasing)
     for engine_id in registry.reservations.stale(now, lease_s, busy):
         log.warning("engine %r reserved memory but did not register within "
                     "--engine-lease (%g s): releasing the reservation", engine_id, lease_s)

@@ -85,8 +85,12 @@ class Departures:
                 gen.quiet = True  # nothing of its own reads writes into its memory any more
                 self._maybe_free(gen)
                 return
+            # Taken with the rank, before any await: while its reads may still land,
+            # nothing else (the stale-reservation sweep, a Deregister naming the id)
+            # may find the reservation its regions are views of, and free it.
+            reservation = self.reservations.pop(engine_id)
             await self.quiesce(eng, why)
-            await self._free_rank(eng, self.reservations.pop(engine_id), why)
+            await self._free_rank(eng, reservation, why)
         finally:
             if self.table.releasing.get(engine_id, (None,))[0] is eng:
                 del self.table.releasing[engine_id]

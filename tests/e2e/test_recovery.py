@@ -358,22 +358,25 @@ def test_an_ack_past_the_newest_completion_is_refused_and_drops_nothing(pool) ->
         assert c.poll(P.engine_id) == []
 
 
+@pytest.mark.parametrize("reserve", [False, True], ids=["allocated", "reserved"])
 def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_reads_ended(
-        tmp_path) -> None:
+        tmp_path, reserve: bool) -> None:
     """A D engine silent past --engine-lease (frozen) while its read is in the middle
     of a transfer (P's sidecar stopped, over TCP). ``unknown_engine`` tells an engine
     that nothing of its registration can still touch its memory (the vLLM connector
     then reuses the read's blocks), so the sidecar must not say it while that
     transfer may still land: until it ended the engine is told ``unavailable``
     (releasing), a registration of its id is refused so too, and blocks it reuses
-    after ``unknown_engine`` stay as it wrote them."""
+    after ``unknown_engine`` stay as it wrote them. ``reserved``: its memory is a
+    reservation (the vLLM connector's), which nothing may free meanwhile (the
+    stale-reservation sweep once freed it under the landing transfer)."""
     from kvsidecar.ipc.client import Unavailable, UnknownEngine
     env = {"UCX_TLS": "tcp,self"}
     p = SidecarProcess(tmp_path, "lease-p", env=env).start()
     d = SidecarProcess(tmp_path, "lease-d", env=env, args=[
         "--engine-lease", "2", "--read-timeout", "8", "--metrics-port", "0"]).start()
     P = SimEngine("lease-P", stall_layout, 1, 100, [p], timeout_s=60)
-    D = SimEngine("lease-D", stall_layout, 1, 100, [d], timeout_s=60)
+    D = SimEngine("lease-D", stall_layout, 1, 100, [d], timeout_s=60, reserve=reserve)
     try:
         sent = P.prefill("stuck", Request(seed=2, prompt_tokens=64 * 96), fill=False)
         assert p.proc is not None
@@ -391,9 +394,11 @@ def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_rea
                     client.poll(D.engine_id)
                 except Unavailable as e:
                     refused.append(str(e))
-                    if len(refused) == 1:  # nor may it register again meanwhile
+                    if len(refused) == 1:  # nor may it register again, or free it
                         with pytest.raises(Unavailable, match="is releasing"):
                             client.register(D.engine_id, 0, D.layout, allocate=True)
+                        with pytest.raises(Unavailable, match="is releasing"):
+                            client.deregister(D.engine_id)
                     time.sleep(0.2)
                     continue
                 except UnknownEngine:
@@ -411,6 +416,7 @@ def test_an_engine_released_by_its_lease_hears_unknown_engine_only_after_its_rea
         landed = sum(int(np.count_nonzero(page != SENTINEL)) for page in pages)
         assert landed == 0, f"{landed} bytes landed in blocks after unknown_engine"
         assert d.alive()
+        assert "releasing the reservation" not in d.read_log()
     finally:
         D.close()
         if p.alive():
