@@ -1,10 +1,12 @@
 """Draining: engine registrations whose engine ended while holds were open.
 
-A prefill engine that exits, dies or deregisters with ``drain`` after placing
-holds does not take its KV with it: the sidecar allocated (or mapped) that
-memory and registered it with NIXL, so it can keep serving the open holds
-(handshakes, claims, reads, notifications) until each ends as it would have
-(``sent``, ``aborted``, ``expired``), then free everything. Each such
+A prefill engine that exits, dies (its pid proven gone; an engine released by
+its lease alone may only be frozen, so its holds end with it) or deregisters
+with ``drain`` after placing holds does not take its KV with it: the sidecar
+allocated (or mapped) that memory and registered it with NIXL, so it can keep
+serving the open holds (handshakes, claims, reads, notifications) until each
+ends as it would have (``sent``, ``aborted``, ``expired``), then free
+everything. Each such
 registration is a *generation*: an engine that registers again with the same
 id meanwhile gets a new registration (new memory, new agent), and the old
 generation's memory stays until its own holds end.

@@ -274,8 +274,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
               "timeout_s keeps that)"),
     _duration("--drain-timeout", "drain_timeout_s", 30.0, "on SIGTERM, seconds open holds (of "
               "live engines and of engines that ended) may still be read; then each ends "
-              "expired (its engine polls that) once its readers' leases ran out, and the "
-              "sidecar exits; 0 = at once", zero=True),
+              "expired (its engine polls that) once its readers' leases ran out (at most "
+              "--hold-lease more), and the sidecar exits; 0 = no wait before that cut", zero=True),
     _duration("--health-timeout", "health_timeout_s", 10.0, "seconds the event loop or a NIXL "
               "worker thread may be silent before /healthz fails"),
     _duration("--engine-idle-timeout", "engine_idle_timeout_s", 60.0, "seconds an engine "
