@@ -139,7 +139,7 @@ def serve(s: settings_mod.Settings) -> int:
     # Before the loop and its threads start: they inherit the policy.
     refused = cpu_policy.apply(s.cpu_policy)
     if refused is not None:
-        log.warning("--cpu-policy %s not applied (%s); running under the kernel's default",
+        log.warning("--cpu-policy %s: %s; those threads run under the kernel's default",
                     s.cpu_policy, refused)
     try:
         import uvloop

@@ -340,8 +340,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
            check=at_least(0)),
     Option("--cpu-policy", "cpu_policy", "batch", "Linux scheduling policy of every "
            "sidecar thread: batch (SCHED_BATCH: a woken sidecar thread never preempts the one "
-           "running, the engine's or its own; more reads/s for less CPU, latency unchanged in "
-           "measurements, docs/performance.md), normal (the kernel's default)", DATA_PATH,
+           "running, the engine's or its own; more reads/s for less CPU, 1-block p50 unchanged "
+           "in measurements, docs/performance.md), normal (the kernel's default)", DATA_PATH,
            choices=("batch", "normal"), check=one_of(("batch", "normal"))),
     Option("--post-during-claim", "post_during_claim_s", 2.0, "D side: post a read's transfers "
            "while its lease claim is still on its way to P when P granted a claim over the same "
