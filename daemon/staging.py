@@ -198,12 +198,21 @@ class StagingPool:
     def quarantined(self) -> int:
         return sum(a.nbytes for a, _, _ in self._quarantine)
 
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        """What an area of ``nbytes`` takes of the pool: whole pages."""
+        return math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an area of ``nbytes`` could ever be had (the pool empty)."""
+        return self.rounded(nbytes) <= self.capacity
+
     def acquire(self, nbytes: int) -> Area | None:
         """An area of ``nbytes`` (rounded to pages), or None when the pool has no room."""
         if self._view is None or nbytes <= 0:
             return None
         self._reclaim()
-        size = math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
+        size = self.rounded(nbytes)
         off = self._extents.take(size)
         if off is None:
             return None

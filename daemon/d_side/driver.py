@@ -403,6 +403,6 @@ async def _take_areas(a: Attempt, staged: list[StagedPlan | None]) -> list[Area 
         areas[i] = pool.acquire(sp.staging_bytes) if ok else None
         if areas[i] is None and metrics is not None:
             reason = (why if not ok else
-                      "too_large" if sp.staging_bytes > pool.capacity else "full")
+                      "full" if pool.fits(sp.staging_bytes) else "too_large")
             metrics.staging_fallbacks.labels(eng.engine_id, reason).inc()
     return areas

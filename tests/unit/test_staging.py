@@ -322,3 +322,16 @@ def test_a_staged_run_never_spans_two_remote_regions(gap: int) -> None:
     got = {int(d): stage[s:s + n].tobytes()
            for s, d, n in zip(sp.src.tolist(), sp.dst.tolist(), sp.size.tolist())}
     assert got == want
+
+
+def test_a_pool_says_which_areas_could_never_fit_once_rounded_to_pages() -> None:
+    """The fallback's reason: ``full`` only for what an empty pool would take; an
+    area that fits by its bytes but not once rounded up to pages is too large."""
+    import mmap
+
+    from kvsidecar.daemon.staging import StagingPool
+
+    page = mmap.PAGESIZE
+    pool = StagingPool(2 * page, worker=None)  # type: ignore[arg-type]  # never started
+    assert pool.fits(2 * page) and pool.fits(1)
+    assert not pool.fits(2 * page + 1)  # three pages once rounded
