@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from ...ipc.client import Duplicate, SidecarClient, SidecarError
+from ...ipc.client import Duplicate, SidecarClient, SidecarError, Unavailable
 from ...ipc.keepalive import Keepalive
 from ...ipc.memory import ENGINE_SHM_PREFIX, ShmRegion
 from ...ipc.protocol import MemoryKind
@@ -74,6 +75,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ONE_RANK = " (one sidecar serves one rank of an engine: give every tp rank its own)"
+
+T = TypeVar("T")
+
+#: how long a worker starting again waits for its sidecar to finish releasing
+#: the same engine id's previous registration (its reads end within the
+#: sidecar's --read-timeout, 60 s by default, and 15 s more)
+RELEASING_WAIT_S = 120.0
+#: what the sidecar's ``unavailable`` says of an engine id it is still releasing
+RELEASING = "is releasing"
+
+
+def after_release(call: Callable[[], T], what: str, wait_s: float = RELEASING_WAIT_S,
+                  pause_s: float = 0.5) -> T:
+    """``call()``; made again every ``pause_s`` while the sidecar refuses it
+    ``unavailable`` because it is still releasing this engine id's previous
+    registration (a worker restarted under the same id, its predecessor's reads
+    still ending: they may write into the old memory, so the sidecar takes no
+    new registration of the id meanwhile), up to ``wait_s``; then, or on any
+    other error, the error."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return call()
+        except Unavailable as e:
+            if RELEASING not in str(e) or time.monotonic() + pause_s > deadline:
+                raise
+            if not told:
+                log.info("kvsidecar: %s waits for the sidecar to release the previous "
+                         "registration of this engine id: %s", what, e)
+                told = True
+            time.sleep(pause_s)
 
 
 class WorkerSide(Transfers):
@@ -148,8 +181,9 @@ class WorkerSide(Transfers):
             self.regions = [ShmRegion.attach(base.name, r.nbytes, offset=r.offset)
                             for r in self.vl.regions]
         try:
-            reg = self.client.register(self.engine_id, self.tp_rank, self.vl.layout,
-                                       regions=self.regions)
+            reg = after_release(lambda: self.client.register(
+                self.engine_id, self.tp_rank, self.vl.layout, regions=self.regions),
+                f"tp rank {self.tp_rank}'s registration")
         except SidecarError as e:
             hint = _ONE_RANK if isinstance(e, Duplicate) else ""
             raise UnsupportedConfig(f"the kvsidecar at {self.socket} refused tp rank "
