@@ -240,8 +240,6 @@ class EngineServer:
         self.max_connections = max_connections
         #: the most connections one uid may hold (None: max_connections alone)
         self.uid_cap = uid_cap(self.access, max_connections_per_uid, max_connections)
-        #: open connections per peer uid
-        self._by_uid: dict[int, int] = {}
         self.max_in_flight = max_in_flight
         self.max_assembling_bytes = (max_assembling_bytes if max_assembling_bytes is not None
                                      else ASSEMBLING_FACTOR * self.size_limit.hard_cap)
@@ -396,14 +394,14 @@ class EngineServer:
                 continue
             conn = Connection(self, sock, cred, loop)
             self._conns[conn.fd] = conn
-            self._by_uid[cred.uid] = self._by_uid.get(cred.uid, 0) + 1
             conn.resume()
 
     def _room_for_uid(self, cred: PeerCred, now: float) -> bool:
         """Whether ``cred``'s uid may open one more connection: under its cap, or
-        at it with one of its own idle connections closed to make room."""
+        at it with one of its own idle connections closed to make room (counted
+        from the open connections: accepting is rare, and they are bounded)."""
         cap = self.uid_cap
-        if cap is None or self._by_uid.get(cred.uid, 0) < cap:
+        if cap is None or sum(_uid_of(c) == cred.uid for c in self._conns.values()) < cap:
             return True
         return self._evict_idlest(now, uid=cred.uid)
 
@@ -475,12 +473,6 @@ class EngineServer:
     def _closed(self, conn: Connection) -> None:
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
-            uid = _uid_of(conn)
-            left = self._by_uid.get(uid, 1) - 1
-            if left > 0:
-                self._by_uid[uid] = left
-            else:
-                self._by_uid.pop(uid, None)
 
     def _refuse(self, reason: str) -> None:
         if self._on_refuse is not None:
