@@ -45,18 +45,6 @@ log = logging.getLogger(__name__)
 __all__ = ["CudaDevice"]
 
 
-def _zero(drv: Any, ptr: int, nbytes: int) -> None:
-    """Zero ``nbytes`` at ``ptr`` and wait until that is done (the context current).
-
-    ``cuMemsetD8`` on device memory is asynchronous with respect to the host
-    (CUDA driver API, "API synchronization behavior"): without the wait the
-    memory could be handed to the engine, and written there, before the
-    memset ran, and an error of the memset would surface in some later call.
-    """
-    check(drv.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
-    check(drv.cuCtxSynchronize(), "cuCtxSynchronize (after cuMemsetD8)")
-
-
 class CudaDevice:
     """One GPU as the sidecar uses it. :meth:`open` resolves it (needs a GPU)."""
 
@@ -110,7 +98,7 @@ class CudaDevice:
         drv = self._need()
         ptr = int(check(drv.cuMemAlloc(nbytes), f"cuMemAlloc({nbytes})"))
         try:
-            _zero(drv, ptr, nbytes)
+            cuda.fill(ptr, 0, nbytes)  # zero, and done before it is handed out
             raw = handle_bytes(check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle"))
         except CudaError:
             drv.cuMemFree(ptr)
@@ -143,7 +131,7 @@ class CudaDevice:
             fd = int(check(drv.cuMemExportToShareableHandle(handle, fd_type, 0),
                            "cuMemExportToShareableHandle(POSIX_FD)"))
             ptr = map_vmm(drv, handle, size, self.ordinal)
-            _zero(drv, ptr, size)
+            cuda.fill(ptr, 0, size)
         except BaseException:
             # Give back every step that succeeded, last first: a failure after
             # map_vmm must not leave the range mapped and reserved.

@@ -39,7 +39,7 @@ from .regions import Device, MemType
 if TYPE_CHECKING:
     import torch as _torch
 
-__all__ = ["CudaError", "CudaRegion", "current_device", "device_uuid", "driver",
+__all__ = ["CudaError", "CudaRegion", "current_device", "device_uuid", "driver", "fill",
            "import_vmm", "make_current",
            "open_ipc", "ordinal_for_uuid"]
 
@@ -101,6 +101,20 @@ def make_current(ordinal: int) -> None:
     dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
     ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def fill(ptr: int, value: int, nbytes: int) -> None:
+    """Set ``nbytes`` at ``ptr`` to ``value`` and wait until that is done (the
+    device's context current).
+
+    ``cuMemsetD8`` on device memory is asynchronous with respect to the host
+    (CUDA driver API, "API synchronization behavior"): without the wait the
+    memory could be handed out, written or read over NIXL (whose READs run on
+    UCX's streams, unordered with it) before the memset ran, and an error of
+    the memset would surface in some later call."""
+    drv = driver()
+    check(drv.cuMemsetD8(ptr, value, nbytes), "cuMemsetD8")
+    check(drv.cuCtxSynchronize(), "cuCtxSynchronize (after cuMemsetD8)")
 
 
 @contextlib.contextmanager

@@ -49,11 +49,9 @@ class _GpuBuffer:
         self.fill(0)
 
     def fill(self, value: int) -> None:
-        """Set every byte to ``value``, done when this returns: ``cuMemsetD8`` is
-        asynchronous with respect to the host, and the READs that follow run on
-        UCX's streams, not after it."""
-        self._cuda.check(self._drv.cuMemsetD8(self.address, value, self.span), "cuMemsetD8")
-        self._cuda.check(self._drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        """Set every byte to ``value``, done when this returns (the READs that
+        follow run on UCX's streams, not after the memset: :func:`cuda.fill`)."""
+        self._cuda.fill(self.address, value, self.span)
 
     def first_byte(self) -> int:
         out = np.zeros(1, np.uint8)
