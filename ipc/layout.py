@@ -446,6 +446,12 @@ def fingerprinted(layout: Layout) -> Fingerprinted:
     return Fingerprinted(layout, fields, fingerprint_of(fields))
 
 
+def as_fingerprinted(layout: Layout | Fingerprinted) -> Fingerprinted:
+    """``layout`` as it is when it came :class:`Fingerprinted` (a registration's),
+    else :func:`fingerprinted` (which hashes it)."""
+    return layout if isinstance(layout, Fingerprinted) else fingerprinted(layout)
+
+
 def check_compatible(local: Layout | Fingerprinted, remote: Layout | Fingerprinted) -> None:
     """Raise :class:`IncompatibleLayout` naming the first differing model fact.
 

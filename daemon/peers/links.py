@@ -54,7 +54,13 @@ from kvsidecar.daemon.peers.client import HandshakeClient
 from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, Reader, check_peer
 from kvsidecar.daemon.transport.errors import NixlAgentReset
 from kvsidecar.daemon.transport.worker import NixlWorker
-from kvsidecar.ipc.layout import Fingerprinted, Layout, LayoutError, fingerprinted, validate
+from kvsidecar.ipc.layout import (
+    Fingerprinted,
+    Layout,
+    LayoutError,
+    as_fingerprinted,
+    validate,
+)
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
 
@@ -137,7 +143,7 @@ class PeerLinks:
         self._on_link = on_link
         #: the local engine rank's layout with its fingerprint facts, built once per
         #: registration: each handshake compares a peer against them (check_peer)
-        self._layout = layout if isinstance(layout, Fingerprinted) else fingerprinted(layout)
+        self._layout = as_fingerprinted(layout)
         self._client = client
         self._links: OrderedDict[Key, asyncio.Task[Peer]] = OrderedDict()  # LRU first
         #: reads awaiting each link being made (the last to give up cancels it)

@@ -35,10 +35,10 @@ from kvsidecar.ipc.layout import (
     Fingerprinted,
     IncompatibleLayout,
     Layout,
+    as_fingerprinted,
     compare_facts,
     fingerprint_fields,
     fingerprint_of,
-    fingerprinted,
 )
 
 HANDSHAKE_VERSION = 1
@@ -227,7 +227,7 @@ def make_handshake_info(
     """Build a :class:`HandshakeInfo` whose ``tp_size`` and ``fingerprint`` come
     from ``layout``, so they cannot drift from the layout actually sent (a
     :class:`Fingerprinted` one brings its fingerprint, computed once)."""
-    facts = layout if isinstance(layout, Fingerprinted) else fingerprinted(layout)
+    facts = as_fingerprinted(layout)
     return HandshakeInfo(
         engine_id=engine_id,
         tp_rank=tp_rank,
@@ -309,8 +309,7 @@ def check_peer(
         raise fail("device_uuid", "peer serves VRAM without naming its GPU")
     if not 0 <= info.tp_rank < info.tp_size:
         raise fail("tp_rank", f"rank {info.tp_rank} outside tp_size {info.tp_size}")
-    local = (local_layout if isinstance(local_layout, Fingerprinted)
-             else fingerprinted(local_layout))
+    local = as_fingerprinted(local_layout)
     remote = fingerprint_fields(info.layout)
     remote_fp = info.fingerprint
     if remote_fp != local.fingerprint:  # it does not fit: find out how, at any cost
