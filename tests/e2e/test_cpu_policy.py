@@ -38,6 +38,7 @@ def test_every_sidecar_thread_runs_under_the_policy(tmp_path: Path, flag: tuple[
         with engines([p], [d], lambda side: f"cpu{side}", attn(2), 1, 1) as (P, (D,)):
             D.start_read(P.prefill("r", Request(seed=1, prompt_tokens=16)))
             assert D.wait_for(["r"])["r"][0].kind == "received"
+            assert not D.verify("r")  # the oracle's bytes (LAYOUT.md §6)
             for side in (p, d):
                 assert side.proc is not None
                 seen = _policies(side.proc.pid)
