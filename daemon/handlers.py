@@ -271,6 +271,11 @@ class Handlers:
             eng.holds.refused(req.engine_id, req.request_id, why, time.monotonic())
 
     async def hold(self, req: Hold) -> Reply:
+        """Place a hold and answer its lease and token. A request id this engine
+        holds, or held until an end whose completion it has not yet acknowledged,
+        meets ``duplicate``: that is the same hold sent again (its first answer
+        lost), so it never pins the blocks a second time; its one completion
+        says how it ends (or ended)."""
         ctx = self.ctx
         eng = ctx.table.engine(req.engine_id)
         now = time.monotonic()
@@ -279,6 +284,16 @@ class Handlers:
             # the connection was lost) meets `duplicate`, not `unavailable`.
             raise RequestError(DUPLICATE, f"request {req.request_id!r} is already held for "
                                           f"engine {req.engine_id!r}")
+        if (eng.holds.ended_held(req.engine_id, req.request_id)
+                and eng.has_completion(req.request_id)):
+            # So does one whose first copy was placed and has ended, its end not yet
+            # acknowledged (an engine that got no answer places it again): the engine
+            # learns the end from its completion and then frees the blocks, so a new
+            # hold would pin them for nobody while they are reused, and grant a late
+            # reader another request's bytes.
+            raise RequestError(DUPLICATE, f"request {req.request_id!r} was held for engine "
+                                          f"{req.engine_id!r} and that hold has ended; its "
+                                          "completion awaits a poll")
         open_holds = len(eng.holds)
         if eng.holds.claimed_early(req.engine_id, req.request_id, now):
             # A hold a reader already claimed (its token came first) is placed past

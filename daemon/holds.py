@@ -244,6 +244,14 @@ class HoldBook:
         h = self._holds.get((engine_id, request_id))
         return None if h is None or h.released else h.block_ids
 
+    def ended_held(self, engine_id: str, request_id: str) -> bool:
+        """Whether a hold of ``request_id`` was placed and has ended (``sent``,
+        ``expired``, ``aborted``; not a refusal, not an engine that went away),
+        as far as the last ``max_ended`` ends tell. A hold of it placed again
+        while that end awaits the engine's poll is the first one sent again
+        (the handler answers ``duplicate``), never a new hold."""
+        return self._ended.get((engine_id, request_id)) in ("sent", "expired", "aborted")
+
     def waiting(self, engine_id: str, request_id: str) -> bool:
         """Claims or reports for this request wait for its hold (placed later)."""
         return (engine_id, request_id) in self._early
@@ -265,7 +273,11 @@ class HoldBook:
             timeout_s: float | None, now: float, digest: bytes = b"", *,
             block_ids: list[list[int]] | None = None) -> None:
         """Place a hold; ``digest`` names its blocks (claims must name the same);
-        ``block_ids`` are kept for digests of what it pins (``--verify-bytes``)."""
+        ``block_ids`` are kept for digests of what it pins (``--verify-bytes``).
+        A hold of a request whose earlier hold ended is a new hold: the caller
+        places one only once the engine has acknowledged that end (see
+        :meth:`ended_held`), else a copy sent again would pin blocks the engine
+        frees when it polls the first end."""
         key = (engine_id, request_id)
         if key in self._holds:
             raise KeyError(f"request {request_id!r} is already held for engine {engine_id!r}")

@@ -194,8 +194,11 @@ class SidecarLink:
         """Settle each uncertain request now that the sidecar answers. A read is
         released: the sidecar either has it (``Ok``: its completion follows, as
         for any release) or never took it (refused: it ends now, nothing of it
-        can touch our blocks). A hold is placed again: ``Held`` or
-        ``Duplicate``, it is held, and its reader may still read it."""
+        can touch our blocks). A hold is placed again: ``Held`` (the first copy
+        never reached the sidecar) or ``Duplicate`` (it did: the hold is open, or
+        has ended and its completion awaits our poll; the sidecar never pins the
+        blocks twice, nor again for a request already read). Either way it is
+        held until its one completion ends its send."""
         for rid in sorted(self._uncertain):
             try:
                 if rid in self._holding:
@@ -221,6 +224,7 @@ class SidecarLink:
                 self._uncertain.discard(rid)
 
     def _hold_again(self, rid: str) -> None:
+        """Place ``rid``'s uncertain hold again (see :meth:`_settle`)."""
         with contextlib.suppress(Duplicate):  # Duplicate: the first one was placed
             self.client.hold(self.engine_id, rid, self._hold_blocks[rid],
                              timeout_s=self.settings.hold_timeout_s)

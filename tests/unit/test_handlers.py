@@ -13,7 +13,7 @@ import pytest
 from kvsidecar.daemon.background import Alarm
 from kvsidecar.daemon.engines.table import EngineTable
 from kvsidecar.daemon.handlers import Handlers
-from kvsidecar.daemon.holds import HoldBook
+from kvsidecar.daemon.holds import HoldBook, HoldOutcome, Report
 from kvsidecar.daemon.state import DaemonState
 from kvsidecar.ipc import hold_token
 from kvsidecar.ipc.layout import attention_layout
@@ -28,6 +28,7 @@ from kvsidecar.ipc.protocol import (
     Pong,
     Read,
     Register,
+    Release,
     RequestError,
     Reserve,
 )
@@ -108,21 +109,24 @@ def _count(m: Metrics, op: str, error: str) -> float:
 
 def _p_side(stopping: bool = False, spans: Any = None, max_completions: int = 100
             ) -> tuple[Handlers, HoldBook]:
-    """Handlers over one P engine rank with a real hold book, one hold allowed."""
-    book = HoldBook(default_timeout_s=10, grace_s=5, on_done=lambda _o: None, max_life_s=600)
+    """Handlers over one P engine rank with a real hold book, one hold allowed;
+    its ``completions`` are the holds' outcomes not yet polled."""
+    done: list[HoldOutcome] = []
+    book = HoldBook(default_timeout_s=10, grace_s=5, on_done=done.append, max_life_s=600)
     layout = attention_layout(model="m", num_layers=1, total_kv_heads=1, head_dim=8,
                               block_tokens=16, tp_size=1, num_blocks=8)
-    eng = SimpleNamespace(engine_id="P", tp_rank=0, uid=None, holds=book, completions=[],
+    eng = SimpleNamespace(engine_id="P", tp_rank=0, uid=None, holds=book, completions=done,
                           layout=layout, hold_key=hold_token.new_key(),
-                          worker=SimpleNamespace(set_hot=lambda _hot: None))
+                          worker=SimpleNamespace(set_hot=lambda _hot: None),
+                          has_completion=lambda rid: any(o.request_id == rid for o in done))
     ctx = SimpleNamespace(
         table=SimpleNamespace(ranks={"P": eng}, engine=lambda _e: eng),
         state=DaemonState(stopping=stopping), metrics=Metrics(),
         settings=SimpleNamespace(max_holds_per_engine=1,
                                  max_completions_per_engine=max_completions,
                                  engine_lease_s=5.0),
-        reads=SimpleNamespace(count=lambda _e: 0), alarm=Alarm(),
-        spans=spans or SimpleNamespace(start=lambda *_a: None),
+        reads=SimpleNamespace(count=lambda _e: 0, abort=lambda *_a: False), alarm=Alarm(),
+        spans=spans or SimpleNamespace(start=lambda *_a: None, end=lambda *_a: None),
         registry=SimpleNamespace(register=None, reserve=None))
     return Handlers(cast(Any, ctx)), book
 
@@ -149,6 +153,34 @@ def test_a_refused_hold_refuses_its_claims_and_an_early_claimed_one_passes_the_l
     with pytest.raises(RequestError) as e:  # a copy of a placed hold: nothing recorded
         asyncio.run(handlers.handle(_hold("h0", [0])))
     assert e.value.code == DUPLICATE and book.claim("P", "h0", now=time.monotonic()).granted
+
+
+@pytest.mark.parametrize("end", ["sent", "expired", "released"])
+def test_a_hold_sent_again_after_it_ended_unpolled_is_a_duplicate(end: str) -> None:
+    """A hold sent again (its first answer lost) whose first copy was placed and
+    has ended (read, run out, released) while that end awaits the engine's poll
+    meets ``duplicate``: nothing is pinned again and no claim is granted (the
+    engine frees the blocks once it polls that end). Once the engine has
+    acknowledged the end, the id may be held anew."""
+    handlers, book = _p_side()
+    eng = handlers.ctx.table.ranks["P"]
+    assert isinstance(asyncio.run(handlers.handle(_hold("g", [0]))), Held)
+    now = time.monotonic()
+    if end == "sent":
+        book.report("P", "g", Report("D", 0, 1), now)
+    elif end == "expired":
+        book.expire(now + 3600)
+    else:
+        asyncio.run(handlers.handle(Release(id=2, engine_id="P", request_id="g")))
+    assert len(book) == 0 and eng.has_completion("g")
+    with pytest.raises(RequestError, match="that hold has ended") as e:
+        asyncio.run(handlers.handle(_hold("g", [0])))
+    assert e.value.code == DUPLICATE
+    assert len(book) == 0 and len(eng.completions) == 1
+    assert not book.claim("P", "g", now=time.monotonic()).granted
+    eng.completions.clear()  # polled and acknowledged: the engine knows it ended
+    assert isinstance(asyncio.run(handlers.handle(_hold("g", [0]))), Held)
+    assert ("P", "g") in book
 
 
 def test_a_hold_refused_while_stopping_refuses_its_claims() -> None:
