@@ -28,6 +28,7 @@ else:
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvsidecar.daemon.observability import SAMPLE_PERIOD_S
 from kvsidecar.integrations.vllm import KvSidecarConnector
 from kvsidecar.sim.cluster import SidecarProcess
 
@@ -244,6 +245,82 @@ def test_a_stopped_sidecar_delays_requests_but_loses_none(
         verify(D, "s2", blocks["s2"], 45, seeds["s2"])
         run_until(P, lambda: not P.sched.requests)
         assert stats_of(D)["num_failed_transfers"] == 0
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+@pytest.mark.parametrize("pair_sidecars", [(["--metrics-port", "0"], [])], indirect=True)
+def test_a_hold_placed_again_after_it_was_read_pins_nothing(
+        model: str, pair_sidecars: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """P's hold gets no answer (its sidecar stopped, SIGSTOP: the call times
+    out) but is placed once the sidecar runs again, and D reads it, so it ends
+    ``sent``, before P's connector places it again (P does not step meanwhile).
+    Placed again, it meets ``duplicate`` (its end is not polled yet), never a
+    second, phantom hold pinning blocks vLLM frees once it hears of the first
+    end: P reports the send finished exactly once, P's sidecar ends one hold and
+    then holds nothing, and a second read of the same request by D is refused
+    (those blocks are vLLM's again, and may hold another request's bytes)."""
+    p_side, d_side = pair_sidecars
+    seeds = {"g": 86}
+    P, D = engines(model, p_side, d_side, seeds)
+    assert p_side.proc is not None
+    pw = P.workers[0].worker
+    assert pw is not None
+    sent: list[str] = []
+
+    def p_step() -> None:
+        _, agg = P.step()
+        out = agg.kv_connector_output
+        sent.extend(out.finished_sending or () if out else ())
+
+    try:
+        p_side.proc.send_signal(signal.SIGSTOP)
+        params = prefill(P, "g", 45, seeds["g"])
+        deadline = time.monotonic() + WAIT_S
+        while "g" not in pw._uncertain:  # the hold went out and got no answer
+            assert time.monotonic() < deadline, "P's hold never went out"
+            p_step()
+        p_side.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + WAIT_S
+        while p_side.metric("kvsidecar_holds_in_flight") < 1:  # the first copy is placed
+            assert time.monotonic() < deadline, "P's sidecar never placed the first hold"
+            time.sleep(0.05)
+        D.sched.add_request(request(D, "g", 45, dict(params), seed=seeds["g"]))
+        blocks = schedule_reads(D, "g")["g"]
+        run_until(D, lambda: D.sched.requests["g"].status == RequestStatus.RUNNING)
+        verify(D, "g", blocks, 45, seeds["g"])
+        deadline = time.monotonic() + WAIT_S
+        while p_side.metric("kvsidecar_completions_total", outcome="sent") < 1:
+            assert time.monotonic() < deadline, "P's hold never ended sent"
+            time.sleep(0.05)
+        assert "g" in pw._uncertain  # P's connector has not placed it again yet
+
+        deadline = time.monotonic() + WAIT_S
+        while "g" in P.sched.requests:  # placed again, then the first end is polled
+            assert time.monotonic() < deadline, "P never finished sending g"
+            p_step()
+        assert sent == ["g"]
+        time.sleep(2 * SAMPLE_PERIOD_S)  # the gauge is sampled
+        assert p_side.metric("kvsidecar_holds_in_flight") == 0, "a phantom hold of g is open"
+
+        # D reads the same request of P again: nothing may be read from freed blocks.
+        D.sched.add_request(request(D, "g-again", 45, dict(params), seed=seeds["g"]))
+        D.step()
+        deadline = time.monotonic() + WAIT_S
+        ended = None
+        while ended is None:
+            assert time.monotonic() < deadline, "D's second read never ended"
+            _, agg = D.step()
+            out = agg.kv_connector_output
+            if out is not None and "g-again" in (out.finished_recving or ()):
+                ended = out
+            p_step()
+        assert "g-again" in failed_reads(ended), "a read of an ended hold was served"
+        for _ in range(5):
+            p_step()
+        assert sent == ["g"]  # finished exactly once
+        assert p_side.metric("kvsidecar_completions_total", outcome="sent") == 1
     finally:
         P.shutdown()
         D.shutdown()
