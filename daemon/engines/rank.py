@@ -101,6 +101,9 @@ class EngineRank:
                               on_done=self.hold_done, lease_s=s.hold_lease_s,
                               max_life_s=s.hold_max_life_s,
                               max_early=s.max_early_notifications,
+                              # every end whose completion may still await a poll is
+                              # remembered (a hold sent again meets `duplicate`)
+                              max_ended=max(65536, s.max_completions_per_engine),
                               # one member's early claims never refuse another's
                               max_early_per_member=max(1, s.max_early_notifications // 4))
 

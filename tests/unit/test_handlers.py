@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from kvsidecar.daemon.background import Alarm
@@ -181,6 +182,22 @@ def test_a_hold_sent_again_after_it_ended_unpolled_is_a_duplicate(end: str) -> N
     eng.completions.clear()  # polled and acknowledged: the engine knows it ended
     assert isinstance(asyncio.run(handlers.handle(_hold("g", [0]))), Held)
     assert ("P", "g") in book
+
+
+def test_a_rank_remembers_as_many_hold_ends_as_it_may_queue_completions() -> None:
+    """The duplicate guard above reads the hold book's ends: a rank allowed more
+    unpolled completions than the book's default memory remembers that many."""
+    from kvsidecar.daemon.engines.rank import EngineRank
+    from kvsidecar.daemon.settings import Settings
+
+    for cap, want in ((1000, 65536), (100_000, 100_000)):
+        eng = EngineRank(engine_id="P", tp_rank=0, layout=cast(Any, None), regions=[],
+                         owned=True, keep_on_exit=False, pid=1, worker=cast(Any, object()),
+                         reg_id=0, bases=np.zeros(0, np.int64), peers=cast(Any, None),
+                         info=cast(Any, None),
+                         settings=Settings(socket="/nowhere.sock",
+                                           max_completions_per_engine=cap))
+        assert eng.holds.max_ended == want
 
 
 def test_a_hold_refused_while_stopping_refuses_its_claims() -> None:
