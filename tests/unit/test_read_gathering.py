@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
+from kvsidecar.daemon.d_side.driver import POST_FIRST_BLOCKS
 from kvsidecar.daemon.d_side.parts import SPLIT_MIN_BYTES
-from kvsidecar.daemon.d_side.table import ReadTable, goes_alone
+from kvsidecar.daemon.d_side.table import ReadTable, by_size, goes_alone
 from kvsidecar.metrics.registry import Metrics
 
 
@@ -97,3 +98,19 @@ def test_over_lanes_a_large_read_starts_alone_a_small_one_joins() -> None:
     assert goes_alone(two, job(4)) and not goes_alone(two, job(3))
     assert not goes_alone(one, job(4)) and not goes_alone(one, job(100))
     assert goes_alone(one, job(1, verify=object()))
+
+
+def test_small_reads_never_start_in_a_group_with_large_ones() -> None:
+    """A burst's reads of at most POST_FIRST_BLOCKS blocks start apart from
+    the larger ones (together if several), each kind in order: a 1-block read
+    gathered with 64 16-block reads waited for all their claims and plans and
+    their merged READ (benchmarks/tail_under_load.py)."""
+    def job(blocks: int) -> Any:
+        return SimpleNamespace(req=SimpleNamespace(local_block_ids=[list(range(blocks)), []]))
+
+    small, small2, big, big2 = (job(1), job(POST_FIRST_BLOCKS), job(POST_FIRST_BLOCKS + 1),
+                                job(16))
+    assert by_size([big, small, big2, small2]) == [[small, small2], [big, big2]]
+    assert by_size([big, big2]) == [[big, big2]]
+    assert by_size([small, small2]) == [[small, small2]]
+    assert by_size([]) == []
