@@ -8,7 +8,8 @@ request in its own task, so only their caller waits. What a handler may
 touch is in its :class:`Context`, nothing else.
 
 :meth:`Handlers.handle` counts every request by type and error code, and a
-stopping sidecar answers requests that would start new work ``unavailable``.
+stopping sidecar answers requests that would start new work ``unavailable``
+(a copy of a hold or read it already took still meets ``duplicate``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_po
 MAX_DIALABLE = 4096
 
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
-"""Requests that would start new work; a stopping sidecar answers ``unavailable``."""
+"""Requests that would start new work; a stopping sidecar answers ``unavailable``
+(but a copy of a hold or read it took: see :meth:`Handlers._sent_again`)."""
 
 
 @dataclass
@@ -128,7 +130,8 @@ class Handlers:
         kind = type(req)
         error: str | None = ""
         try:
-            if self.ctx.state.stopping and kind in _REFUSED_WHILE_STOPPING:
+            if (self.ctx.state.stopping and kind in _REFUSED_WHILE_STOPPING
+                    and not self._sent_again(req)):
                 raise RequestError(UNAVAILABLE, "the sidecar is shutting down")
             handler = self.table.get(kind)
             if handler is None:
@@ -151,6 +154,26 @@ class Handlers:
             # op comes from the closed set of request types, error from ERROR_CODES.
             if error is not None:
                 self._count(kind, error)
+
+    def _sent_again(self, req: Request) -> bool:
+        """Whether ``req`` is a copy of a hold or read this sidecar took (its first
+        answer lost): a hold of this engine's that is open, or ended with its
+        completion unpolled, or a read in progress. A stopping sidecar lets it
+        reach its handler, which answers ``duplicate``, as before every other
+        refusal: ``unavailable`` would tell the engine that nothing is held or
+        read, and it would free (and reuse) blocks the draining sidecar still
+        serves to a reader, or still writes into."""
+        if type(req) is Hold:
+            eng = self.ctx.table.ranks.get(req.engine_id)
+            return (eng is not None and mine(eng)
+                    and ((req.engine_id, req.request_id) in eng.holds
+                         or (eng.holds.ended_held(req.engine_id, req.request_id)
+                             and eng.has_completion(req.request_id))))
+        if type(req) is Read:
+            eng = self.ctx.table.ranks.get(req.engine_id)
+            return (eng is not None and mine(eng)
+                    and self.ctx.reads.reading(req.engine_id, req.request_id))
+        return False
 
     def _count(self, kind: type, error: str) -> None:
         series = self._request_series.get((kind, error))

@@ -30,6 +30,7 @@ from kvsidecar.ipc.protocol import (
     Read,
     Register,
     Release,
+    RemoteEngine,
     RequestError,
     Reserve,
 )
@@ -260,3 +261,38 @@ def test_a_hold_of_distinct_pages_in_two_groups_is_refused_when_they_share_one()
     assert isinstance(asyncio.run(handlers.handle(Hold(id=2, engine_id="P", request_id="y",
                                                        block_ids=[[1, 2], [3]]))), Held)
     assert len(book) == 1
+
+
+def test_a_copy_of_a_hold_or_read_taken_meets_duplicate_while_stopping() -> None:
+    """A stopping sidecar refuses new holds and reads ``unavailable``, but a copy
+    of one it took (the engine got no answer and sends it again) meets
+    ``duplicate``, as before any other refusal: a hold open or ended unpolled
+    (its blocks stay the engine's until that one completion), a read in
+    progress. ``unavailable`` would say nothing is held or read, and the engine
+    would free blocks the draining sidecar still serves or writes.
+    (End to end: tests/vllm_connector/test_sidecar_errors.py.)"""
+    handlers, book = _p_side()
+    eng = handlers.ctx.table.ranks["P"]
+    assert isinstance(asyncio.run(handlers.handle(_hold("g", [0]))), Held)
+    handlers.ctx.state.stopping = True
+    with pytest.raises(RequestError, match="already held") as e:
+        asyncio.run(handlers.handle(_hold("g", [0])))
+    assert e.value.code == DUPLICATE and ("P", "g") in book
+    book.report("P", "g", Report("D", 0, 1), time.monotonic())  # read: ends sent
+    with pytest.raises(RequestError, match="that hold has ended") as e:
+        asyncio.run(handlers.handle(_hold("g", [0])))
+    assert e.value.code == DUPLICATE and len(book) == 0 and len(eng.completions) == 1
+    assert not book.claim("P", "g", now=time.monotonic()).granted
+    with pytest.raises(RequestError, match="shutting down") as e:  # new work
+        asyncio.run(handlers.handle(_hold("h", [1])))
+    assert e.value.code == UNAVAILABLE
+
+    handlers.ctx.reads = SimpleNamespace(count=lambda _e: 1,
+                                         reading=lambda _e, rid: rid == "r")
+    remote = RemoteEngine("Q", 1, ["127.0.0.1:5555"])
+    for rid, code in (("r", DUPLICATE), ("r2", UNAVAILABLE)):
+        with pytest.raises(RequestError) as e:
+            asyncio.run(handlers.handle(Read(id=3, engine_id="P", request_id=rid,
+                                             local_block_ids=[[0]], remote=remote,
+                                             remote_block_ids=[[0]])))
+        assert e.value.code == code, rid

@@ -30,6 +30,7 @@ from vllm.v1.request import RequestStatus
 
 from kvsidecar.daemon.observability import SAMPLE_PERIOD_S
 from kvsidecar.integrations.vllm import KvSidecarConnector
+from kvsidecar.ipc.client import SidecarClient
 from kvsidecar.sim.cluster import SidecarProcess
 
 from .harness import Engine, failed_reads, make_engine, oracle_fill, request, write_model
@@ -392,6 +393,74 @@ def test_a_sidecar_restarted_under_requests_fails_them_and_serves_again(
         assert stats_of(D)["num_failed_transfers"] == 1
 
         read_and_verify(P, D, "y", 50, seeds["y"])
+    finally:
+        P.shutdown()
+        D.shutdown()
+
+
+@pytest.mark.parametrize("pair_sidecars", [(["--metrics-port", "0", "--drain-timeout", "60"],
+                                            [])], indirect=True)
+def test_a_hold_placed_again_while_its_sidecar_drains_stays_held_until_read(
+        model: str, pair_sidecars: tuple[SidecarProcess, SidecarProcess]) -> None:
+    """P's hold gets no answer (SIGSTOP) but is placed once the sidecar runs
+    again; then the sidecar is told to stop (SIGTERM): it refuses new holds and
+    drains the open ones, serving their readers. P's connector places the hold
+    again: the sidecar holds it, so the copy meets ``duplicate`` (not the
+    ``unavailable`` a new hold gets), and P keeps its blocks until the one
+    completion ends its send. Were the copy refused, P would report the send
+    finished (vLLM frees and reuses the blocks) while D may still read them."""
+    p_side, d_side = pair_sidecars
+    seeds = {"g": 87}
+    P, D = engines(model, p_side, d_side, seeds)
+    assert p_side.proc is not None
+    pw = P.workers[0].worker
+    assert pw is not None
+    sent: list[str] = []
+
+    def p_step() -> None:
+        _, agg = P.step()
+        out = agg.kv_connector_output
+        sent.extend(out.finished_sending or () if out else ())
+
+    try:
+        p_side.proc.send_signal(signal.SIGSTOP)
+        params = prefill(P, "g", 45, seeds["g"])
+        deadline = time.monotonic() + WAIT_S
+        while "g" not in pw._uncertain:  # the hold went out and got no answer
+            assert time.monotonic() < deadline, "P's hold never went out"
+            p_step()
+        p_side.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + WAIT_S
+        while p_side.metric("kvsidecar_holds_in_flight") < 1:  # the first copy is placed
+            assert time.monotonic() < deadline, "P's sidecar never placed the first hold"
+            time.sleep(0.05)
+        p_side.terminate()  # drains: new holds are refused, open ones served
+        deadline = time.monotonic() + WAIT_S
+        with SidecarClient(p_side.socket, timeout_s=5) as c:
+            while not c.status().draining:
+                assert time.monotonic() < deadline, "P's sidecar never began draining"
+                time.sleep(0.05)
+
+        deadline = time.monotonic() + WAIT_S
+        while "g" in pw._uncertain:  # settled: placed again
+            assert time.monotonic() < deadline, "P's connector never placed the hold again"
+            p_step()
+        assert sent == [], "P freed g's blocks while its sidecar still holds them"
+        assert "g" in pw._holding
+
+        D.sched.add_request(request(D, "g", 45, dict(params), seed=seeds["g"]))
+        blocks = schedule_reads(D, "g")["g"]
+        deadline = time.monotonic() + WAIT_S
+        while D.sched.requests["g"].status != RequestStatus.RUNNING:
+            assert time.monotonic() < deadline, "D's read of g never ended"
+            D.step()
+            p_step()
+        verify(D, "g", blocks, 45, seeds["g"])
+        deadline = time.monotonic() + WAIT_S
+        while "g" in P.sched.requests:  # its one completion ends the send
+            assert time.monotonic() < deadline, "P never finished sending g"
+            p_step()
+        assert sent == ["g"]
     finally:
         P.shutdown()
         D.shutdown()
