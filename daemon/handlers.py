@@ -80,6 +80,22 @@ answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_po
 #: past it the set starts over.
 MAX_DIALABLE = 4096
 
+def _hold_taken(eng: EngineRank, req: Hold) -> str | None:
+    """Why ``req`` is a copy of a hold this rank took (its first answer lost),
+    or None: the hold is open, or it was placed and has ended while that end's
+    completion awaits the engine's poll. The engine learns the end from that
+    completion and then frees the blocks, so a second hold would pin them for
+    nobody while they are reused, and grant a late reader another request's
+    bytes."""
+    key = (req.engine_id, req.request_id)
+    if key in eng.holds:
+        return f"request {req.request_id!r} is already held for engine {req.engine_id!r}"
+    if eng.holds.ended_held(*key) and eng.has_completion(req.request_id):
+        return (f"request {req.request_id!r} was held for engine {req.engine_id!r} and that "
+                "hold has ended; its completion awaits a poll")
+    return None
+
+
 _REFUSED_WHILE_STOPPING: frozenset[type[Request]] = frozenset({Register, Read, Hold, Reserve})
 """Requests that would start new work; a stopping sidecar answers ``unavailable``
 (but a copy of a hold or read it took: see :meth:`Handlers._sent_again`)."""
@@ -165,10 +181,7 @@ class Handlers:
         serves to a reader, or still writes into."""
         if type(req) is Hold:
             eng = self.ctx.table.ranks.get(req.engine_id)
-            return (eng is not None and mine(eng)
-                    and ((req.engine_id, req.request_id) in eng.holds
-                         or (eng.holds.ended_held(req.engine_id, req.request_id)
-                             and eng.has_completion(req.request_id))))
+            return eng is not None and mine(eng) and _hold_taken(eng, req) is not None
         if type(req) is Read:
             eng = self.ctx.table.ranks.get(req.engine_id)
             return (eng is not None and mine(eng)
@@ -302,21 +315,9 @@ class Handlers:
         ctx = self.ctx
         eng = ctx.table.engine(req.engine_id)
         now = time.monotonic()
-        if (req.engine_id, req.request_id) in eng.holds:
-            # Before the limits: a hold sent again (its first copy taken before
-            # the connection was lost) meets `duplicate`, not `unavailable`.
-            raise RequestError(DUPLICATE, f"request {req.request_id!r} is already held for "
-                                          f"engine {req.engine_id!r}")
-        if (eng.holds.ended_held(req.engine_id, req.request_id)
-                and eng.has_completion(req.request_id)):
-            # So does one whose first copy was placed and has ended, its end not yet
-            # acknowledged (an engine that got no answer places it again): the engine
-            # learns the end from its completion and then frees the blocks, so a new
-            # hold would pin them for nobody while they are reused, and grant a late
-            # reader another request's bytes.
-            raise RequestError(DUPLICATE, f"request {req.request_id!r} was held for engine "
-                                          f"{req.engine_id!r} and that hold has ended; its "
-                                          "completion awaits a poll")
+        taken = _hold_taken(eng, req)
+        if taken is not None:  # before the limits: `duplicate`, not `unavailable`
+            raise RequestError(DUPLICATE, taken)
         open_holds = len(eng.holds)
         if eng.holds.claimed_early(req.engine_id, req.request_id, now):
             # A hold a reader already claimed (its token came first) is placed past
