@@ -97,7 +97,11 @@ def _check_unsealed(ctx: MemoryContext) -> None:
                                         "cannot be sealed against truncation, which would "
                                         "kill this sidecar; use memory='memfd' (allocate mode, "
                                         "the default), or start the sidecar with "
-                                        "--allow-unsealed-shm if every engine is trusted")
+                                        "--allow-unsealed-shm if every engine is trusted; "
+                                        "an engine client from before sealed memfds "
+                                        "(protocol minor 10 or older) asks for 'shm' by "
+                                        "default: that version skew is refused, upgrade it "
+                                        "(docs/operations.md, Rolling upgrades)")
 
 
 def _prefix(ctx: MemoryContext) -> str:

@@ -112,6 +112,11 @@ def by_size(jobs: list[ReadJob]) -> list[list[ReadJob]]:
 
 #: no upper bound on acceptance (remote ids are ranged when planned)
 _ANY_INT64_ID = 1 << 63
+#: What a read without any hold token says besides the count: the usual cause is
+#: a version skew (an engine client, or a P engine, from before hold tokens).
+NO_TOKENS_SKEW = ("; none at all is what an engine client or a P engine from before "
+                  "protocol minor 11 (kvsidecar before hold tokens) sends: that version "
+                  "skew is refused, upgrade it (docs/operations.md, Rolling upgrades)")
 
 
 def _hold_read(req: Read) -> tuple[str, str, str]:
@@ -205,7 +210,8 @@ class ReadTable:
             raise RequestError(BAD_REQUEST, (
                 f"read {req.request_id[:200]!r} carries {len(req.remote_tokens)} hold tokens "
                 f"for {r.tp_size} remote ranks: pass the token each P rank's hold issued "
-                "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"))
+                "(remote_tokens; vLLM: kv_transfer_params['remote_tokens'])"
+                + (NO_TOKENS_SKEW if not req.remote_tokens else "")))
         of = _hold_read(req)
         reading = self._reading.get(of)
         if reading is not None:
