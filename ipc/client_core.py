@@ -25,6 +25,7 @@ from .block_ids import BlockIdsLike, block_id_lists
 from .errors import BadMessage, SidecarError, SidecarTimeout, Unavailable, error_from_reply, expect
 from .layout import Layout
 from .mapping import map_refs
+from .memory import RegionError
 from .posted_requests import PostedRequests
 from .protocol import (
     BAD_MESSAGE,
@@ -150,8 +151,18 @@ MAPS_MEMORY: Final = (Registered, Reserved)
 def _registration(reply: Registered, regions: Sequence[Region] | None) -> Registration:
     """Map allocate-mode regions (fetching fds from the sidecar's fd socket for
     memfd / CUDA VMM kinds); the caller deregisters if this raises."""
-    mapped: list[Region] = (list(regions) if regions is not None
-                            else map_refs(reply.regions, reply.fd_socket))
+    try:
+        mapped: list[Region] = (list(regions) if regions is not None
+                                else map_refs(reply.regions, reply.fd_socket))
+    except RegionError as e:
+        if reply.hold_key:
+            raise
+        # No hold key: a sidecar of protocol minor 10 or older, which may predate
+        # sealed memfds (what this client maps, and nothing else).
+        raise RegionError(f"{e}; this sidecar issues no hold key, so it is older than "
+                          "this client (protocol minor 10 or older; before sealed memfds "
+                          "it sent unsealed ones): that version skew is refused, upgrade "
+                          "the sidecar (docs/operations.md, Rolling upgrades)") from e
     return Registration(reply.engine_id, reply.handshake_address, reply.agent_name, mapped,
                         reply.hold_key)
 
