@@ -50,8 +50,9 @@ metric) and answered with one clear error:
   clients reconnect on their next call); when there is none, the new one
   gets one ``unavailable`` reply and is closed (reason ``connection_limit``);
 * connections of one uid beyond ``max_connections_per_uid``, where the
-  policy admits more than the daemon's own uid (:func:`uid_cap`): that uid's
-  own connection idle longest makes room as above, else the new one gets one
+  policy admits more than the daemon's own uid
+  (:mod:`~kvsidecar.daemon.uid_limit`, the fd socket's too): that uid's own
+  connection idle longest makes room as above, else the new one gets one
   ``unavailable`` reply naming the uid and is closed (reason
   ``uid_connection_limit``), checked before the total so one uid can neither
   hold every slot nor evict the others' idle connections for more of its own;
@@ -131,6 +132,7 @@ from .engine_access import (
 )
 from .engine_connection import Connection
 from .message_limit import SizeLimit
+from .uid_limit import DEFAULT_MAX_CONNECTIONS_PER_UID, UidLimit, uid_cap
 
 __all__ = ["EngineServer", "RequestError", "RequestHandler", "uid_cap"]
 
@@ -142,8 +144,6 @@ _UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, including the NUL
 MAX_ERROR_CHARS = 1024
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 DEFAULT_MAX_CONNECTIONS = 256
-#: Connections one uid may hold where several uids are admitted (see uid_cap).
-DEFAULT_MAX_CONNECTIONS_PER_UID = 64
 #: Requests one connection may have in flight (a waiting poll holds one for
 #: its wait); far above what one engine's scheduler step issues.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -165,24 +165,6 @@ _REGISTERING = (Registered, Reserved)
 #: (a connection busy enough never to be idle would otherwise only grow them)
 _PRUNE_ENGINES_AT = 64
 _ACCEPT_PAUSE_S = 0.1
-
-
-def uid_cap(access: AccessPolicy, per_uid: int, total: int) -> int | None:
-    """The most engine connections one uid may hold; None: only ``total`` bounds it.
-
-    Where ``access`` admits anyone besides the daemon's own uid (an
-    ``--allow-uid``/``--allow-gid``), every admitted uid, the daemon's own and
-    root included, may hold ``per_uid``, and never more than three quarters of
-    ``total``: one of them must not take every slot and lock the others'
-    engines out, also when a low fd limit shrank ``total`` to ``per_uid`` or
-    below. None where only the daemon's own uid is admitted (there is nobody
-    to lock out: a cap would only shrink the total).
-    """
-    if per_uid < 1:
-        raise ValueError(f"per_uid must be >= 1, got {per_uid}")
-    if not access.shared:
-        return None
-    return max(1, min(per_uid, total - total // 4))
 
 
 class RequestHandler(Protocol):
@@ -238,8 +220,11 @@ class EngineServer:
         self.max_message_bytes = max_message_bytes
         self.size_limit = SizeLimit("engine", max_message_bytes, on_refuse)
         self.max_connections = max_connections
-        #: the most connections one uid may hold (None: max_connections alone)
-        self.uid_cap = uid_cap(self.access, max_connections_per_uid, max_connections)
+        #: the most connections one uid may hold (``uid_limit.cap``; None:
+        #: max_connections alone), shared with the fd socket's (see uid_limit)
+        self.uid_limit = UidLimit(
+            self.access, max_connections_per_uid, max_connections, what="engine socket",
+            target="this sidecar", advice="close idle clients")
         self.max_in_flight = max_in_flight
         self.max_assembling_bytes = (max_assembling_bytes if max_assembling_bytes is not None
                                      else ASSEMBLING_FACTOR * self.size_limit.hard_cap)
@@ -258,7 +243,6 @@ class EngineServer:
         self.internal_errors = 0
         self.forbidden = 0
         self.refused_connections = 0
-        self.refused_uid_connections = 0
         self.refused_in_flight = 0
         self.refused_assembling = 0
         self.slow_messages = 0
@@ -397,26 +381,21 @@ class EngineServer:
             conn.resume()
 
     def _room_for_uid(self, cred: PeerCred, now: float) -> bool:
-        """Whether ``cred``'s uid may open one more connection: under its cap, or
-        at it with one of its own idle connections closed to make room (counted
-        from the open connections: accepting is rare, and they are bounded)."""
-        cap = self.uid_cap
-        if cap is None or sum(_uid_of(c) == cred.uid for c in self._conns.values()) < cap:
-            return True
-        return self._evict_idlest(now, uid=cred.uid)
+        """Whether ``cred``'s uid may open one more connection (see UidLimit.room):
+        at its cap, its own connection idle longest makes room."""
+        return self.uid_limit.room(cred.uid, map(_uid_of, self._conns.values()),
+                                   lambda uid: self._evict_idlest(now, uid=uid))
 
     def _uid_refusal(self, cred: PeerCred) -> Error:
         """The reply to a connection over its uid's cap (counted, logged)."""
-        self.refused_uid_connections += 1
         self.errors += 1
         self._refuse("uid_connection_limit")
-        if worth_logging(self.refused_uid_connections):
-            log.warning("engine socket: refused a connection of uid %d (pid %d): it holds %d, "
-                        "the limit per uid (--max-engine-connections-per-uid; %d refused so "
-                        "far)", cred.uid, cred.pid, self.uid_cap, self.refused_uid_connections)
-        return Error(UNAVAILABLE, (
-            f"uid {cred.uid} already holds {self.uid_cap} connections to this sidecar, the "
-            "limit per uid (--max-engine-connections-per-uid); close idle clients"))
+        return Error(UNAVAILABLE, self.uid_limit.refusal(cred))
+
+    @property
+    def refused_uid_connections(self) -> int:
+        """Connections refused over ``max_connections_per_uid``."""
+        return self.uid_limit.refused
 
     def _idle(self, conn: Connection, now: float, after_s: float) -> bool:
         return (conn.in_flight == 0 and not conn.assembling
@@ -444,7 +423,7 @@ class EngineServer:
         self._refuse("idle_evicted")
         if worth_logging(self.idle_evicted):
             full = (f"{self.max_connections} connections open (the limit)" if uid is None
-                    else f"uid {uid} holds {self.uid_cap} connections (its limit)")
+                    else self.uid_limit.full(uid))
             log.warning("engine socket: %s: closed one idle for %.1f s that serves no live "
                         "engine (%d so far)", full, now - victim.last_seen, self.idle_evicted)
         return True
