@@ -170,6 +170,7 @@ class Sidecar:
         #: hands memfd / CUDA VMM fds to the engine that registered them (SCM_RIGHTS)
         self._fds = FdServer(
             fd_socket_for(settings.socket), server.access,
+            max_connections_per_uid=settings.max_engine_connections_per_uid,
             on_refuse=lambda reason: m.refused.labels(channel="fd", reason=reason).inc())
 
     def _engine_live(self, engine_id: str) -> bool:

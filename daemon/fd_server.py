@@ -9,17 +9,29 @@ connection that has waited longest for its request (at least ``idle_grace_s``;
 an engine sends its request right after connecting) is closed to make room
 (reason ``idle_evicted``): idle connections cannot keep registrations out.
 
+Where the access policy admits uids besides the sidecar's own, one uid holds
+at most its share of the slots (the engine socket's per-uid cap,
+:mod:`~kvsidecar.daemon.uid_limit`: ``--max-engine-connections-per-uid``,
+at most three quarters of ``max_connections``, 48 of 64): at it, its own
+connection waiting longest (past ``idle_grace_s``) makes room, else the new
+one is refused with a reason naming the uid (``uid_connection_limit``).
+Without it, one admitted uid opening connections faster than the grace let
+them be evicted (about 64 a second, sending nothing) held every slot, and
+the other uids' engines were refused their fds: their registrations failed.
+
 Who gets what: the connection's ``SO_PEERCRED`` must pass the engine
-socket's :class:`~kvsidecar.daemon.engine_access.AccessPolicy`, and its uid
-must be the uid that registered (the offer's ``uid``), like every request on
-the engine socket. The fds are borrowed: their regions own them, and the
-owner withdraws the offer before it closes them.
+socket's :class:`~kvsidecar.daemon.engine_access.AccessPolicy` (checked as
+it is accepted, before any limit, so a refused peer evicts nobody), and its
+uid must be the uid that registered (the offer's ``uid``), like every
+request on the engine socket. The fds are borrowed: their regions own them,
+and the owner withdraws the offer before it closes them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -27,7 +39,14 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsidecar.daemon.engine_access import AccessPolicy, open_to, peer_cred, restricted_umask
+from kvsidecar.daemon.engine_access import (
+    AccessPolicy,
+    PeerCred,
+    open_to,
+    peer_cred,
+    restricted_umask,
+)
+from kvsidecar.daemon.uid_limit import DEFAULT_MAX_CONNECTIONS_PER_UID, UidLimit
 from kvsidecar.ipc.fdpass import (
     FdPassError,
     batches,
@@ -53,15 +72,21 @@ class FdServer:
     """Serves offers (token -> fds) on a SEQPACKET Unix socket at ``path``.
 
     ``refused`` counts connections turned away (forbidden, unknown token,
-    malformed, over the cap); ``on_refuse(reason)`` is told of each.
+    malformed, over the cap, over the uid's cap); ``on_refuse(reason)`` is
+    told of each.
     """
 
     def __init__(self, path: str, access: AccessPolicy, *, max_connections: int = 64,
+                 max_connections_per_uid: int = DEFAULT_MAX_CONNECTIONS_PER_UID,
                  timeout_s: float = 5.0, idle_grace_s: float = 1.0,
                  on_refuse: Callable[[str], None] | None = None) -> None:
         self.path = os.path.abspath(path)
         self.access = access
         self.max_connections = max_connections
+        #: one uid's share of the slots (``uid_limit.cap``; None: no cap)
+        self.uid_limit = UidLimit(access, max_connections_per_uid, max_connections,
+                                  what="fd socket", target="this sidecar's fd socket",
+                                  advice="try again")
         self.timeout_s = timeout_s
         self.idle_grace_s = idle_grace_s
         self.refused = 0
@@ -70,7 +95,10 @@ class FdServer:
         self._offers: dict[str, _Offer] = {}
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        #: every connection's task, until it ends
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: the connections that count against the limits, each with its peer's uid
+        self._conns: dict[asyncio.Task[None], int] = {}
         #: connections still waiting for their request: when each was accepted
         self._waiting: dict[asyncio.Task[None], float] = {}
 
@@ -114,9 +142,9 @@ class FdServer:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        for t in list(self._conns):
+        for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -128,41 +156,54 @@ class FdServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(sock)
-            if len(self._conns) >= self.max_connections and not self._evict_idlest(loop.time()):
+            cred = peer_cred(conn)
+            if not self.access.allows(cred):
+                self._refuse(conn, "forbidden", "this user may not use this sidecar")
+                conn.close()
+                continue
+            assert cred is not None  # allows() admits no peer without credentials
+            now = loop.time()
+            if not self.uid_limit.room(cred.uid, self._conns.values(),
+                                       functools.partial(self._evict_idlest, now)):
+                self._refuse(conn, "uid_connection_limit", self.uid_limit.refusal(cred))
+                conn.close()
+                continue
+            if len(self._conns) >= self.max_connections and not self._evict_idlest(now):
                 self._refuse(conn, "connection_limit", "too many fd connections; try again")
                 conn.close()
                 continue
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            self._waiting[task] = loop.time()
-            task.add_done_callback(self._conns.discard)
-            task.add_done_callback(self._forget_waiting)
+            task = loop.create_task(self._serve(conn, cred))
+            self._tasks.add(task)
+            self._conns[task] = cred.uid
+            self._waiting[task] = now
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._forget)
 
-    def _forget_waiting(self, task: asyncio.Task[None]) -> None:
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._conns.pop(task, None)
         self._waiting.pop(task, None)
 
-    def _evict_idlest(self, now: float) -> bool:
+    def _evict_idlest(self, now: float, uid: int | None = None) -> bool:
         """Cancel the connection waiting longest for its request (at least
-        ``idle_grace_s``); False when none has waited that long."""
-        oldest = min(self._waiting.items(), key=lambda kv: kv[1], default=None)
+        ``idle_grace_s``), of ``uid`` if given; False when none has waited that
+        long. It stops counting at once (its task ends on the next turn)."""
+        oldest = min(((t, at) for t, at in self._waiting.items()
+                      if uid is None or self._conns.get(t) == uid),
+                     key=lambda kv: kv[1], default=None)
         if oldest is None or now - oldest[1] < self.idle_grace_s:
             return False
         task = oldest[0]
-        del self._waiting[task]
+        self._forget(task)
         task.cancel()
         self.refused += 1
         if self._on_refuse is not None:
             self._on_refuse("idle_evicted")
         return True
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, cred: PeerCred) -> None:
         loop = asyncio.get_running_loop()
         try:
             conn.setblocking(False)
-            cred = peer_cred(conn)
-            if not self.access.allows(cred):
-                self._refuse(conn, "forbidden", "this user may not use this sidecar")
-                return
             try:
                 data = await asyncio.wait_for(loop.sock_recv(conn, 256), self.timeout_s)
             except asyncio.TimeoutError:
@@ -177,8 +218,7 @@ class FdServer:
             offer = self._offers.get(token)
             # An unknown token and another uid's token get the same answer: a
             # stranger learns nothing about which tokens exist.
-            if offer is None or (offer.uid is not None and cred is not None
-                                 and cred.uid != offer.uid):
+            if offer is None or (offer.uid is not None and cred.uid != offer.uid):
                 self._refuse(conn, "unknown_token", "unknown token (the registration is gone, "
                              "or belongs to another user)")
                 return
@@ -186,8 +226,7 @@ class FdServer:
                 socket.send_fds(conn, [encode_header(first, len(offer.fds))],
                                 list(offer.fds[first:first + count]))
             self.served += 1
-            log.debug("passed %d fds of %s to pid %s", len(offer.fds), offer.what,
-                      cred.pid if cred else "?")
+            log.debug("passed %d fds of %s to pid %d", len(offer.fds), offer.what, cred.pid)
         except (OSError, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError):
                 raise

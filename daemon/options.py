@@ -316,7 +316,9 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "uid counts too), and at most three quarters of the socket's total; past it that "
            "uid's idlest is closed or the new one gets "
            "`unavailable` naming the uid, counted as "
-           "kvsidecar_refused_total{channel=\"engine\",reason=\"uid_connection_limit\"}",
+           "kvsidecar_refused_total{channel=\"engine\",reason=\"uid_connection_limit\"}; "
+           "the fd socket's connections too (48 of its 64 at most; "
+           "channel=\"fd\")",
            positive),
     _limit("--max-peer-connections", 1024, "handshake port connections kept (fewer when the "
            "fd limit is low); more are shut", positive),

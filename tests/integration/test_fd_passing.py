@@ -5,9 +5,12 @@ tests/e2e/test_memfd.py for transfers through real sidecars)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -226,3 +229,131 @@ async def test_the_engine_maps_only_a_size_sealed_memfd(tmp_path: Path, make: Ca
     finally:
         os.close(bad)
         own.close()
+
+
+@pytest.mark.parametrize(("grace_s", "outcome"), [(3600.0, "uid_connection_limit"),
+                                                  (0.0, "idle_evicted")])
+async def test_at_its_share_a_uid_waits_on_its_own_connections(
+        tmp_path: Path, grace_s: float, outcome: str) -> None:
+    """Other uids admitted, per-uid share 2: a third connection of this uid makes
+    room from its own connection waiting longest (past the grace: served,
+    ``idle_evicted``), else is refused with a reason naming the uid."""
+    refused: list[str] = []
+    srv = FdServer(str(tmp_path / "e.sock.fds"), AccessPolicy.of(uids=[os.geteuid() + 4242]),
+                   max_connections=8, max_connections_per_uid=2, idle_grace_s=grace_s,
+                   on_refuse=refused.append)
+    await srv.start()
+    held: list[socket.socket] = []
+    try:
+        token = srv.offer([0], os.geteuid(), "stdin")
+
+        def third() -> str:
+            for _ in range(2):  # connected, nothing sent: waiting for their request
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                c.connect(srv.path)
+                held.append(c)
+            try:
+                for fd in fetch_fds(srv.path, token, 1):
+                    os.close(fd)
+            except FdPassError as e:
+                return str(e)
+            held[0].settimeout(10)
+            return f"served; the first got {held[0].recv(64)!r}"
+
+        said = await asyncio.to_thread(third)
+    finally:
+        await srv.stop()
+        for c in held:
+            c.close()
+    assert refused == [outcome]
+    if outcome == "idle_evicted":
+        assert said == "served; the first got b''" and srv.served == 1
+    else:
+        assert said == (f"the sidecar refused to pass file descriptors: uid {os.geteuid()} "
+                        "already holds 2 connections to this sidecar's fd socket, the limit "
+                        "per uid (--max-engine-connections-per-uid); try again")
+
+
+def _flood_as(uid: int, path: str, seconds: float, pause_s: float) -> dict[str, Any]:
+    """From a child running as ``uid``: open connections to the fd socket at
+    ``path`` for ``seconds``, ``pause_s`` apart (0: as fast as connect() goes),
+    sending nothing (the newest 128 kept open, older ones closed), and say how
+    many it opened."""
+    def flood() -> dict[str, Any]:
+        kept: collections.deque[socket.socket] = collections.deque()
+        opened = failed = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.settimeout(1)
+            try:
+                c.connect(path)
+            except OSError:
+                failed += 1
+                c.close()
+                continue
+            opened += 1
+            kept.append(c)
+            if len(kept) > 128:
+                kept.popleft().close()
+            if pause_s:
+                time.sleep(pause_s)
+        for c in kept:
+            c.close()
+        return {"opened": opened, "failed": failed}
+
+    return run_as(uid, flood)
+
+
+@pytest.mark.parametrize("pause_s", [0.001], ids=["paced"])
+async def test_one_uid_cannot_keep_another_from_its_fds(pause_s: float) -> None:
+    """One admitted uid (nobody) opens fd socket connections and sends nothing;
+    the sidecar's own uid fetches its registration's fds meanwhile: each fetch
+    is served (nobody holds at most its per-uid share of the slots, 48 of 64,
+    the rest refused ``uid_connection_limit``), and the server's fds stay
+    bounded. Before the per-uid cap, nobody's fresh connections (under the 1 s
+    idle grace, so none could be evicted) held all 64 slots and nearly every
+    fetch was refused ("too many fd connections"): the registration failed."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the other user (nobody) is made by setuid in a child")
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-fdcap-", dir="/tmp"))
+    os.chmod(workdir, 0o755)  # nobody must reach the socket's directory
+    refused: list[str] = []
+    srv = FdServer(str(workdir / "e.sock.fds"), AccessPolicy.of(uids=[NOBODY]),
+                   on_refuse=refused.append)
+    region = MemfdRegion.create("kvs-victim", 4096)
+    await srv.start()
+    os.chmod(srv.path, 0o666)  # the ACL for nobody may be missing on this file system
+    try:
+        token = srv.offer([region.fd], os.geteuid(), "the victim's engine")
+        baseline = len(os.listdir("/proc/self/fd"))
+
+        def victim() -> dict[str, Any]:
+            time.sleep(1.5)  # the flood is past the 1 s idle grace: steady state
+            served, errors, most_fds, slowest = 0, [], 0, 0.0
+            for _ in range(20):
+                t0 = time.monotonic()
+                try:
+                    for fd in fetch_fds(srv.path, token, 1, timeout_s=10):
+                        os.close(fd)
+                    served += 1
+                except FdPassError as e:
+                    errors.append(str(e))
+                slowest = max(slowest, time.monotonic() - t0)
+                most_fds = max(most_fds, len(os.listdir("/proc/self/fd")))
+                time.sleep(0.05)
+            return {"served": served, "errors": errors, "most_fds": most_fds,
+                    "slowest": slowest}
+
+        flood, got = await asyncio.gather(
+            asyncio.to_thread(_flood_as, NOBODY, srv.path, 4.0, pause_s), asyncio.to_thread(victim))
+    finally:
+        await srv.stop()
+        region.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert flood.get("opened", 0) > 500, flood  # a real flood: far more than the slots
+    assert got["errors"] == [] and got["served"] == 20, (collections.Counter(got["errors"]), flood)
+    assert "uid_connection_limit" in refused and "connection_limit" not in refused
+    assert got["most_fds"] - baseline < 64 + 16, (got["most_fds"], baseline)
+    print(f"flood {flood}; fetches {got['served']} served, slowest {got['slowest']:.3f} s, "
+          f"fds {baseline} -> at most {got['most_fds']}; refused {collections.Counter(refused)}")
