@@ -43,6 +43,7 @@ FD_SOCKET_SUFFIX: Final = ".fds"
 MAX_FDS_PER_MESSAGE: Final = 250
 _REQUEST: Final = b"KVSFD/1 "
 _HEADER: Final = struct.Struct("<4sII")
+_TIMEVAL: Final = struct.Struct("@ll")
 _FDS_MAGIC: Final = b"KVFD"
 _ERR_MAGIC: Final = b"KVER"
 _TOKEN = re.compile(rb"^[0-9a-f]{16,64}$")
@@ -110,6 +111,19 @@ def _recv(sock: socket.socket) -> tuple[bytes, list[int], int, Any]:
         return socket.recv_fds(sock, 4096, MAX_FDS_PER_MESSAGE)
 
 
+def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """Connect, waiting up to ``timeout_s`` for room in the sidecar's listen
+    backlog: a blocking connect bounded by ``SO_SNDTIMEO``, which the kernel
+    wakes as the sidecar accepts. (With a Python timeout the socket is
+    non-blocking and a full backlog fails the connect at once with EAGAIN: a
+    local process flooding the fd socket with connects kept it full, and every
+    fetch, so every registration, failed.)"""
+    usec = max(1, int(timeout_s * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000))
+    sock.connect(path)
+
+
 def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> list[int]:
     """Fetch the ``expect`` fds ``token`` names from the fd socket at ``path``.
 
@@ -120,9 +134,9 @@ def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> li
     got: list[int] = []
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
+            _connect(sock, path, timeout_s)
+            sock.settimeout(timeout_s)
             # Refused before the request arrived: the reason still waits to be read.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(encode_request(token))

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -274,6 +275,57 @@ async def test_at_its_share_a_uid_waits_on_its_own_connections(
                         "per uid (--max-engine-connections-per-uid); try again")
 
 
+def test_a_fetch_waits_for_room_in_a_full_backlog(tmp_path: Path) -> None:
+    """The fd socket's listen backlog is full (a flood of connects): the fetch
+    waits in the kernel for room, and gets the answer once the sidecar
+    accepts, instead of failing at once with EAGAIN."""
+    path = str(tmp_path / "s.fds")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    queued: list[socket.socket] = []
+    while True:  # connects until the backlog takes no more
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        queued.append(c)
+    said: list[str] = []
+
+    def fetch() -> None:
+        try:
+            fetch_fds(path, TOKEN, 1, timeout_s=10)
+        except FdPassError as e:
+            said.append(str(e))
+
+    t = threading.Thread(target=fetch)
+    t.start()
+    try:
+        time.sleep(0.3)
+        assert t.is_alive() and said == []  # still waiting for room, not failed
+        listener.settimeout(10)
+        while not said:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(0.1)
+                try:
+                    request = conn.recv(256)
+                except TimeoutError:
+                    continue  # one of the flood's: says nothing
+                assert parse_request(request) == TOKEN
+                conn.send(encode_error("go away"))
+                t.join(10)
+    finally:
+        t.join(10)
+        listener.close()
+        for c in queued:
+            c.close()
+    assert said == ["the sidecar refused to pass file descriptors: go away"]
+
+
 def _flood_as(uid: int, path: str, seconds: float, pause_s: float) -> dict[str, Any]:
     """From a child running as ``uid``: open connections to the fd socket at
     ``path`` for ``seconds``, ``pause_s`` apart (0: as fast as connect() goes),
@@ -305,7 +357,7 @@ def _flood_as(uid: int, path: str, seconds: float, pause_s: float) -> dict[str, 
     return run_as(uid, flood)
 
 
-@pytest.mark.parametrize("pause_s", [0.001], ids=["paced"])
+@pytest.mark.parametrize("pause_s", [0.001, 0.0], ids=["paced", "spinning"])
 async def test_one_uid_cannot_keep_another_from_its_fds(pause_s: float) -> None:
     """One admitted uid (nobody) opens fd socket connections and sends nothing;
     the sidecar's own uid fetches its registration's fds meanwhile: each fetch
@@ -313,7 +365,10 @@ async def test_one_uid_cannot_keep_another_from_its_fds(pause_s: float) -> None:
     the rest refused ``uid_connection_limit``), and the server's fds stay
     bounded. Before the per-uid cap, nobody's fresh connections (under the 1 s
     idle grace, so none could be evicted) held all 64 slots and nearly every
-    fetch was refused ("too many fd connections"): the registration failed."""
+    fetch was refused ("too many fd connections"): the registration failed.
+    Spinning, nobody also keeps the socket's listen backlog full: a fetch
+    connecting with a Python timeout (non-blocking) failed at once with EAGAIN;
+    it now waits in the kernel for room (``SO_SNDTIMEO``)."""
     if os.geteuid() != 0:
         pytest.skip("needs root: the other user (nobody) is made by setuid in a child")
     workdir = Path(tempfile.mkdtemp(prefix="kvs-fdcap-", dir="/tmp"))
