@@ -15,12 +15,11 @@ import errno
 import logging
 import os
 import socket
-import struct
 from typing import TYPE_CHECKING, Final
 
 from .errors import Forbidden, SidecarError, Unavailable
 from .protocol import FORBIDDEN, UNAVAILABLE, Reply
-from .seqpacket import new_socket, peer_closed
+from .seqpacket import new_socket, peer_closed, set_timeouts
 
 if TYPE_CHECKING:
     from .client_core import ClientCore
@@ -33,7 +32,6 @@ log = logging.getLogger(__name__)
 CONNECT_PAUSE_S: Final = (0.002, 0.05)
 #: Connection errors that mean "no daemon (yet)": wait for one within the timeout.
 NOT_YET: Final = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError)
-_timeval = struct.Struct("@ll")
 #: At most this many packets are read by one :func:`take_queued` (a daemon's
 #: queue is finite; the bound only guards against a peer that is not a daemon).
 _MAX_QUEUED: Final = 65536
@@ -78,15 +76,6 @@ def connect(path: str) -> socket.socket:
                 if e.errno == errno.EPROTOTYPE else "")
         raise Unavailable(UNAVAILABLE, f"cannot connect to {path}: {e}{hint}") from None
     return sock
-
-
-def set_timeouts(sock: socket.socket, timeout_s: float) -> None:
-    """Bound a blocking socket's sends and receives (``SO_SNDTIMEO``/``SO_RCVTIMEO``)
-    to ``timeout_s``; a zero timeval means "block forever", so the shortest is 1 µs."""
-    usec = max(1, int(timeout_s * 1e6))
-    tv = _timeval.pack(usec // 1_000_000, usec % 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def take_queued(core: ClientCore, sock: socket.socket, req_id: int | None

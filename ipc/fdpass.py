@@ -34,6 +34,8 @@ import struct
 import time
 from typing import Any, Final
 
+from .seqpacket import set_timeouts
+
 __all__ = ["FD_SOCKET_SUFFIX", "MAX_FDS_PER_MESSAGE", "FdPassError", "batches",
            "encode_error", "encode_header", "encode_request", "fd_socket_for", "fetch_fds",
            "parse_reply", "parse_request"]
@@ -43,7 +45,6 @@ FD_SOCKET_SUFFIX: Final = ".fds"
 MAX_FDS_PER_MESSAGE: Final = 250
 _REQUEST: Final = b"KVSFD/1 "
 _HEADER: Final = struct.Struct("<4sII")
-_TIMEVAL: Final = struct.Struct("@ll")
 _FDS_MAGIC: Final = b"KVFD"
 _ERR_MAGIC: Final = b"KVER"
 _TOKEN = re.compile(rb"^[0-9a-f]{16,64}$")
@@ -118,9 +119,7 @@ def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
     non-blocking and a full backlog fails the connect at once with EAGAIN: a
     local process flooding the fd socket with connects kept it full, and every
     fetch, so every registration, failed.)"""
-    usec = max(1, int(timeout_s * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000))
+    set_timeouts(sock, timeout_s)
     sock.connect(path)
 
 

@@ -188,3 +188,17 @@ class BlockingChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_timeval: Final = struct.Struct("@ll")
+
+
+def set_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Bound a blocking socket's sends and receives (``SO_SNDTIMEO``/``SO_RCVTIMEO``)
+    to ``timeout_s``; a zero timeval means "block forever", so the shortest is 1 µs.
+    (A blocking ``connect`` to a listener whose backlog is full waits for room
+    up to the send timeout, where a Python timeout fails it at once.)"""
+    usec = max(1, int(timeout_s * 1e6))
+    tv = _timeval.pack(usec // 1_000_000, usec % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
