@@ -54,6 +54,8 @@ import msgspec
 import numpy as np
 from numpy.typing import NDArray
 
+from .region_checks import as_int64, extremes, first_repeat, first_shared_overlap
+
 Sharding = Literal["split", "replicated"]
 GroupKind = Literal["attention", "mamba"]
 
@@ -224,23 +226,25 @@ def validate(layout: Layout) -> Layout:
         names = [s.name for s in g.segments]
         if len(set(names)) != len(names):
             raise LayoutError(f"{where}: duplicate segment names {names}")
-        for s in g.segments:
-            _check_segment(layout, g, s, f"{where} segment {s.name!r}", view)
-        region = _first_overlap(g.segments)
+        named = [_check_segment(layout, g, s, f"{where} segment {s.name!r}", view)
+                 for s in g.segments]
+        region = _first_overlap(g.segments, named)
         if region is not None:
             raise LayoutError(f"{where}: segments overlap in region {region}")
     return layout
 
 
-def _first_overlap(segments: tuple[Segment, ...]) -> int | None:
+def _first_overlap(segments: tuple[Segment, ...],
+                   named: list[NDArray[np.int64] | None]) -> int | None:
     """A region in which two of ``segments`` overlap, or None.
 
     Segments in every region (no ``regions``) are checked against each other
     once, not once per region; a segment naming its regions is checked against
     those (it shares every region with them) and, region by region, against
-    the other segments naming that region. The work is O(segments * log
-    segments + the regions segments name). Segments passed
-    :func:`_check_segment` (their regions are in range and distinct).
+    the other segments naming that region, in one vectorised pass
+    (:func:`~kvsidecar.ipc.region_checks.first_shared_overlap`): O(segments *
+    log segments) in Python, O(the regions segments name) in numpy. Segments
+    passed :func:`_check_segment`, which gave their regions as arrays (``named``).
     """
     everywhere = sorted((s.offset, s.offset + s.nbytes_local) for s in segments
                         if not s.regions)
@@ -248,24 +252,18 @@ def _first_overlap(segments: tuple[Segment, ...]) -> int | None:
         if b1 < e0:
             return 0
     starts = [b for b, _ in everywhere]
-    named: dict[int, list[tuple[int, int]]] = {}
-    for s in segments:
-        if not s.regions:
+    spans: list[tuple[NDArray[np.int64], int, int]] = []
+    for s, regions in zip(segments, named, strict=True):
+        if regions is None:
             continue
         b, e = s.offset, s.offset + s.nbytes_local
         # ``everywhere`` does not overlap itself, so its ends rise with its starts:
         # only the span starting last at or before b, and the next, can overlap.
         i = bisect.bisect_right(starts, b)
         if (i and everywhere[i - 1][1] > b) or (i < len(everywhere) and everywhere[i][0] < e):
-            return min(s.regions)
-        for r in s.regions:
-            named.setdefault(r, []).append((b, e))
-    for r in sorted(named):
-        sp = sorted(named[r])
-        for (_, e0), (b1, _) in itertools.pairwise(sp):
-            if b1 < e0:
-                return r
-    return None
+            return int(regions.min())
+        spans.append((regions, b, e))
+    return first_shared_overlap(spans)
 
 
 def _check_sizes(layout: Layout) -> None:
@@ -315,9 +313,11 @@ def _group_view(layout: Layout, g: Group, where: str) -> int:
     raise LayoutError(f"{where}: unknown kind {g.kind!r}")  # pragma: no cover - msgspec
 
 
-def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int) -> None:
+def _check_segment(layout: Layout, g: Group, s: Segment, sw: str,
+                   view: int) -> NDArray[np.int64] | None:
     """One segment's numbers against its group and view, and the regions it
-    names (in range, each once); overlaps are the caller's."""
+    names (in range, each once: returned as an array, None when it names
+    none); overlaps are the caller's."""
     tp = layout.tp_size
     if s.units_total < 1:
         raise LayoutError(f"{sw}: units_total must be >= 1")
@@ -338,15 +338,17 @@ def _check_segment(layout: Layout, g: Group, s: Segment, sw: str, view: int) -> 
     if s.offset < 0 or s.offset + s.nbytes_local > view:
         end = s.offset + s.nbytes_local
         raise LayoutError(f"{sw}: [{s.offset}, {end}) outside its view")
-    if s.regions:
-        lo, hi = min(s.regions), max(s.regions)
-        if lo < 0 or hi >= layout.num_regions:
-            raise LayoutError(f"{sw}: region {lo if lo < 0 else hi} out of range")
-        seen: set[int] = set()
-        for r in s.regions:
-            if r in seen:
-                raise LayoutError(f"{sw}: region {r} named twice")
-            seen.add(r)
+    if not s.regions:
+        return None
+    regions = as_int64(s.regions)  # None: a number beyond int64, out of range
+    lo, hi = (min(s.regions), max(s.regions)) if regions is None else extremes(regions)
+    if lo < 0 or hi >= layout.num_regions:
+        raise LayoutError(f"{sw}: region {lo if lo < 0 else hi} out of range")
+    assert regions is not None  # in range: they fit int64
+    twice = first_repeat(regions)
+    if twice is not None:
+        raise LayoutError(f"{sw}: region {twice} named twice")
+    return regions
 
 
 class AllRegions:

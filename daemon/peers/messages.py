@@ -21,12 +21,13 @@ requests, ``client.py`` sends them, ``links.py`` turns answers into NIXL peers.
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from collections.abc import Callable, Collection
 from typing import Literal
 
 import msgspec
+import numpy as np
+from numpy.typing import NDArray
 
 from kvsidecar import __version__
 from kvsidecar.daemon.notifications import MAX_NOTIF_READS
@@ -40,6 +41,7 @@ from kvsidecar.ipc.layout import (
     fingerprint_fields,
     fingerprint_of,
 )
+from kvsidecar.ipc.region_checks import as_int64, first_close_pair, first_outside
 
 HANDSHAKE_VERSION = 1
 
@@ -273,8 +275,9 @@ def check_peer(
     *,
     address: str = "",
     readable: Collection[str] = ("DRAM",),
-) -> None:
-    """Refuse a peer that is not the engine we were told about, or holds another model.
+) -> NDArray[np.int64]:
+    """Refuse a peer that is not the engine we were told about, or holds another model;
+    return its region bases as int64 (:func:`check_bases`).
 
     Called once per peer rank, before any NIXL setup, because a mismatch found
     later shows up as silently wrong KV bytes rather than an error. With
@@ -329,7 +332,7 @@ def check_peer(
             "bases",
             f"{len(info.bases)} base addresses for {info.layout.num_regions} regions",
         )
-    check_bases(info.bases, info.layout.region_bytes, fail)
+    return check_bases(info.bases, info.layout.region_bytes, fail)
 
 
 def refuse_mem_type(mem_type: str, device_uuid: str, readable: Collection[str]) -> str:
@@ -352,19 +355,27 @@ _ADDRESS_LIMIT = 1 << 63
 
 
 def check_bases(bases: list[int], region_bytes: int,
-                fail: Callable[[str, str], Exception]) -> None:
+                fail: Callable[[str, str], Exception]) -> NDArray[np.int64]:
     """Each region ``[base, base + region_bytes)`` lies inside the int64 address
     space, above 0, and no two overlap. Checked before any descriptor is built
     from them: a peer's numbers are input, and an overflowing or overlapping
-    region would otherwise surface as a NIXL error (or a read of the wrong bytes)."""
+    region would otherwise surface as a NIXL error (or a read of the wrong bytes).
+
+    Returns the bases as int64 (what a link keeps). Vectorised
+    (:mod:`~kvsidecar.ipc.region_checks`); the first bad region and the first
+    overlapping pair in address order are the ones a loop over them names."""
     if region_bytes <= 0:
         raise fail("bases", f"region size {region_bytes} is not positive")
-    for r, base in enumerate(bases):
-        if not 0 < base <= _ADDRESS_LIMIT - region_bytes:
-            raise fail("bases", f"region {r} at {base:#x} + {region_bytes} B lies outside the "
-                                "address space")
-    ordered = sorted(bases)
-    for lo, hi in itertools.pairwise(ordered):
-        if lo + region_bytes > hi:
-            raise fail("bases", f"regions at {lo:#x} and {hi:#x} overlap "
-                                f"({region_bytes} B each)")
+    arr = as_int64(bases)
+    bad = (next(r for r, b in enumerate(bases) if not 0 < b <= _ADDRESS_LIMIT - region_bytes)
+           if arr is None else first_outside(arr, 0, _ADDRESS_LIMIT - region_bytes))
+    if bad is not None:
+        raise fail("bases", f"region {bad} at {bases[bad]:#x} + {region_bytes} B lies outside "
+                            "the address space")
+    assert arr is not None  # every base fits (0, 2**63): so does the array
+    pair = first_close_pair(arr, region_bytes)
+    if pair is not None:
+        lo, hi = pair
+        raise fail("bases", f"regions at {lo:#x} and {hi:#x} overlap "
+                            f"({region_bytes} B each)")
+    return arr
