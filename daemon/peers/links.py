@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -51,15 +52,21 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvsidecar.daemon.peers.client import HandshakeClient
-from kvsidecar.daemon.peers.messages import HandshakeFailed, HandshakeInfo, Reader, check_peer
+from kvsidecar.daemon.peers.messages import (
+    OFF_LOOP_NUMBERS,
+    HandshakeFailed,
+    HandshakeInfo,
+    Reader,
+    accept_peer,
+    check_peer,
+    checks_cost,
+)
 from kvsidecar.daemon.transport.errors import NixlAgentReset
 from kvsidecar.daemon.transport.worker import NixlWorker
 from kvsidecar.ipc.layout import (
     Fingerprinted,
     Layout,
-    LayoutError,
     as_fingerprinted,
-    validate,
 )
 
 Key = tuple[str, str, int]  # (address, remote engine id, remote rank)
@@ -196,7 +203,8 @@ class PeerLinks:
             else:
                 self._waiting.pop(key, None)
         if peer.info.tp_size != tp_size:
-            # Cached from a request that described the engine differently.
+            # Cached from a request that described the engine differently (refused
+            # at the tp_size check, before anything that grows with the layout).
             check_peer(peer.info, engine_id, tp_size, self._layout, address=address,
                        readable=self._readable)
         if user is not None:
@@ -317,12 +325,12 @@ class PeerLinks:
 
     async def _load(self, address: str, engine_id: str, tp_size: int, rank: int,
                     info: HandshakeInfo) -> Peer:
-        try:
-            validate(info.layout)
-        except LayoutError as e:
-            raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
-        check_peer(info, engine_id, tp_size, self._layout, address=address,
-                   readable=self._readable)
+        check = functools.partial(accept_peer, info, engine_id, tp_size, self._layout,
+                                  address=address, readable=self._readable)
+        if checks_cost(info) > OFF_LOOP_NUMBERS:  # a big layout: its checks on a thread
+            bases = await asyncio.get_running_loop().run_in_executor(None, check)
+        else:
+            bases = check()
         agent, generation = await self._worker.add_remote_at(info.agent_metadata)
         gens = [generation]
         try:
@@ -340,9 +348,8 @@ class PeerLinks:
                 with contextlib.suppress(Exception):
                     await lane.remove_remote_soon(agent)
             raise
-        return Peer((address, engine_id, rank), info, agent,
-                    np.asarray(info.bases, dtype=np.int64), time.monotonic(), generation,
-                    tuple(gens))
+        return Peer((address, engine_id, rank), info, agent, bases, time.monotonic(),
+                    generation, tuple(gens))
 
     def reset(self) -> list[Key]:
         """Drop every link: a local agent (a lane) was destroyed and created again,

@@ -36,10 +36,12 @@ from kvsidecar.ipc.layout import (
     Fingerprinted,
     IncompatibleLayout,
     Layout,
+    LayoutError,
     as_fingerprinted,
     compare_facts,
     fingerprint_fields,
     fingerprint_of,
+    validate,
 )
 from kvsidecar.ipc.region_checks import as_int64, first_close_pair, first_outside
 
@@ -58,7 +60,9 @@ __all__ = [
     "IncompatibleLayout",
     "RawReply",
     "Reader",
+    "accept_peer",
     "check_peer",
+    "checks_cost",
     "decode_info",
     "decode_reply",
     "decode_request",
@@ -333,6 +337,47 @@ def check_peer(
             f"{len(info.bases)} base addresses for {info.layout.num_regions} regions",
         )
     return check_bases(info.bases, info.layout.region_bytes, fail)
+
+
+#: An info whose checks visit more numbers than this (bases, named regions,
+#: segments) is checked off the event loop (:func:`checks_cost`): ~0.3 ms of
+#: checks, about what a hop to a thread and back costs.
+OFF_LOOP_NUMBERS = 4096
+
+
+def checks_cost(info: HandshakeInfo, enough: int = OFF_LOOP_NUMBERS) -> int:
+    """About how many numbers :func:`accept_peer` visits for ``info``: its bases,
+    its segments and the regions they name; counting stops past ``enough``, so
+    this costs O(``enough`` / 64) at most, whatever the peer sent."""
+    n = len(info.bases)
+    for g in info.layout.groups:
+        n += len(g.segments)
+        for s in g.segments:
+            n += len(s.regions)
+            if n > enough:
+                return n
+    return n
+
+
+def accept_peer(
+    info: HandshakeInfo,
+    expected_engine_id: str,
+    expected_tp_size: int,
+    local_layout: Layout | Fingerprinted,
+    *,
+    address: str = "",
+    readable: Collection[str] = ("DRAM",),
+) -> NDArray[np.int64]:
+    """Everything a link checks of a peer's answer before loading its agent:
+    its layout is valid (:func:`~kvsidecar.ipc.layout.validate`), then
+    :func:`check_peer`; returns its bases as int64. Pure and thread-safe
+    (``local_layout`` is immutable): a large info is checked on a thread."""
+    try:
+        validate(info.layout)
+    except LayoutError as e:
+        raise HandshakeFailed(address, f"peer sent an invalid layout: {e}") from None
+    return check_peer(info, expected_engine_id, expected_tp_size, local_layout,
+                      address=address, readable=readable)
 
 
 def refuse_mem_type(mem_type: str, device_uuid: str, readable: Collection[str]) -> str:

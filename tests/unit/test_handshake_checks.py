@@ -1,5 +1,5 @@
 """A peer's handshake checks, vectorised: the same verdicts and messages as the
-loops they replaced.
+loops they replaced, and large infos checked off the event loop.
 
 The loops are kept here verbatim (``_old_*``, from before the change) as the
 definition: every verdict of :func:`validate` and :func:`check_bases` on
@@ -7,18 +7,28 @@ random, mostly malformed, inputs must be theirs, message for message."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsidecar.daemon.peers import links as links_module
+from kvsidecar.daemon.peers.links import PeerLinks
 from kvsidecar.daemon.peers.messages import (
+    OFF_LOOP_NUMBERS,
     HandshakeFailed,
+    accept_peer,
     check_bases,
+    checks_cost,
+    make_handshake_info,
 )
 from kvsidecar.ipc import layout as layout_module
 from kvsidecar.ipc.layout import (
@@ -245,3 +255,74 @@ def test_check_bases_at_the_largest_count() -> None:
         new = _verdict(lambda b=bases: check_bases(b, rb, _fail))  # type: ignore[misc]
         assert new == _verdict(lambda b=bases: _old_check_bases(b, rb, _fail)), name  # type: ignore[misc]
     assert "overlap" in _verdict(lambda: check_bases(cases["close"], rb, _fail))
+
+
+def _info(layout: Layout) -> Any:
+    rb = layout.region_bytes
+    return make_handshake_info(engine_id="p", tp_rank=0, agent_name="p-agent",
+                               agent_metadata=b"md", layout=layout,
+                               bases=[(1 << 30) + r * rb for r in range(layout.num_regions)],
+                               daemon_id="d")
+
+
+def _attn(regions: int) -> Layout:
+    return attention_layout(model="m", num_layers=regions // 2, total_kv_heads=2, head_dim=8,
+                            block_tokens=4, tp_size=1, num_blocks=2, kv_separate=True)
+
+
+def test_checks_cost_counts_what_the_checks_visit_and_stops_early() -> None:
+    assert checks_cost(_info(_attn(2))) == 2 + 2 + 2  # bases, segments, named regions
+    big = _info(_attn(MAX_REGIONS))
+    assert OFF_LOOP_NUMBERS < checks_cost(big) <= MAX_REGIONS + 2 * (MAX_REGIONS // 2) + 2
+
+
+class _Worker:
+    agent_name = "d-agent"
+    generation = 0
+    running = True
+
+    async def add_remote_at(self, metadata: bytes) -> tuple[str, int]:
+        return "p-agent", 0
+
+
+class _Client:
+    def __init__(self, info: Any) -> None:
+        self.info = info
+
+    async def fetch(self, *args: object) -> Any:
+        return self.info
+
+    def forget(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("regions", [2, 1024, MAX_REGIONS])
+async def test_a_link_checks_large_infos_off_the_loop(regions: int) -> None:
+    """Small infos are checked on the loop (a thread hop costs more); large ones
+    on a thread. Either way the link keeps the bases, and a bad info is
+    refused with the message the link gave before."""
+    lay = _attn(regions)
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        seen.append(threading.get_ident())
+        return accept_peer(*args, **kw)
+
+    with mock.patch.object(links_module, "accept_peer", spy):
+        info = _info(lay)
+        peer = await PeerLinks(cast(Any, _Worker()), lay, cast(Any, _Client(info))).get(
+            "tcp://p:1", "p", 1, 0)
+        assert peer.bases.tolist() == info.bases
+        k, v = lay.groups[0].segments
+        broken = Layout(lay.family, 1, lay.num_regions, 2, lay.page_bytes, (Group(
+            "attention", (k, Segment("v", 0, v.nbytes_local, 2, regions=(*v.regions, 0))),
+            1, lay.page_bytes, 4),), lay.model)
+        links = PeerLinks(cast(Any, _Worker()), lay, cast(Any, _Client(_info(broken))))
+        with pytest.raises(HandshakeFailed) as e:
+            await links.get("tcp://p:1", "p", 1, 0)
+    assert str(e.value) == ("handshake with tcp://p:1 failed: peer sent an invalid layout: "
+                            "group 0 (attention): segments overlap in region 0")
+    off_loop = [t != loop_thread for t in seen]
+    assert off_loop == [regions == MAX_REGIONS] * len(seen) and len(seen) >= 2
+    await asyncio.sleep(0)
