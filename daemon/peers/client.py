@@ -66,7 +66,20 @@ ENGINE_SHARE = 4
 #: Replies carry agent metadata and a layout; anything larger drops the connection.
 MAX_REPLY_BYTES = 64 << 20
 
+#: An encoded info larger than this is decoded off the event loop: 65,536
+#: explicitly named regions and their bases are ~0.5 MB and ~3 ms of decoding
+#: (docs/performance.md, "A handshake's checks"); 32 KiB is ~0.2 ms.
+OFF_LOOP_INFO_BYTES = 32 << 10
+
 __all__ = ["ControlAnswer", "HandshakeClient"]
+
+
+def _decode_info(addr: str, raw: msgspec.Raw) -> HandshakeInfo:
+    """``raw`` decoded (pure: on a thread for a large one); undecodable raises."""
+    try:
+        return decode_info(raw)
+    except Exception as e:  # DecodeError, UnicodeDecodeError
+        raise HandshakeFailed(addr, f"malformed handshake info: {e}") from None
 
 
 class ControlAnswer(NamedTuple):
@@ -272,7 +285,13 @@ class HandshakeClient:
             # fail the requests queued behind this one instead of letting them wait.
             self._drop_conn(addr, err)
             raise err from None
-        info = self._check_reply(addr, engine_id, tp_rank, reply)
+        raw = self._raw_info(addr, reply)
+        if len(raw) > OFF_LOOP_INFO_BYTES:  # a large layout: decoded on a thread
+            info = await asyncio.get_running_loop().run_in_executor(None, _decode_info,
+                                                                    addr, raw)
+        else:
+            info = _decode_info(addr, raw)
+        self._check_info(addr, engine_id, tp_rank, info)
         if self._inflight.get(key) is asyncio.current_task():  # not forgotten meanwhile
             self._cache[key] = info
             while len(self._cache) > self.max_cached:
@@ -484,9 +503,9 @@ class HandshakeClient:
         finally:
             conn.pending.pop(req_id, None)
 
-    def _check_reply(
-        self, addr: str, engine_id: str, tp_rank: int, reply: AnyReply
-    ) -> HandshakeInfo:
+    def _raw_info(self, addr: str, reply: AnyReply) -> msgspec.Raw:
+        """The encoded info of a handshake reply; an error reply, a control reply
+        or another protocol version raises :class:`HandshakeFailed`."""
         if isinstance(reply, (ControlReply, ControlBatchReply)):
             raise HandshakeFailed(addr, "peer answered a handshake with a control reply")
         if isinstance(reply, HandshakeError):
@@ -503,10 +522,10 @@ class HandshakeClient:
                 f"protocol version mismatch: peer speaks v{reply.v}, we speak v{HANDSHAKE_VERSION}",
                 field="protocol",
             )
-        try:
-            info = decode_info(reply.info)
-        except Exception as e:  # DecodeError, UnicodeDecodeError
-            raise HandshakeFailed(addr, f"malformed handshake info: {e}") from None
+        return reply.info
+
+    def _check_info(self, addr: str, engine_id: str, tp_rank: int, info: HandshakeInfo) -> None:
+        """``info`` answers what was asked, in our protocol version."""
         if info.protocol != HANDSHAKE_VERSION:
             raise HandshakeFailed(
                 addr,
@@ -522,7 +541,6 @@ class HandshakeClient:
                 field="engine_id",
             )
         self._note_batching(addr, info.control_batch_items)
-        return info
 
     def _note_batching(self, addr: str, items: int) -> None:
         """Remember what ``addr``'s sidecar advertised (bounded like the cache)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -416,3 +417,65 @@ async def test_cache_and_connections_are_bounded_lru(registry: Registry) -> None
         await cli.close()
         for s in servers:
             await s.stop()
+
+
+async def _answer_with(info_bytes: bytes) -> tuple[str, asyncio.Task[None], zmq.asyncio.Context]:
+    """A bare ROUTER answering every handshake request with ``info_bytes`` as its info."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        try:
+            while True:
+                ident, frame = await sock.recv_multipart()
+                req = msgspec.msgpack.decode(frame, type=HandshakeRequest)
+                await sock.send_multipart([ident, msgspec.msgpack.encode(
+                    RawReply(msgspec.Raw(info_bytes), req.req_id))])
+        finally:
+            sock.close(linger=0)
+
+    return f"127.0.0.1:{port}", asyncio.create_task(serve()), ctx
+
+
+@pytest.mark.parametrize("layers", [2, 32768])
+async def test_large_infos_decode_off_the_loop_with_the_same_errors(
+        layers: int, client: HandshakeClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An info of 65,536 named regions (~0.5 MB) is decoded on a thread, a small
+    one on the loop; a malformed one is refused with msgspec's words either way."""
+    from kvsidecar.daemon.peers import client as client_module
+
+    threads: list[bool] = []
+    real = client_module._decode_info
+
+    def spy(addr: str, raw: msgspec.Raw) -> HandshakeInfo:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(addr, raw)
+
+    monkeypatch.setattr(client_module, "_decode_info", spy)
+    lay = attention_layout(model="m", num_layers=layers, total_kv_heads=2, head_dim=8,
+                           block_tokens=4, tp_size=1, num_blocks=2, kv_separate=True)
+    good = msgspec.structs.replace(info_for("p", 0, lay), mem_type="DRAM", device_uuid="")
+    wire = msgspec.msgpack.encode(good)
+    bad = msgspec.msgpack.encode({**msgspec.structs.asdict(good), "bases": [
+        *good.bases[:-1], "0x1"]})
+    big = len(wire) > client_module.OFF_LOOP_INFO_BYTES
+    assert big == (layers > 2)
+    for payload in (wire, bad):
+        address, task, ctx = await _answer_with(payload)
+        try:
+            if payload is wire:
+                got = await client.fetch(address, "p", 0)
+                assert got == good
+            else:
+                with pytest.raises(HandshakeFailed) as e:
+                    await client.fetch(address, "p", 0)
+                at = len(good.bases) - 1
+                assert str(e.value) == (f"handshake with {address} failed: malformed handshake "
+                                        f"info: Expected `int`, got `str` - at `$.bases[{at}]`")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            ctx.term()
+    assert threads == [not big] * 2
