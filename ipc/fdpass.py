@@ -27,6 +27,7 @@ This module holds the message format (pure) and the engine's side
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import socket
@@ -118,9 +119,31 @@ def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
     wakes as the sidecar accepts. (With a Python timeout the socket is
     non-blocking and a full backlog fails the connect at once with EAGAIN: a
     local process flooding the fd socket with connects kept it full, and every
-    fetch, so every registration, failed.)"""
-    set_timeouts(sock, timeout_s)
-    sock.connect(path)
+    fetch, so every registration, failed.)
+
+    The kernel ends that wait with EAGAIN (the backlog stayed full: said as
+    such) or, when a signal arrives, EINTR, which Python takes for a connect
+    under way and reports as success on a socket left unconnected: the wait
+    goes on for what is left of ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        set_timeouts(sock, max(0.0, deadline - time.monotonic()))
+        try:
+            sock.connect(path)
+        except BlockingIOError:  # EAGAIN: no room within the wait
+            raise FdPassError(f"cannot fetch file descriptors from {path}: its listen "
+                              f"backlog stayed full for {timeout_s:g} s (the sidecar is "
+                              "not accepting, or a flood of connects fills it)") from None
+        try:
+            sock.getpeername()
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise
+        # a signal cut the wait short (EINTR): wait again, within the deadline
+        if time.monotonic() >= deadline:
+            raise FdPassError(f"cannot fetch file descriptors from {path}: its listen "
+                              f"backlog stayed full for {timeout_s:g} s")
 
 
 def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> list[int]:

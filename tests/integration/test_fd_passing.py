@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -273,6 +275,84 @@ async def test_at_its_share_a_uid_waits_on_its_own_connections(
         assert said == (f"the sidecar refused to pass file descriptors: uid {os.geteuid()} "
                         "already holds 2 connections to this sidecar's fd socket, the limit "
                         "per uid (--max-engine-connections-per-uid); try again")
+
+
+def _full_backlog(path: str) -> tuple[socket.socket, list[socket.socket]]:
+    """A listener at ``path`` that accepts nothing, its backlog filled."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    queued: list[socket.socket] = []
+    while True:  # connects until the backlog takes no more
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        queued.append(c)
+    return listener, queued
+
+
+def test_a_fetch_that_finds_no_room_says_so(tmp_path: Path) -> None:
+    """The backlog stays full for the whole timeout: the fetch fails after it,
+    saying why (not a bare EAGAIN)."""
+    path = str(tmp_path / "s.fds")
+    listener, queued = _full_backlog(path)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FdPassError, match=r"listen backlog stayed full for 0.3 s"):
+            fetch_fds(path, TOKEN, 1, timeout_s=0.3)
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        listener.close()
+        for c in queued:
+            c.close()
+
+
+def test_a_signal_does_not_cut_a_fetch_short(tmp_path: Path) -> None:
+    """A signal while the fetch waits for room in the backlog (EINTR, which
+    Python reports as a connect that succeeded) does not fail it with
+    ENOTCONN: it waits on, and gets the sidecar's answer once accepted."""
+    path = str(tmp_path / "s.fds")
+    listener, queued = _full_backlog(path)
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+    signalled: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda sig, _frame: signalled.append(sig))
+
+    def sidecar() -> None:
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGUSR1)  # the fetch is waiting in connect()
+        time.sleep(0.3)
+        listener.settimeout(10)
+        with contextlib.suppress(OSError):  # closed under it: the fetch ended already
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(0.1)
+                    try:
+                        request = conn.recv(256)
+                    except TimeoutError:
+                        continue  # one of the flood's: says nothing
+                    assert parse_request(request) == TOKEN
+                    conn.send(encode_error("go away"))
+                    return
+
+    t = threading.Thread(target=sidecar)
+    t.start()
+    try:
+        with pytest.raises(FdPassError) as e:
+            fetch_fds(path, TOKEN, 1, timeout_s=10)
+    finally:
+        t.join(10)
+        signal.signal(signal.SIGUSR1, old)
+        listener.close()
+        for c in queued:
+            c.close()
+    assert signalled == [signal.SIGUSR1]
+    assert str(e.value) == "the sidecar refused to pass file descriptors: go away"
 
 
 def test_a_fetch_waits_for_room_in_a_full_backlog(tmp_path: Path) -> None:
