@@ -132,9 +132,9 @@ from .engine_access import (
 )
 from .engine_connection import Connection
 from .message_limit import SizeLimit
-from .uid_limit import DEFAULT_MAX_CONNECTIONS_PER_UID, UidLimit, uid_cap
+from .uid_limit import DEFAULT_MAX_CONNECTIONS_PER_UID, UidLimit
 
-__all__ = ["EngineServer", "RequestError", "RequestHandler", "uid_cap"]
+__all__ = ["EngineServer", "RequestError", "RequestHandler"]
 
 log = logging.getLogger(__name__)
 

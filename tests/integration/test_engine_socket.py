@@ -34,7 +34,7 @@ from kvsidecar.daemon.engine_access import (
     prepare_socket_dir,
     unlock_socket,
 )
-from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer, uid_cap
+from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer
 from kvsidecar.ipc.client import AsyncSidecarClient, Forbidden
 from kvsidecar.ipc.protocol import (
     Error,
@@ -347,20 +347,6 @@ def _ping_as(uid: int, path: str) -> dict[str, str]:
     if "exception" in got:
         return {"type": "exception", "message": got["exception"]}
     return got
-
-
-def test_the_per_uid_cap_applies_only_where_other_uids_are_admitted() -> None:
-    me = os.geteuid()
-    assert uid_cap(AccessPolicy.own_uid(), 4, 8) is None  # nobody else to lock out
-    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 4, 8) == 4
-    assert uid_cap(AccessPolicy.of(gids=[12345]), 4, 8) == 4
-    # a total shrunk to the per-uid cap or below (a low fd limit) still leaves
-    # the other uids a quarter of it
-    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 8, 8) == 6
-    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 64, 16) == 12
-    assert uid_cap(AccessPolicy.of(uids=[me + 1]), 64, 1) == 1
-    with pytest.raises(ValueError, match="per_uid must be >= 1"):
-        uid_cap(AccessPolicy.of(uids=[me + 1]), 0, 8)
 
 
 async def test_one_uid_cannot_take_every_connection_from_another(handler: Handler) -> None:
