@@ -58,6 +58,10 @@ class UidLimit:
                  target: str, advice: str) -> None:
         #: the most connections one uid may hold (None: the socket's total alone)
         self.cap = uid_cap(access, per_uid, total)
+        #: what sets the cap, for a refusal: the option, or the socket's total
+        #: where three quarters of it bind first (raising the option changes nothing)
+        self.bound = (_OPTION if self.cap is None or self.cap >= per_uid
+                      else f"three quarters of its {total}; {_OPTION} is {per_uid}")
         self.what = what
         self.target = target
         self.advice = advice
@@ -80,9 +84,9 @@ class UidLimit:
         if worth_logging(self.refused):
             log.warning("%s: refused a connection of uid %d (pid %d): it holds %s, the limit "
                         "per uid (%s; %d refused so far)", self.what, cred.uid, cred.pid,
-                        self.cap, _OPTION, self.refused)
+                        self.cap, self.bound, self.refused)
         return (f"uid {cred.uid} already holds {self.cap} connections to {self.target}, the "
-                f"limit per uid ({_OPTION}); {self.advice}")
+                f"limit per uid ({self.bound}); {self.advice}")
 
     def full(self, uid: int) -> str:
         """For a log line when ``uid``'s own idle connection made room for a new one."""

@@ -26,6 +26,10 @@ def test_the_share_binds_only_where_other_uids_are_admitted() -> None:
     assert uid_cap(AccessPolicy.of(gids=[12345]), 4, 8) == 4
     assert uid_cap(SHARED, 64, 64) == 48  # the fd socket's 64: three quarters
     assert uid_cap(SHARED, 64, 1) == 1
+    # a total shrunk to the per-uid cap or below (a low fd limit) still leaves
+    # the other uids a quarter of it
+    assert uid_cap(SHARED, 8, 8) == 6
+    assert uid_cap(SHARED, 64, 16) == 12
     with pytest.raises(ValueError, match="per_uid must be >= 1"):
         uid_cap(SHARED, 0, 8)
 
@@ -66,3 +70,13 @@ def test_a_refusal_names_the_uid_the_limit_and_the_option(
     assert limit.refused == 1
     assert "fd socket: refused a connection of uid 65534 (pid 4321)" in caplog.text
     assert limit.full(65534) == "uid 65534 holds 2 connections (its limit)"
+
+
+def test_a_refusal_where_the_total_binds_says_so() -> None:
+    """The fd socket's 64 connections cap a uid at 48 whatever the option says
+    (64 by default): the refusal names what binds, not only the option."""
+    limit = UidLimit(SHARED, 64, 64, what="fd socket", target="this sidecar's fd socket",
+                     advice="try again")
+    assert limit.refusal(PeerCred(uid=65534, gid=65534, pid=4321)) == (
+        "uid 65534 already holds 48 connections to this sidecar's fd socket, the limit per "
+        "uid (three quarters of its 64; --max-engine-connections-per-uid is 64); try again")
