@@ -156,28 +156,37 @@ class FdServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(sock)
-            cred = peer_cred(conn)
-            if not self.access.allows(cred):
-                self._refuse(conn, "forbidden", "this user may not use this sidecar")
-                conn.close()
-                continue
-            assert cred is not None  # allows() admits no peer without credentials
-            now = loop.time()
-            if not self.uid_limit.room(cred.uid, self._conns.values(),
-                                       functools.partial(self._evict_idlest, now)):
-                self._refuse(conn, "uid_connection_limit", self.uid_limit.refusal(cred))
-                conn.close()
-                continue
-            if len(self._conns) >= self.max_connections and not self._evict_idlest(now):
-                self._refuse(conn, "connection_limit", "too many fd connections; try again")
-                conn.close()
-                continue
-            task = loop.create_task(self._serve(conn, cred))
-            self._tasks.add(task)
-            self._conns[task] = cred.uid
-            self._waiting[task] = now
-            task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(self._forget)
+            self._take(loop, conn)
+            # sock_accept answers without yielding while connections wait in the
+            # backlog: a process spinning on connect() (refused each time) would
+            # otherwise keep the whole event loop in this loop
+            await asyncio.sleep(0)
+
+    def _take(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        """Serve ``conn`` or refuse it: the access policy, then the uid's share,
+        then the total."""
+        cred = peer_cred(conn)
+        if not self.access.allows(cred):
+            self._refuse(conn, "forbidden", "this user may not use this sidecar")
+            conn.close()
+            return
+        assert cred is not None  # allows() admits no peer without credentials
+        now = loop.time()
+        if not self.uid_limit.room(cred.uid, self._conns.values(),
+                                   functools.partial(self._evict_idlest, now)):
+            self._refuse(conn, "uid_connection_limit", self.uid_limit.refusal(cred))
+            conn.close()
+            return
+        if len(self._conns) >= self.max_connections and not self._evict_idlest(now):
+            self._refuse(conn, "connection_limit", "too many fd connections; try again")
+            conn.close()
+            return
+        task = loop.create_task(self._serve(conn, cred))
+        self._tasks.add(task)
+        self._conns[task] = cred.uid
+        self._waiting[task] = now
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._conns.pop(task, None)
