@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "ACCEPT_PAUSE_S",
     "AccessPolicy",
     "PeerCred",
     "SocketInUse",
@@ -70,6 +71,10 @@ class PeerCred:
 current_peer: contextvars.ContextVar[PeerCred | None] = contextvars.ContextVar(
     "kvsidecar_engine_peer", default=None)
 
+
+#: how long a local socket (the engine socket, the fd socket) stops accepting
+#: after an accept failed for want of fds or memory (EMFILE, ENFILE, ENOBUFS)
+ACCEPT_PAUSE_S = 0.1
 
 _UCRED = struct.Struct("3i")
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsidecar.daemon.engine_access import (
+    ACCEPT_PAUSE_S,
     AccessPolicy,
     PeerCred,
     open_to,
@@ -101,6 +102,8 @@ class FdServer:
         self._conns: dict[asyncio.Task[None], int] = {}
         #: connections still waiting for their request: when each was accepted
         self._waiting: dict[asyncio.Task[None], float] = {}
+        #: accepts that failed (EMFILE, ENFILE, ENOBUFS): the socket paused, then went on
+        self.accept_errors = 0
 
     def offer(self, fds: list[int], uid: int | None, what: str) -> str:
         """Make ``fds`` fetchable by ``uid`` under a fresh token (returned)."""
@@ -155,7 +158,18 @@ class FdServer:
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(sock)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as e:  # EMFILE, ENFILE, ENOBUFS: pause, then accept again
+                self.accept_errors += 1
+                if worth_logging(self.accept_errors):
+                    log.warning("fd socket: cannot accept a connection: %s (%d so far); "
+                                "accepting again in %g s", e, self.accept_errors,
+                                ACCEPT_PAUSE_S)
+                await asyncio.sleep(ACCEPT_PAUSE_S)
+                continue
             self._take(loop, conn)
             # sock_accept answers without yielding while connections wait in the
             # backlog: a process spinning on connect() (refused each time) would

@@ -531,3 +531,41 @@ async def test_one_uid_cannot_keep_another_from_its_fds(pause_s: float) -> None:
     assert got["most_fds"] - baseline < 64 + 16, (got["most_fds"], baseline)
     print(f"flood {flood}; fetches {got['served']} served, slowest {got['slowest']:.3f} s, "
           f"fds {baseline} -> at most {got['most_fds']}; refused {collections.Counter(refused)}")
+
+
+async def test_the_fd_socket_accepts_again_after_running_out_of_fds(tmp_path: Path) -> None:
+    """An accept that fails for want of fds (EMFILE) pauses the fd socket, which
+    then accepts again: before, the first such error ended its accept task for
+    good and every later fetch, so every registration, failed."""
+    import resource
+
+    srv = FdServer(str(tmp_path / "e.sock.fds"), AccessPolicy.own_uid(), timeout_s=5,
+                   idle_grace_s=3600)
+    await srv.start()
+    region = MemfdRegion.create("kvs-test-emfile", 4096)
+    clients = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        token = srv.offer([region.fd], os.geteuid(), "emfile")
+        # Room for one more fd in this process: the server accepts one client, and
+        # the next accept fails with EMFILE (the clients' sockets exist already).
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        for c in clients:
+            c.setblocking(False)
+            c.connect(srv.path)
+        for _ in range(200):
+            if srv.accept_errors:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.accept_errors > 0
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        fds = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch_fds(srv.path, token, 1, timeout_s=5))
+        assert len(fds) == 1 and os.fstat(fds[0]).st_size == 4096
+        os.close(fds[0])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for c in clients:
+            c.close()
+        await srv.stop()
+        region.close()
