@@ -120,6 +120,7 @@ from ..ipc.seqpacket import (
 )
 from .eager import carried_on
 from .engine_access import (
+    ACCEPT_PAUSE_S,
     AccessPolicy,
     PeerCred,
     claim_socket,
@@ -164,7 +165,8 @@ _REGISTERING = (Registered, Reserved)
 #: a connection's engine ids are pruned of the gone ones when it names this many
 #: (a connection busy enough never to be idle would otherwise only grow them)
 _PRUNE_ENGINES_AT = 64
-_ACCEPT_PAUSE_S = 0.1
+#: connections the engine socket accepts (or refuses) per wake-up of its listener
+ACCEPT_BURST = 16
 
 
 class RequestHandler(Protocol):
@@ -343,9 +345,14 @@ class EngineServer:
     # ---- connections
 
     def _accept(self) -> None:
+        """Accept (or refuse) what waits in the backlog, at most
+        :data:`ACCEPT_BURST` connections per wake-up: the listener stays readable
+        while more wait, so the rest come on the loop's next turn, after everyone
+        else's callbacks (a process spinning on connect() could otherwise keep
+        the loop here as long as it kept the backlog filled)."""
         listener, loop = self._listener, self._loop
         assert listener is not None and loop is not None
-        while True:
+        for _ in range(ACCEPT_BURST):
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -354,7 +361,7 @@ class EngineServer:
                 if worth_logging(self.refused_connections + 1):
                     log.warning("engine socket: cannot accept a connection: %s", e)
                 loop.remove_reader(listener.fileno())
-                loop.call_later(_ACCEPT_PAUSE_S, self._resume_accepting, listener)
+                loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting, listener)
                 return
             sock.setblocking(False)
             cred = peer_cred(sock)

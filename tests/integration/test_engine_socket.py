@@ -34,7 +34,7 @@ from kvsidecar.daemon.engine_access import (
     prepare_socket_dir,
     unlock_socket,
 )
-from kvsidecar.daemon.engine_server import MAX_ERROR_CHARS, EngineServer
+from kvsidecar.daemon.engine_server import ACCEPT_BURST, MAX_ERROR_CHARS, EngineServer
 from kvsidecar.ipc.client import AsyncSidecarClient, Forbidden
 from kvsidecar.ipc.protocol import (
     Error,
@@ -329,6 +329,47 @@ async def test_connections_beyond_the_limit_are_shut_and_the_first_stay(
         for f in flood:
             f.close()
         await s.stop()
+
+
+async def test_a_flood_of_connects_is_taken_a_burst_per_loop_turn(
+        tmp_path: Path, handler: Handler) -> None:
+    """Connections waiting in the backlog are accepted (here refused) at most
+    ACCEPT_BURST per wake-up of the listener: the loop serves everyone else in
+    between. Before, one wake-up took the whole backlog, so a process spinning
+    on connect() held the loop for as long as it kept the backlog filled."""
+    ticks = 0
+    seen: list[int] = []  # the ticker's count as each refusal was made
+    s = EngineServer(str(tmp_path / "e.sock"), handler, max_connections=1,
+                     on_refuse=lambda _reason: seen.append(ticks))
+    await s.start()
+    flood: list[socket.socket] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    tick = asyncio.ensure_future(ticker())
+    n = 3 * ACCEPT_BURST
+    try:
+        for _ in range(n + 1):  # all queued before the loop turns: one kept, n refused
+            f = new_socket()
+            f.setblocking(False)
+            f.connect(s.socket_path)
+            flood.append(f)
+        for _ in range(1000):
+            if len(seen) >= n:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        tick.cancel()
+        for f in flood:
+            f.close()
+        await s.stop()
+    assert len(seen) == n
+    # the ticker ran between every two bursts: no tick saw more than a burst
+    assert max(seen.count(t) for t in set(seen)) <= ACCEPT_BURST, seen
 
 
 def _ping_as(uid: int, path: str) -> dict[str, str]:
