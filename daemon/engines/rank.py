@@ -101,8 +101,10 @@ class EngineRank:
                               on_done=self.hold_done, lease_s=s.hold_lease_s,
                               max_life_s=s.hold_max_life_s,
                               max_early=s.max_early_notifications,
-                              # every end whose completion may still await a poll is
-                              # remembered (a hold sent again meets `duplicate`)
+                              # as many ends as completions may await a poll (a hold
+                              # sent again meets `duplicate`); refusals are remembered
+                              # there too, so only that many refusals between an end
+                              # and its poll could push the end out
                               max_ended=max(65536, s.max_completions_per_engine),
                               # one member's early claims never refuse another's
                               max_early_per_member=max(1, s.max_early_notifications // 4))
