@@ -3,7 +3,9 @@
 As benchmarks/hop_timeline.py does, a ``sitecustomize`` written here wraps
 daemon functions at start-up (nothing in the daemon knows of it), but each
 point here is kept only for the probe's reads (request ids starting with
-``PROBE``), found in the wrapped call's arguments, so the timeline of one
+``PROBE``), found in the wrapped call's arguments (in a control frame's
+bytes for the claim's hops: D sends it, P answers it, D has the reply; one
+clock, ``CLOCK_MONOTONIC``, so P's points join D's), so the timeline of one
 1-block read can be told apart from the 64 16-block reads around it. Two
 more logs cover everything: each job the D NIXL worker ran for a read (its
 start, end, bytes and descriptors, and whether a small read was in it), and
@@ -32,6 +34,11 @@ POINTS: dict[str, tuple[str, str, str, int | None]] = {
     "claim granted (alone)": ("kvsidecar.daemon.d_side.driver", "_claim", "exit", 0),
     "group posts": ("kvsidecar.daemon.d_side.driver", "post_all", "entry", 1),
     "completed": ("kvsidecar.daemon.d_side.table", "ReadTable._complete", "entry", 2),
+    # the claim's path: D's peer channel (the frame it sends, a claim alone or
+    # a batch of them, and its reply), P's handshake server answering it
+    "claim on D's wire": ("kvsidecar.daemon.peers.client", "HandshakeClient._send", "entry", 3),
+    "claim reply on D": ("kvsidecar.daemon.peers.client", "HandshakeClient._send", "exit", 3),
+    "P answers claim": ("kvsidecar.daemon.peers.server", "HandshakeServer._answer", "entry", 1),
 }
 
 #: a read job of the D worker "has the probe" when a descriptor is this small
@@ -47,7 +54,14 @@ if _OUT and "serve" in open("/proc/self/cmdline").read().split("\\0"):
     _EV = collections.deque(maxlen=500_000)
     _now = time.monotonic_ns
 
+    import re
+    _PROBE_RE = re.compile(rb"PROBE[0-9]+")
+
     def _rids(x, depth=0):
+        if isinstance(x, (bytes, bytearray)):  # a control frame: its claims' ids
+            probes = [m.decode() for m in _PROBE_RE.findall(x)]
+            n = max(x.count(b"request_id"), len(probes))
+            return probes + ["-"] * (n - len(probes))
         req = getattr(x, "req", None)
         if req is None:
             job = getattr(x, "job", None)

@@ -301,8 +301,12 @@ def explain(out: Path, procs: list[SidecarProcess], loaded: Phase) -> None:
     if d is None:
         print("no stamps came from D")
         return
-    if d.missing:
-        print("points not found (renamed?): " + ", ".join(d.missing))
+    for logs in (d, p):
+        if logs is not None and logs.missing:
+            print("points not found (renamed?): " + ", ".join(logs.missing))
+    if p is not None:  # one clock (CLOCK_MONOTONIC): P's points join D's timelines
+        for rid, pts in p.points.items():
+            d.points[rid].extend(pts)
     order = sorted(range(len(loaded.probe_s)), key=loaded.probe_s.__getitem__)
     slow = order[-max(1, len(order) // 100):]
     fast = order[:len(order) // 2]
