@@ -50,6 +50,7 @@ from kvsidecar.ipc.protocol import (
 from kvsidecar.ipc.seqpacket import MAX_PACKET, Assembler, BlockingChannel, new_socket, packets
 
 from .as_user import NOBODY, run_as
+from .loop_turns import LoopTurns, connect_all, until
 
 
 class Handler:
@@ -337,38 +338,23 @@ async def test_a_flood_of_connects_is_taken_a_burst_per_loop_turn(
     ACCEPT_BURST per wake-up of the listener: the loop serves everyone else in
     between. Before, one wake-up took the whole backlog, so a process spinning
     on connect() held the loop for as long as it kept the backlog filled."""
-    ticks = 0
-    seen: list[int] = []  # the ticker's count as each refusal was made
+    turns = LoopTurns()
+    seen: list[int] = []  # the loop's turn of each refusal
     s = EngineServer(str(tmp_path / "e.sock"), handler, max_connections=1,
-                     on_refuse=lambda _reason: seen.append(ticks))
+                     on_refuse=lambda _reason: seen.append(turns.n))
     await s.start()
-    flood: list[socket.socket] = []
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0)
-            ticks += 1
-
-    tick = asyncio.ensure_future(ticker())
     n = 3 * ACCEPT_BURST
+    flood: list[socket.socket] = []
     try:
-        for _ in range(n + 1):  # all queued before the loop turns: one kept, n refused
-            f = new_socket()
-            f.setblocking(False)
-            f.connect(s.socket_path)
-            flood.append(f)
-        for _ in range(1000):
-            if len(seen) >= n:
-                break
-            await asyncio.sleep(0.01)
+        async with turns:
+            flood = connect_all(s.socket_path, n + 1)  # one kept, n refused
+            await until(lambda: len(seen) >= n)
     finally:
-        tick.cancel()
         for f in flood:
             f.close()
         await s.stop()
     assert len(seen) == n
-    # the ticker ran between every two bursts: no tick saw more than a burst
+    # the loop turned between every two bursts: no turn saw more than a burst
     assert max(seen.count(t) for t in set(seen)) <= ACCEPT_BURST, seen
 
 

@@ -39,6 +39,7 @@ from kvsidecar.ipc.memory import RegionError
 from kvsidecar.ipc.protocol import MemfdRef
 
 from .as_user import NOBODY, run_as
+from .loop_turns import LoopTurns, connect_all, until
 
 TOKEN = "ab" * 16
 
@@ -283,37 +284,22 @@ async def test_a_flood_of_connects_does_not_hold_the_loop(tmp_path: Path) -> Non
     while the backlog is not empty, so a process spinning on connect() held
     the loop for as long as it kept the backlog filled (seen: 0.4-0.7 s gaps
     with two such processes on 2 cores)."""
-    ticks = 0
-    seen: list[int] = []  # the ticker's count as each refusal was made
+    turns = LoopTurns()
+    seen: list[int] = []  # the loop's turn of each refusal
     srv = FdServer(str(tmp_path / "e.sock.fds"), AccessPolicy.own_uid(), max_connections=1,
-                   idle_grace_s=3600, on_refuse=lambda reason: seen.append(ticks))
+                   idle_grace_s=3600, on_refuse=lambda reason: seen.append(turns.n))
     await srv.start()
     flood: list[socket.socket] = []
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0)
-            ticks += 1
-
-    tick = asyncio.ensure_future(ticker())
     try:
-        for _ in range(21):  # all queued before the loop turns: one kept, 20 refused
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            c.setblocking(False)
-            c.connect(srv.path)
-            flood.append(c)
-        for _ in range(1000):
-            if len(seen) >= 20:
-                break
-            await asyncio.sleep(0.01)
+        async with turns:
+            flood = connect_all(srv.path, 21)  # one kept, 20 refused
+            await until(lambda: len(seen) >= 20)
     finally:
-        tick.cancel()
         await srv.stop()
         for c in flood:
             c.close()
     assert len(seen) == 20
-    assert len(set(seen)) == 20, seen  # the ticker ran between every two refusals
+    assert len(set(seen)) == 20, seen  # the loop turned between every two refusals
 
 
 def _full_backlog(path: str) -> tuple[socket.socket, list[socket.socket]]:
@@ -350,6 +336,23 @@ def test_a_fetch_that_finds_no_room_says_so(tmp_path: Path) -> None:
             c.close()
 
 
+def _refuse_the_fetch(listener: socket.socket) -> None:
+    """Accept past the flood's silent connections (a full backlog's) to the one
+    that asks for TOKEN, and answer it "go away"."""
+    listener.settimeout(10)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(0.1)
+            try:
+                request = conn.recv(256)
+            except TimeoutError:
+                continue  # one of the flood's: says nothing
+            assert parse_request(request) == TOKEN
+            conn.send(encode_error("go away"))
+            return
+
+
 def test_a_signal_does_not_cut_a_fetch_short(tmp_path: Path) -> None:
     """A signal while the fetch waits for room in the backlog (EINTR, which
     Python reports as a connect that succeeded) does not fail it with
@@ -365,19 +368,8 @@ def test_a_signal_does_not_cut_a_fetch_short(tmp_path: Path) -> None:
         time.sleep(0.2)
         signal.pthread_kill(main, signal.SIGUSR1)  # the fetch is waiting in connect()
         time.sleep(0.3)
-        listener.settimeout(10)
         with contextlib.suppress(OSError):  # closed under it: the fetch ended already
-            while True:
-                conn, _ = listener.accept()
-                with conn:
-                    conn.settimeout(0.1)
-                    try:
-                        request = conn.recv(256)
-                    except TimeoutError:
-                        continue  # one of the flood's: says nothing
-                    assert parse_request(request) == TOKEN
-                    conn.send(encode_error("go away"))
-                    return
+            _refuse_the_fetch(listener)
 
     t = threading.Thread(target=sidecar)
     t.start()
@@ -399,19 +391,7 @@ def test_a_fetch_waits_for_room_in_a_full_backlog(tmp_path: Path) -> None:
     waits in the kernel for room, and gets the answer once the sidecar
     accepts, instead of failing at once with EAGAIN."""
     path = str(tmp_path / "s.fds")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
-    queued: list[socket.socket] = []
-    while True:  # connects until the backlog takes no more
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        c.setblocking(False)
-        try:
-            c.connect(path)
-        except BlockingIOError:
-            c.close()
-            break
-        queued.append(c)
+    listener, queued = _full_backlog(path)
     said: list[str] = []
 
     def fetch() -> None:
@@ -425,18 +405,8 @@ def test_a_fetch_waits_for_room_in_a_full_backlog(tmp_path: Path) -> None:
     try:
         time.sleep(0.3)
         assert t.is_alive() and said == []  # still waiting for room, not failed
-        listener.settimeout(10)
-        while not said:
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(0.1)
-                try:
-                    request = conn.recv(256)
-                except TimeoutError:
-                    continue  # one of the flood's: says nothing
-                assert parse_request(request) == TOKEN
-                conn.send(encode_error("go away"))
-                t.join(10)
+        _refuse_the_fetch(listener)
+        t.join(10)
     finally:
         t.join(10)
         listener.close()

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +251,37 @@ def test_a_stopped_sidecar_delays_requests_but_loses_none(
         D.shutdown()
 
 
+def _stepper(P: Engine, sent: list[str]) -> Callable[[], None]:
+    """One step of P's engine, its finished sends appended to ``sent``."""
+    def p_step() -> None:
+        _, agg = P.step()
+        out = agg.kv_connector_output
+        sent.extend(out.finished_sending or () if out else ())
+    return p_step
+
+
+def _hold_unanswered_then_placed(P: Engine, p_side: SidecarProcess, rid: str, seed: int,
+                                 p_step: Callable[[], None]) -> dict[str, Any]:
+    """Prefill ``rid`` (45 tokens) while P's sidecar is stopped (SIGSTOP), so
+    its hold gets no answer and P's connector marks it uncertain; then let
+    the sidecar run again until it placed that first copy. The request's
+    kv_transfer_params."""
+    assert p_side.proc is not None
+    pw = P.workers[0].worker
+    p_side.proc.send_signal(signal.SIGSTOP)
+    params: dict[str, Any] = prefill(P, rid, 45, seed)
+    deadline = time.monotonic() + WAIT_S
+    while rid not in pw._uncertain:  # the hold went out and got no answer
+        assert time.monotonic() < deadline, "P's hold never went out"
+        p_step()
+    p_side.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + WAIT_S
+    while p_side.metric("kvsidecar_holds_in_flight") < 1:  # the first copy is placed
+        assert time.monotonic() < deadline, "P's sidecar never placed the first hold"
+        time.sleep(0.05)
+    return params
+
+
 @pytest.mark.parametrize("pair_sidecars", [(["--metrics-port", "0"], [])], indirect=True)
 def test_a_hold_placed_again_after_it_was_read_pins_nothing(
         model: str, pair_sidecars: tuple[SidecarProcess, SidecarProcess]) -> None:
@@ -269,24 +300,9 @@ def test_a_hold_placed_again_after_it_was_read_pins_nothing(
     pw = P.workers[0].worker
     assert pw is not None
     sent: list[str] = []
-
-    def p_step() -> None:
-        _, agg = P.step()
-        out = agg.kv_connector_output
-        sent.extend(out.finished_sending or () if out else ())
-
+    p_step = _stepper(P, sent)
     try:
-        p_side.proc.send_signal(signal.SIGSTOP)
-        params = prefill(P, "g", 45, seeds["g"])
-        deadline = time.monotonic() + WAIT_S
-        while "g" not in pw._uncertain:  # the hold went out and got no answer
-            assert time.monotonic() < deadline, "P's hold never went out"
-            p_step()
-        p_side.proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + WAIT_S
-        while p_side.metric("kvsidecar_holds_in_flight") < 1:  # the first copy is placed
-            assert time.monotonic() < deadline, "P's sidecar never placed the first hold"
-            time.sleep(0.05)
+        params = _hold_unanswered_then_placed(P, p_side, "g", seeds["g"], p_step)
         D.sched.add_request(request(D, "g", 45, dict(params), seed=seeds["g"]))
         blocks = schedule_reads(D, "g")["g"]
         run_until(D, lambda: D.sched.requests["g"].status == RequestStatus.RUNNING)
@@ -416,24 +432,9 @@ def test_a_hold_placed_again_while_its_sidecar_drains_stays_held_until_read(
     pw = P.workers[0].worker
     assert pw is not None
     sent: list[str] = []
-
-    def p_step() -> None:
-        _, agg = P.step()
-        out = agg.kv_connector_output
-        sent.extend(out.finished_sending or () if out else ())
-
+    p_step = _stepper(P, sent)
     try:
-        p_side.proc.send_signal(signal.SIGSTOP)
-        params = prefill(P, "g", 45, seeds["g"])
-        deadline = time.monotonic() + WAIT_S
-        while "g" not in pw._uncertain:  # the hold went out and got no answer
-            assert time.monotonic() < deadline, "P's hold never went out"
-            p_step()
-        p_side.proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + WAIT_S
-        while p_side.metric("kvsidecar_holds_in_flight") < 1:  # the first copy is placed
-            assert time.monotonic() < deadline, "P's sidecar never placed the first hold"
-            time.sleep(0.05)
+        params = _hold_unanswered_then_placed(P, p_side, "g", seeds["g"], p_step)
         p_side.terminate()  # drains: new holds are refused, open ones served
         deadline = time.monotonic() + WAIT_S
         with SidecarClient(p_side.socket, timeout_s=5) as c:
