@@ -80,6 +80,7 @@ answered at once and counted (``kvsidecar_limit_refusals_total{limit="waiting_po
 #: past it the set starts over.
 MAX_DIALABLE = 4096
 
+
 def _hold_taken(eng: EngineRank, req: Hold) -> str | None:
     """Why ``req`` is a copy of a hold this rank took (its first answer lost),
     or None: the hold is open, or it was placed and has ended while that end's
@@ -179,14 +180,14 @@ class Handlers:
         refusal: ``unavailable`` would tell the engine that nothing is held or
         read, and it would free (and reuse) blocks the draining sidecar still
         serves to a reader, or still writes into."""
+        if type(req) is not Hold and type(req) is not Read:
+            return False
+        eng = self.ctx.table.ranks.get(req.engine_id)
+        if eng is None or not mine(eng):
+            return False
         if type(req) is Hold:
-            eng = self.ctx.table.ranks.get(req.engine_id)
-            return eng is not None and mine(eng) and _hold_taken(eng, req) is not None
-        if type(req) is Read:
-            eng = self.ctx.table.ranks.get(req.engine_id)
-            return (eng is not None and mine(eng)
-                    and self.ctx.reads.reading(req.engine_id, req.request_id))
-        return False
+            return _hold_taken(eng, req) is not None
+        return self.ctx.reads.reading(req.engine_id, req.request_id)
 
     def _count(self, kind: type, error: str) -> None:
         series = self._request_series.get((kind, error))
