@@ -103,11 +103,11 @@ def by_size(jobs: list[ReadJob]) -> list[list[ReadJob]]:
     16-block reads in flight, 1-block p50 / p99 8.6-10.5 / 23-28 ms gathered
     against 6.3-8.1 / 13-19 ms apart (benchmarks/tail_under_load.py,
     docs/performance.md "A 1-block read under load")."""
-    small = [j for j in jobs if sum(map(len, j.req.local_block_ids)) <= POST_FIRST_BLOCKS]
-    if not small or len(small) == len(jobs):
-        return [jobs] if jobs else []
-    kept = set(map(id, small))
-    return [small, [j for j in jobs if id(j) not in kept]]
+    small: list[ReadJob] = []
+    large: list[ReadJob] = []
+    for j in jobs:
+        (small if sum(map(len, j.req.local_block_ids)) <= POST_FIRST_BLOCKS else large).append(j)
+    return [kind for kind in (small, large) if kind]
 
 
 #: no upper bound on acceptance (remote ids are ranged when planned)
