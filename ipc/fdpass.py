@@ -131,9 +131,7 @@ def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
         try:
             sock.connect(path)
         except BlockingIOError:  # EAGAIN: no room within the wait
-            raise FdPassError(f"cannot fetch file descriptors from {path}: its listen "
-                              f"backlog stayed full for {timeout_s:g} s (the sidecar is "
-                              "not accepting, or a flood of connects fills it)") from None
+            break
         try:
             sock.getpeername()
             return
@@ -142,8 +140,10 @@ def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
                 raise
         # a signal cut the wait short (EINTR): wait again, within the deadline
         if time.monotonic() >= deadline:
-            raise FdPassError(f"cannot fetch file descriptors from {path}: its listen "
-                              f"backlog stayed full for {timeout_s:g} s")
+            break
+    raise FdPassError(f"cannot fetch file descriptors from {path}: its listen backlog "
+                      f"stayed full for {timeout_s:g} s (the sidecar is not accepting, or "
+                      "a flood of connects fills it)")
 
 
 def fetch_fds(path: str, token: str, expect: int, timeout_s: float = 10.0) -> list[int]:
