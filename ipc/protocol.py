@@ -90,6 +90,10 @@ INCOMPATIBLE: Final = "incompatible"
 UNAVAILABLE: Final = "unavailable"
 INTERNAL: Final = "internal"
 FORBIDDEN: Final = "forbidden"  # the sender's uid/gid may not use this sidecar
+#: What an ``unavailable`` names when the engine id's previous registration is
+#: still being released (its reads may still write into its memory): a client
+#: registering that id again may wait and retry on this, not on other refusals.
+RELEASING: Final = "is releasing"
 ERROR_CODES: Final = (
     BAD_MESSAGE, VERSION, UNKNOWN_ENGINE, BAD_REQUEST, DUPLICATE, INCOMPATIBLE, UNAVAILABLE,
     INTERNAL, FORBIDDEN,

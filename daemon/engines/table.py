@@ -21,6 +21,7 @@ from kvsidecar.daemon.engines.rank import EngineRank
 from kvsidecar.daemon.peers.messages import HandshakeInfo
 from kvsidecar.daemon.reservations import Reservation
 from kvsidecar.ipc.protocol import (
+    RELEASING,
     UNAVAILABLE,
     UNKNOWN_ENGINE,
     Completion,
@@ -124,7 +125,7 @@ def releasing_reason(engine_id: str, why: str) -> str:
     """What a request naming a rank being released is told (``unavailable``):
     not yet ``unknown_engine``, which promises that nothing of the registration
     can still touch the engine's memory."""
-    return (f"engine {engine_id[:200]!r} is releasing ({why[:200]}): its reads are still "
+    return (f"engine {engine_id[:200]!r} {RELEASING} ({why[:200]}): its reads are still "
             "ending and may write into its memory; it is unknown here once they ended")
 
 

@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from ...ipc.client import Duplicate, SidecarClient, SidecarError, Unavailable
 from ...ipc.keepalive import Keepalive
 from ...ipc.memory import ENGINE_SHM_PREFIX, ShmRegion
-from ...ipc.protocol import MemoryKind
+from ...ipc.protocol import RELEASING, MemoryKind
 from ...ipc.regions import Region
 from .layout import UnsupportedConfig
 from .messages import KvSidecarAddresses, KvSidecarHandshake
@@ -82,8 +82,6 @@ T = TypeVar("T")
 #: the same engine id's previous registration (its reads end within the
 #: sidecar's --read-timeout, 60 s by default, and 15 s more)
 RELEASING_WAIT_S = 120.0
-#: what the sidecar's ``unavailable`` says of an engine id it is still releasing
-RELEASING = "is releasing"
 
 
 def after_release(call: Callable[[], T], what: str, wait_s: float = RELEASING_WAIT_S,

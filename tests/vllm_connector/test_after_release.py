@@ -15,9 +15,9 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm==0.33.0)")
 
 from kvsidecar.daemon.engines.table import releasing_reason
-from kvsidecar.integrations.vllm.worker import RELEASING, after_release
+from kvsidecar.integrations.vllm.worker import after_release
 from kvsidecar.ipc.client import Unavailable
-from kvsidecar.ipc.protocol import UNAVAILABLE
+from kvsidecar.ipc.protocol import RELEASING, UNAVAILABLE
 
 
 def _refusals(*errors: Exception) -> tuple[list[int], object]:
