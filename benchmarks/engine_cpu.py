@@ -49,7 +49,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import (
     Completion,
     Completions,
@@ -65,15 +64,10 @@ from kvsidecar.sim.oracle import Request, fill_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import floors
+from suite import small_attention
 
 K, SLOTS = 16, 4  # blocks per call; reads (and holds) per round
 FAKE_TOKEN = "t" * 120  # a hold token's size
-
-
-def small_attention(tp: int, nb: int) -> Layout:
-    """One layer, 16 KiB pages (as the suite's engine CPU rows)."""
-    return attention_layout(model="bench-small", num_layers=1, total_kv_heads=4, head_dim=128,
-                            block_tokens=8, tp_size=tp, num_blocks=nb)
 
 
 def old_client(rev: str, root: Path, into: Path) -> Any:

@@ -55,20 +55,16 @@ from pathlib import Path
 import numpy as np
 
 from kvsidecar.ipc.client import AsyncSidecarClient
-from kvsidecar.ipc.layout import Layout, attention_layout
 from kvsidecar.ipc.protocol import Completion
 from kvsidecar.sim.cluster import SidecarProcess, SimEngine
 from kvsidecar.sim.oracle import Request, fill_shard
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suite import small_attention
+
 LOAD_BLOCKS = 16
 #: the probe's gap between reads: uniform in this range (seconds)
 GAP_S = (0.0005, 0.0015)
-
-
-def small_attention(tp: int, nb: int) -> Layout:
-    """One layer, 16 KiB pages (as benchmarks/suite.py's)."""
-    return attention_layout(model="bench-small", num_layers=1, total_kv_heads=4, head_dim=128,
-                            block_tokens=8, tp_size=tp, num_blocks=nb)
 
 
 def pct(xs: Sequence[float], q: float) -> float:
